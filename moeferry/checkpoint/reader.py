@@ -1,0 +1,135 @@
+"""Read a Hugging Face model directory lazily (memory-mapped safetensors).
+
+Tensor names are canonicalised: the multimodal prefix `model.language_model.` becomes
+`model.`, and `model.visual.*` / `mtp.*` tensors are skipped (a text server never reads them).
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+MULTIMODAL_PREFIX = "model.language_model."
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, malformed or does not match the model's expectations."""
+
+
+def canonical_name(name: str) -> str | None:
+    """The name a text model reads, or None for tensors a text server skips."""
+    if name.startswith(SKIPPED_PREFIXES):
+        return None
+    if name.startswith(MULTIMODAL_PREFIX):
+        return "model." + name[len(MULTIMODAL_PREFIX):]
+    return name
+
+
+def _read_header(path: Path) -> dict:
+    """Parse and validate a safetensors header; catch truncated files before any read."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file (no header)")
+        (header_len,) = struct.unpack("<Q", raw)
+        if 8 + header_len > size:
+            raise CheckpointError(f"{path}: truncated safetensors file (header says {header_len} bytes, file has {size})")
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError as e:
+            raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    data_end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + header_len + data_end > size:
+        raise CheckpointError(
+            f"{path}: truncated safetensors file ({size} bytes, tensors need {8 + header_len + data_end})"
+        )
+    return header
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    raw_name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class CheckpointReader:
+    """Config + lazily read tensors of one HF model directory."""
+
+    def __init__(self, model_dir: str | os.PathLike):
+        self.dir = Path(model_dir)
+        if not (self.dir / "config.json").is_file():
+            raise CheckpointError(f"{self.dir}: no config.json (not a Hugging Face model directory)")
+        self.config = json.loads((self.dir / "config.json").read_text())
+        self.generation_config = self._optional_json("generation_config.json")
+        self.hf_quant_config = self._optional_json("hf_quant_config.json")
+        self.tensors = self._index()
+        self._handles: dict[Path, object] = {}
+
+    def _optional_json(self, name: str) -> dict:
+        path = self.dir / name
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    @property
+    def text_config(self) -> dict:
+        """The language-model part of the config (`text_config` of multimodal checkpoints)."""
+        text = self.config.get("text_config")
+        return {**text} if isinstance(text, dict) else self.config
+
+    def _files(self) -> list[Path]:
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            return sorted({self.dir / f for f in weight_map.values()})
+        single = self.dir / "model.safetensors"
+        if single.is_file():
+            return [single]
+        files = sorted(self.dir.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.dir}: no safetensors weights found")
+        return files
+
+    def _index(self) -> dict[str, TensorInfo]:
+        found: dict[str, TensorInfo] = {}
+        for path in self._files():
+            if not path.is_file():
+                raise CheckpointError(f"{path}: listed in model.safetensors.index.json but missing")
+            for raw, meta in _read_header(path).items():
+                name = canonical_name(raw) if raw != "__metadata__" else None
+                if name is not None:
+                    found[name] = TensorInfo(path, raw, tuple(meta["shape"]), meta["dtype"])
+        return found
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        if name not in self.tensors:
+            raise CheckpointError(f"missing tensor '{name}' in {self.dir}")
+        return self.tensors[name]
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Read one tensor; `shape`, when given, is checked and named in the error."""
+        if name not in self.tensors:
+            want = f" (expected shape {list(shape)})" if shape is not None else ""
+            raise CheckpointError(f"missing tensor '{name}'{want} in {self.dir}")
+        info = self.tensors[name]
+        if shape is not None and tuple(info.shape) != tuple(shape):
+            raise CheckpointError(
+                f"tensor '{name}' in {info.file.name} has shape {list(info.shape)}, expected {list(shape)}"
+            )
+        handle = self._handles.get(info.file)
+        if handle is None:
+            handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
+        return handle.get_tensor(info.raw_name)
+
+    def names_with_prefix(self, prefix: str) -> list[str]:
+        return [n for n in self.tensors if n.startswith(prefix)]

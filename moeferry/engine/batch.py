@@ -1,0 +1,69 @@
+"""ForwardBatch: one engine step over a flat batch of sequence chunks."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's contribution to a step: new tokens starting at position `start`.
+
+    `pages` are the sequence's KV pages covering start + len(tokens) tokens; `state_slot` is
+    its GDN state slot (ignored by models without linear attention).
+    """
+    tokens: list[int]
+    start: int
+    pages: list[int]
+    state_slot: int
+    all_logits: bool = False  # logits for every new token (scoring) or only the last (generation)
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    q_lens: list[int]
+    kv_lens: list[int]  # context length of each sequence after this step
+    cu_seqlens: list[int]  # [B+1] offsets of each sequence's rows in the flat batch
+    page_table: torch.Tensor  # [B, max_pages] int32
+    out_slots: torch.Tensor  # [T] KV slot of each new token
+    state_slots: list[int]
+    logit_rows: torch.Tensor  # rows of the flat batch whose logits are returned
+    page_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.q_lens)
+
+    @classmethod
+    def build(cls, chunks: list[SeqChunk], page_size: int, device: torch.device | str) -> "ForwardBatch":
+        ids, pos, slots, rows, q_lens, kv_lens, cu = [], [], [], [], [], [], [0]
+        max_pages = max(len(c.pages) for c in chunks)
+        table = torch.zeros(len(chunks), max(max_pages, 1), dtype=torch.int32)
+        for b, c in enumerate(chunks):
+            n = len(c.tokens)
+            if n == 0:
+                raise ValueError("a sequence chunk must contain at least one token")
+            if len(c.pages) * page_size < c.start + n:
+                raise ValueError(f"sequence {b}: {len(c.pages)} pages cannot hold {c.start + n} tokens")
+            ids += c.tokens
+            for p in range(c.start, c.start + n):
+                pos.append(p)
+                slots.append(c.pages[p // page_size] * page_size + p % page_size)
+            rows += list(range(cu[-1], cu[-1] + n)) if c.all_logits else [cu[-1] + n - 1]
+            table[b, : len(c.pages)] = torch.tensor(c.pages, dtype=torch.int32)
+            q_lens.append(n)
+            kv_lens.append(c.start + n)
+            cu.append(cu[-1] + n)
+
+        def t(x):
+            return torch.tensor(x, dtype=torch.long, device=device)
+
+        return cls(t(ids), t(pos), q_lens, kv_lens, cu, table.to(device), t(slots),
+                   [c.state_slot for c in chunks], t(rows), page_size)

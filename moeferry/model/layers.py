@@ -1,0 +1,121 @@
+"""Decoder building blocks shared by the Qwen3-MoE and Qwen3.5-MoE families."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moeferry.engine.batch import ForwardBatch
+from moeferry.model.linear import Linear
+from moeferry.model.spec import ModelSpec
+from moeferry.ops.attention import paged_attention, store_kv
+from moeferry.ops.conv import causal_conv1d
+from moeferry.ops.gdn import gdn_decode, gdn_prefill
+from moeferry.ops.moe import route_topk
+from moeferry.ops.norm import gated_rms_norm, rms_norm
+from moeferry.ops.rope import apply_rope
+
+
+@dataclass
+class StepContext:
+    """What every layer of one step needs besides its own weights."""
+    batch: ForwardBatch
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kv_pool: object
+    state_pool: object
+
+
+class FullAttention:
+    """Standard (Qwen3) or output-gated (Qwen3.5) attention with per-head q/k RMSNorm and rope."""
+
+    def __init__(self, spec: ModelSpec, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, kv_index: int):
+        self.spec, self.kv_index = spec, kv_index
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
+        self.q_norm, self.k_norm = q_norm, k_norm
+
+    def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        s, b = self.spec, ctx.batch
+        t, d = x.shape[0], s.head_dim
+        q = self.q_proj(x)
+        gate = None
+        if s.attn_output_gate:
+            q, gate = q.view(t, s.num_heads, 2 * d).chunk(2, dim=-1)
+            gate = gate.reshape(t, s.num_heads * d)
+        q = rms_norm(q.reshape(t, s.num_heads, d), self.q_norm, s.rms_norm_eps, s.zero_centered_norm)
+        k = rms_norm(self.k_proj(x).view(t, s.num_kv_heads, d), self.k_norm, s.rms_norm_eps, s.zero_centered_norm)
+        v = self.v_proj(x).view(t, s.num_kv_heads, d)
+        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        k_cache, v_cache = ctx.kv_pool.k[self.kv_index], ctx.kv_pool.v[self.kv_index]
+        store_kv(k_cache, v_cache, k, v, b.out_slots)
+        out = paged_attention(q, k_cache, v_cache, b.cu_seqlens, b.kv_lens, b.page_table, b.page_size, d ** -0.5)
+        out = out.reshape(t, s.num_heads * d)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+
+class GatedDeltaNet:
+    """Qwen3.5 linear attention: conv over q|k|v, gated delta rule, gated RMSNorm, out_proj."""
+
+    def __init__(self, spec: ModelSpec, in_qkv, in_z, in_b, in_a, out_proj, conv_weight, a_log, dt_bias,
+                 norm_weight, state_index: int):
+        self.spec, self.state_index = spec, state_index
+        self.in_qkv, self.in_z, self.in_b, self.in_a, self.out_proj = in_qkv, in_z, in_b, in_a, out_proj
+        self.conv_weight, self.a_log, self.dt_bias, self.norm_weight = conv_weight, a_log, dt_bias, norm_weight
+
+    def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        s, b = self.spec, ctx.batch
+        t = x.shape[0]
+        hk, hv, dk, dv = s.linear_num_k_heads, s.linear_num_v_heads, s.linear_k_head_dim, s.linear_v_head_dim
+        conv_state = ctx.state_pool.conv[self.state_index]
+        mixed = causal_conv1d(self.in_qkv(x), self.conv_weight, conv_state, b.cu_seqlens, b.state_slots)
+        q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+        q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
+        beta = torch.sigmoid(self.in_b(x))
+        g = -self.a_log.float().exp() * F.softplus(self.in_a(x).float() + self.dt_bias)
+        state = ctx.state_pool.recurrent[self.state_index]
+        if b.is_decode:
+            o = gdn_decode(q, k, v, g, beta, state, b.state_slots)
+        else:
+            o = gdn_prefill(q, k, v, g, beta, state, b.cu_seqlens, b.state_slots)
+        z = self.in_z(x).reshape(t * hv, dv)
+        o = gated_rms_norm(o.reshape(t * hv, dv), z, self.norm_weight, s.rms_norm_eps)
+        return self.out_proj(o.reshape(t, hv * dv))
+
+
+class DenseMLP:
+    """SwiGLU MLP (shared expert, or the dense layers of Qwen3-MoE)."""
+
+    def __init__(self, gate_proj: Linear, up_proj: Linear, down_proj: Linear):
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE:
+    """Router (fp32 softmax, top-k) + routed experts + optional gated shared expert."""
+
+    def __init__(self, spec: ModelSpec, router: Linear, experts, shared: DenseMLP | None, shared_gate: Linear | None):
+        self.spec, self.router, self.experts = spec, router, experts
+        self.shared, self.shared_gate = shared, shared_gate
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_topk(self.router(x), self.spec.top_k, self.spec.norm_topk_prob)
+        out = self.experts(x, ids, weights)
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out
+
+
+class DecoderLayer:
+    def __init__(self, spec: ModelSpec, mixer, mlp, input_norm: torch.Tensor, post_norm: torch.Tensor):
+        self.spec, self.mixer, self.mlp = spec, mixer, mlp
+        self.input_norm, self.post_norm = input_norm, post_norm
+
+    def __call__(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        s = self.spec
+        h = h + self.mixer(rms_norm(h, self.input_norm, s.rms_norm_eps, s.zero_centered_norm), ctx)
+        return h + self.mlp(rms_norm(h, self.post_norm, s.rms_norm_eps, s.zero_centered_norm))

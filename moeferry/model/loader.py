@@ -1,0 +1,85 @@
+"""Build a CausalLM from a checkpoint, one layer at a time."""
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from moeferry.checkpoint.experts import read_experts
+from moeferry.checkpoint.reader import CheckpointReader
+from moeferry.model.layers import DecoderLayer, DenseMLP, FullAttention, GatedDeltaNet, SparseMoE
+from moeferry.model.linear import Linear
+from moeferry.model.model import CausalLM
+from moeferry.model.spec import FULL_ATTENTION, ModelSpec
+from moeferry.moe.resident import ResidentExperts
+
+
+class _Weights:
+    """Reads tensors of one layer, checks shapes and moves them to the target device/dtype."""
+
+    def __init__(self, reader: CheckpointReader, dtype: torch.dtype, device):
+        self.reader, self.dtype, self.device = reader, dtype, device
+
+    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.reader.get(name, shape).to(device=self.device, dtype=self.dtype)
+
+    def linear(self, name: str, out: int, inp: int) -> Linear:
+        return Linear(self.tensor(f"{name}.weight", (out, inp)))
+
+
+def _attention(w: _Weights, spec: ModelSpec, p: str, kv_index: int) -> FullAttention:
+    h, d = spec.hidden_size, spec.head_dim
+    q_out = spec.num_heads * d * (2 if spec.attn_output_gate else 1)
+    return FullAttention(
+        spec, w.linear(p + "q_proj", q_out, h), w.linear(p + "k_proj", spec.num_kv_heads * d, h),
+        w.linear(p + "v_proj", spec.num_kv_heads * d, h), w.linear(p + "o_proj", h, spec.num_heads * d),
+        w.tensor(p + "q_norm.weight", (d,)), w.tensor(p + "k_norm.weight", (d,)), kv_index)
+
+
+def _gdn(w: _Weights, spec: ModelSpec, p: str, state_index: int) -> GatedDeltaNet:
+    h, hv = spec.hidden_size, spec.linear_num_v_heads
+    value_dim = hv * spec.linear_v_head_dim
+    conv = w.tensor(p + "conv1d.weight", (spec.conv_dim, 1, spec.conv_kernel))[:, 0, :].contiguous()
+    return GatedDeltaNet(
+        spec, w.linear(p + "in_proj_qkv", spec.conv_dim, h), w.linear(p + "in_proj_z", value_dim, h),
+        w.linear(p + "in_proj_b", hv, h), w.linear(p + "in_proj_a", hv, h), w.linear(p + "out_proj", h, value_dim),
+        conv, w.tensor(p + "A_log", (hv,)), w.tensor(p + "dt_bias", (hv,)),
+        w.tensor(p + "norm.weight", (spec.linear_v_head_dim,)), state_index)
+
+
+def _mlp(w: _Weights, p: str, hidden: int, inter: int) -> DenseMLP:
+    return DenseMLP(w.linear(p + "gate_proj", inter, hidden), w.linear(p + "up_proj", inter, hidden),
+                    w.linear(p + "down_proj", hidden, inter))
+
+
+def _moe(w: _Weights, spec: ModelSpec, p: str) -> SparseMoE:
+    h, e, i = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
+    gate_up, down = read_experts(w.reader, p, e, h, i)
+    experts = ResidentExperts(gate_up.to(w.device, w.dtype), down.to(w.device, w.dtype))
+    shared = shared_gate = None
+    if spec.shared_expert_intermediate_size:
+        shared = _mlp(w, p + "shared_expert.", h, spec.shared_expert_intermediate_size)
+        shared_gate = w.linear(p + "shared_expert_gate", 1, h)
+    return SparseMoE(spec, w.linear(p + "gate", e, h), experts, shared, shared_gate)
+
+
+def load_model(reader: CheckpointReader, spec: ModelSpec, dtype: torch.dtype, device, progress: bool = True) -> CausalLM:
+    w = _Weights(reader, dtype, device)
+    h = spec.hidden_size
+    layers, kv_index, state_index = [], 0, 0
+    for i in tqdm(range(spec.num_layers), desc="loading layers", unit="layer", disable=not progress):
+        p = f"model.layers.{i}."
+        if spec.layer_types[i] == FULL_ATTENTION:
+            mixer = _attention(w, spec, p + "self_attn.", kv_index)
+            kv_index += 1
+        else:
+            mixer = _gdn(w, spec, p + "linear_attn.", state_index)
+            state_index += 1
+        mlp = _moe(w, spec, p + "mlp.") if spec.is_moe_layer(i) else _mlp(w, p + "mlp.", h, spec.dense_intermediate_size)
+        layers.append(DecoderLayer(spec, mixer, mlp, w.tensor(p + "input_layernorm.weight", (h,)),
+                                   w.tensor(p + "post_attention_layernorm.weight", (h,))))
+    embed = w.tensor("model.embed_tokens.weight", (spec.vocab_size, h))
+    if spec.tie_word_embeddings and not reader.has("lm_head.weight"):
+        lm_head = embed
+    else:
+        lm_head = w.tensor("lm_head.weight", (spec.vocab_size, h))
+    return CausalLM(spec, embed, layers, w.tensor("model.norm.weight", (h,)), lm_head)

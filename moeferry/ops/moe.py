@@ -1,0 +1,35 @@
+"""Mixture-of-experts routing and expert computation (reference)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 softmax over experts, top-k, optional renormalisation. Returns (weights [T,k] in the
+    logits' dtype, expert ids [T,k] int64)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)); gate_up [2I, H] (gate rows first), down [H, I]."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+def fused_experts(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert_weights
+) -> torch.Tensor:
+    """sum_k weights[t,k] * expert_{ids[t,k]}(x[t]). `expert_weights(e)` returns (gate_up [2I,H], down [H,I])."""
+    out = torch.zeros_like(x)
+    flat_ids = ids.reshape(-1)
+    for e in torch.unique(flat_ids).tolist():
+        token, slot = torch.where(ids == e)
+        gate_up, down = expert_weights(e)
+        y = swiglu(x[token], gate_up, down) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out

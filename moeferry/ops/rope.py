@@ -1,0 +1,31 @@
+"""Rotary position embedding (neox style, optionally partial)."""
+from __future__ import annotations
+
+import torch
+
+
+def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [T, rotary_dim] for the given positions, cast to the activation dtype."""
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, R] with R <= D: rotate the first R dims, pass the rest."""
+    rot = cos.shape[-1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    out = x_rot * c + _rotate_half(x_rot) * s
+    if x_pass.shape[-1] == 0:
+        return out
+    return torch.cat([out, x_pass], dim=-1)
