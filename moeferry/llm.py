@@ -1,36 +1,64 @@
-"""Offline API: `LLM(model_dir).logits(token_ids)`."""
+"""Offline API: `LLM(model_dir)` with `.logits`, `.generate` and `.chat`."""
 from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from moeferry.engine.batch import SeqChunk
 from moeferry.engine.engine import Engine, PoolSizes, resolve_dtype
+from moeferry.scheduler.request import Request, TokenLogprob
+from moeferry.scheduler.sampling import SamplingParams
+from moeferry.scheduler.scheduler import Scheduler, SchedulerConfig
+from moeferry.text.detokenizer import IncrementalDetokenizer
+from moeferry.text.tokenizer import Tokenizer
+
+
+@dataclass
+class GenerationOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
 
 
 class LLM:
-    def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "auto", num_tokens: int = 4096,
-                 page_size: int = 1, max_running_requests: int = 8, progress: bool = False):
+    def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "auto", num_tokens: int = 8192,
+                 page_size: int = 1, max_running_requests: int = 8, max_extend_tokens: int = 8192,
+                 max_seq_len: int | None = None, enable_prefix_cache: bool = True, num_state_slots: int | None = None,
+                 progress: bool = False):
+        slots = num_state_slots or (2 * max_running_requests + 8 if enable_prefix_cache else max_running_requests)
         self.engine = Engine(model_dir, device, resolve_dtype(dtype, device),
-                             PoolSizes(-(-num_tokens // page_size), page_size, max_running_requests), progress)
+                             PoolSizes(-(-num_tokens // page_size), page_size, slots), progress)
         self.spec = self.engine.spec
+        self.scheduler = Scheduler(self.engine, SchedulerConfig(max_running_requests, max_extend_tokens, max_seq_len,
+                                                                enable_prefix_cache))
+        self.tokenizer = (Tokenizer.from_dir(model_dir, self.spec.eos_token_ids)
+                          if (Path(model_dir) / "tokenizer.json").is_file() else None)
+        self._ids = itertools.count()
 
+    # --- scoring ------------------------------------------------------------------------
     def logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
         """[len, vocab] fp32 logits of every position, prefilled through the pools in chunks."""
         return self.logits_batch([token_ids], chunk_size)[0]
 
     def logits_batch(self, prompts: list[list[int]], chunk_size: int | list[int] | None = None) -> list[torch.Tensor]:
         """Score several sequences in shared steps. chunk_size: tokens per step per sequence (int),
-        or an explicit list of chunk lengths applied to every sequence (the last one repeats)."""
-        eng = self.engine
-        kv, states = eng.kv_pool, eng.state_pool
+        or a list of chunk lengths applied to every sequence (the last one repeats)."""
+        kv, states = self.engine.kv_pool, self.engine.state_pool
         pages = [kv.pages.alloc(kv.pages_for(len(p))) for p in prompts]
         slots = [states.alloc() for _ in prompts]
         outs: list[list[torch.Tensor]] = [[] for _ in prompts]
         try:
-            done = [0] * len(prompts)
-            step = 0
+            done, step = [0] * len(prompts), 0
             while any(d < len(p) for d, p in zip(done, prompts)):
-                size = _chunk_len(chunk_size, step)
+                size = chunk_size[min(step, len(chunk_size) - 1)] if isinstance(chunk_size, (list, tuple)) else chunk_size
                 chunks, owners = [], []
                 for i, p in enumerate(prompts):
                     if done[i] < len(p):
@@ -38,8 +66,7 @@ class LLM:
                         chunks.append(SeqChunk(p[done[i]:done[i] + n], done[i], pages[i], slots[i], all_logits=True))
                         owners.append((i, n))
                         done[i] += n
-                logits = eng.forward(chunks)
-                row = 0
+                logits, row = self.engine.forward(chunks), 0
                 for i, n in owners:
                     outs[i].append(logits[row:row + n])
                     row += n
@@ -50,8 +77,55 @@ class LLM:
                 states.free(sl)
         return [torch.cat(o) for o in outs]
 
+    # --- generation ---------------------------------------------------------------------
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationOutput]:
+        """prompts: a string, a list of token ids, or a list of either."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        per = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(per)} SamplingParams")
+        outputs, detoks = {}, {}
+        for prompt, p in zip(prompts, per):
+            ids = self._encode(prompt)
+            req = Request(f"gen-{next(self._ids)}", ids, p.validate())
+            self.scheduler.add(req)
+            outputs[req.request_id] = GenerationOutput(req.request_id, ids, logprobs=[] if p.logprobs is not None else None)
+            detoks[req.request_id] = IncrementalDetokenizer(self.tokenizer, p.stop) if self.tokenizer else None
+        while any(o.finish_reason is None for o in outputs.values()):
+            for ev in self.scheduler.step():
+                self._apply(outputs[ev.request_id], detoks[ev.request_id], ev)
+        return list(outputs.values())
 
-def _chunk_len(chunk_size, step: int) -> int | None:
-    if isinstance(chunk_size, (list, tuple)):
-        return chunk_size[min(step, len(chunk_size) - 1)]
-    return chunk_size
+    def _apply(self, out: GenerationOutput, detok, ev) -> None:
+        if out.finish_reason is not None:
+            return  # already ended by a stop string
+        out.token_ids += ev.token_ids
+        out.cached_tokens = ev.cached_tokens
+        if ev.logprobs and out.logprobs is not None:
+            out.logprobs += ev.logprobs
+        if detok is not None:
+            out.text += detok.feed(ev.token_ids)
+            if detok.stopped:
+                out.finish_reason = "stop"
+                self.scheduler.abort(ev.request_id)
+                return
+        if ev.finished:
+            out.finish_reason, out.error = ev.finish_reason, ev.error
+            if detok is not None:
+                out.text += detok.flush()
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, tools: list[dict] | None = None,
+             enable_thinking: bool = True) -> GenerationOutput:
+        text = self._tokenizer().apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                     enable_thinking=enable_thinking)
+        return self.generate([text], params)[0]
+
+    def _encode(self, prompt) -> list[int]:
+        return self._tokenizer().encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def _tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("this model directory has no tokenizer.json; pass token ids")
+        return self.tokenizer

@@ -1,0 +1,41 @@
+"""Triton kernels behind the ops in `moeferry.ops`.
+
+Dispatch rule (used by every public op): a call runs its Triton kernel when its tensors are
+on CUDA, or when `MOEFERRY_TRITON_INTERPRET=1` is set (then the kernels run on CPU tensors
+under Triton's interpreter, which this module switches on). Otherwise the plain-PyTorch
+reference runs. This package imports `triton` only when a kernel module is imported, so a
+CPU-only run never needs it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if os.environ.get("MOEFERRY_TRITON_INTERPRET") == "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def interpreting() -> bool:
+    """Kernels are (or will be) built for Triton's CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether an op over tensor `x` should run its Triton kernel."""
+    if x.is_cuda:
+        return True
+    return os.environ.get("MOEFERRY_TRITON_INTERPRET") == "1"
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def as_device_int(x, device: torch.device) -> torch.Tensor:
+    """A host list (or tensor) of ints as an int32 tensor on `device` (no copy if already one)."""
+    if isinstance(x, torch.Tensor):
+        if x.device == device and x.dtype == torch.int32:
+            return x
+        return x.to(device=device, dtype=torch.int32)
+    return torch.tensor(list(x), dtype=torch.int32, device=device)

@@ -1,0 +1,71 @@
+"""Batched sampling: every row uses its own parameters in one vectorised pass.
+
+Order: penalties (repetition on prompt+output, presence/frequency on output), min_tokens
+(EOS/stop ids masked), temperature, top-k, top-p, min-p, then a draw with each row's own
+generator (exponential race, reproducible per seed). Greedy rows (temperature 0) take argmax
+of the penalised logits. Logprobs are of the raw model distribution.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [B]
+    top_k: torch.Tensor  # [B] int, 0 = off
+    top_p: torch.Tensor  # [B]
+    min_p: torch.Tensor  # [B]
+    presence: torch.Tensor  # [B]
+    frequency: torch.Tensor  # [B]
+    repetition: torch.Tensor  # [B]
+    output_counts: torch.Tensor  # [B, V] counts of generated tokens
+    seen: torch.Tensor  # [B, V] bool: token in prompt or output
+    banned: torch.Tensor  # [B, V] bool: masked this step (min_tokens)
+    generators: list[torch.Generator]
+
+
+def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    rep = b.repetition[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(b.seen, penalised, logits)
+    logits = logits - b.frequency[:, None] * b.output_counts - b.presence[:, None] * (b.output_counts > 0)
+    return logits.masked_fill(b.banned, float("-inf"))
+
+
+def filter_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Temperature, then top-k / top-p / min-p masking (excluded tokens get -inf)."""
+    temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
+    logits = logits / temp[:, None]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(b.top_k > 0, b.top_k, torch.full_like(b.top_k, vocab))
+    drop = rank >= k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    before = probs.cumsum(-1) - probs  # mass strictly before each token
+    drop |= before >= b.top_p[:, None]
+    drop |= probs < b.min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False  # always keep the best token
+    mask = torch.zeros_like(drop).scatter_(1, order, drop)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Token ids [B] for fp32 logits [B, V]."""
+    logits = apply_penalties(logits.float(), b)
+    greedy = logits.argmax(-1)
+    filtered = filter_logits(logits, b)
+    noise = torch.stack([torch.empty(logits.shape[-1]).exponential_(generator=g) for g in b.generators])
+    drawn = (filtered.softmax(-1) / noise.to(logits.device)).argmax(-1)
+    return torch.where(b.temperature > 0, drawn, greedy)
+
+
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chosen logprob [B], top ids [B, n], top logprobs [B, n]) of the raw distribution."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, tokens[:, None])[:, 0]
+    top_lp, top_ids = lp.topk(max(top_n, 1), dim=-1)
+    return chosen, top_ids[:, :top_n], top_lp[:, :top_n]

@@ -1,0 +1,49 @@
+"""Turn a list of requests into one SamplingBatch and sample their next tokens."""
+from __future__ import annotations
+
+import torch
+
+from moeferry.ops.sampler import SamplingBatch, logprobs_of, sample
+from moeferry.scheduler.request import Request, TokenLogprob
+
+
+def build_sampling_batch(reqs: list[Request], vocab: int, eos_ids: set[int], device) -> SamplingBatch:
+    def vec(values, dtype=torch.float32):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    b = len(reqs)
+    counts = torch.zeros(b, vocab, device=device)
+    seen = torch.zeros(b, vocab, dtype=torch.bool, device=device)
+    banned = torch.zeros(b, vocab, dtype=torch.bool, device=device)
+    for i, r in enumerate(reqs):
+        p = r.params
+        if r.output_ids:
+            counts[i].index_add_(0, vec(r.output_ids, torch.long), torch.ones(len(r.output_ids), device=device))
+        if p.repetition_penalty != 1.0:
+            seen[i, vec(r.all_ids, torch.long)] = True
+        if len(r.output_ids) < p.min_tokens:
+            stop_ids = [t for t in (eos_ids | set(p.stop_token_ids)) if 0 <= t < vocab]
+            banned[i, vec(stop_ids, torch.long)] = True
+    ps = [r.params for r in reqs]
+    return SamplingBatch(
+        temperature=vec([p.temperature for p in ps]), top_k=vec([max(p.top_k, 0) for p in ps], torch.long),
+        top_p=vec([p.top_p for p in ps]), min_p=vec([p.min_p for p in ps]),
+        presence=vec([p.presence_penalty for p in ps]), frequency=vec([p.frequency_penalty for p in ps]),
+        repetition=vec([p.repetition_penalty for p in ps]), output_counts=counts, seen=seen, banned=banned,
+        generators=[r.generator for r in reqs])
+
+
+def sample_requests(reqs: list[Request], logits: torch.Tensor, eos_ids: set[int]
+                    ) -> tuple[list[int], list[TokenLogprob | None]]:
+    batch = build_sampling_batch(reqs, logits.shape[-1], eos_ids, logits.device)
+    tokens = sample(logits, batch)
+    want = [r.params.logprobs for r in reqs]
+    out_lp: list[TokenLogprob | None] = [None] * len(reqs)
+    if any(w is not None for w in want):
+        top_n = max(w or 0 for w in want)
+        chosen, top_ids, top_lp = logprobs_of(logits, tokens, top_n)
+        for i, w in enumerate(want):
+            if w is not None:
+                top = list(zip(top_ids[i, :w].tolist(), top_lp[i, :w].tolist()))
+                out_lp[i] = TokenLogprob(int(tokens[i]), float(chosen[i]), top)
+    return tokens.tolist(), out_lp

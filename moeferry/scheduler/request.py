@@ -1,0 +1,81 @@
+"""A generation request and the events the scheduler emits for it."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from moeferry.scheduler.sampling import SamplingParams
+
+
+class RequestState(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class TokenEvent:
+    """What one step produced for one request."""
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int
+    cached_tokens: int
+    error: str | None = None
+
+
+class Request:
+    """Prompt, params, generated tokens and the cache resources the request holds."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
+        if not prompt_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.output_ids: list[int] = []
+        self.state = RequestState.WAITING
+        self.finish_reason: str | None = None
+        self.max_new_tokens = params.max_tokens  # clamped to the context at admission
+        self.clamped = False
+        # cache resources
+        self.pages: list[int] = []
+        self.state_slot: int | None = None
+        self.num_computed = 0  # tokens whose KV / state is in the pools
+        self.num_shared_pages = 0  # leading pages owned by the prefix cache
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.prefix_lock = None  # prefix-cache node this request pins
+        self.snapshots: list[tuple[int, int]] = []  # (position, state slot) checkpoints taken
+        self.num_preemptions = 0
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self.generator = torch.Generator().manual_seed(seed)
+        self.arrival: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.state is RequestState.FINISHED

@@ -1,0 +1,282 @@
+"""Continuous batching: every step builds one batch of prefill chunks and decode tokens.
+
+Limits per step: at most `max_running_requests` sequences, at most `max_extend_tokens` prompt
+tokens (long prompts are chunked across steps), and only KV pages / state slots that are
+actually free. KV grows with the sequence; when pages run out the youngest running request
+is preempted (its computed tokens go to the prefix cache, it is re-queued and recomputed).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from moeferry.cache.kv_pool import PoolExhausted
+from moeferry.cache.prefix_cache import PrefixCache
+from moeferry.engine.batch import SeqChunk
+from moeferry.scheduler.batch_sampler import sample_requests
+from moeferry.scheduler.request import Request, RequestState, TokenEvent
+
+log = logging.getLogger("moeferry.scheduler")
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (e.g. its prompt exceeds the context)."""
+
+    def __init__(self, message: str, code: str, param: str | None = None):
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = 8
+    max_extend_tokens: int = 8192
+    max_seq_len: int | None = None  # None = the model's max_position_embeddings
+    enable_prefix_cache: bool = True
+
+
+class Scheduler:
+    def __init__(self, engine, cfg: SchedulerConfig):
+        self.engine, self.cfg = engine, cfg
+        self.kv, self.states = engine.kv_pool, engine.state_pool
+        self.page_size = self.kv.page_size
+        spec = engine.spec
+        self.eos_ids = set(spec.eos_token_ids)
+        self.max_seq_len = min(cfg.max_seq_len or spec.max_position_embeddings, self.kv.num_tokens)
+        self.needs_state = bool(spec.linear_layers)
+        self.prefix = (PrefixCache(self.page_size, self.needs_state, self.kv.pages.free, self.states.free)
+                       if cfg.enable_prefix_cache else None)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._events: list[TokenEvent] = []
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    # --- public API ---------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.params.validate()
+        n = len(req.prompt_ids)
+        if n >= self.max_seq_len:
+            raise RequestRejected(
+                f"prompt has {n} tokens but the context is {self.max_seq_len} tokens "
+                f"(at least one must remain for output)", "context_length_exceeded", "messages")
+        vocab = self.engine.spec.vocab_size
+        if any(not 0 <= t < vocab for t in req.prompt_ids):
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab})", "invalid_prompt", "prompt")
+        room = self.max_seq_len - n
+        if req.max_new_tokens is None or req.max_new_tokens > room:
+            req.max_new_tokens, req.clamped = room, True
+        req.arrival = next(self._arrivals)
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> None:
+        for req in list(self.waiting) + self.running:
+            if req.request_id == request_id:
+                self._finish(req, "abort")
+                self._events.append(self._event(req, [], None))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._events)
+
+    def step(self) -> list[TokenEvent]:
+        events, self._events = self._events, []
+        plan = self._schedule()
+        if not plan:
+            return events
+        self.num_steps += 1
+        chunks = [SeqChunk(r.all_ids[r.num_computed:r.num_computed + n], r.num_computed, r.pages, r.state_slot)
+                  for r, n in plan]
+        try:
+            logits = self.engine.forward(chunks)
+        except Exception as e:  # a failed step fails its requests, never the scheduler
+            log.exception("step failed for %d requests", len(plan))
+            for r, _ in plan:
+                self._finish(r, "error")
+                events.append(self._event(r, [], None, error=f"engine step failed: {type(e).__name__}: {e}"))
+            return events
+        ready = []
+        for (r, n), row in zip(plan, logits):
+            r.num_computed += n
+            if r.pending == 0:
+                ready.append((r, row))
+            else:
+                self._checkpoint(r)
+        if ready:
+            events += self._sample(ready)
+        return events
+
+    def stats(self) -> dict:
+        ps = self.page_size
+        return {
+            "running": len(self.running), "waiting": len(self.waiting),
+            "kv_tokens_total": self.kv.num_tokens,
+            "kv_tokens_used": (self.kv.pages.num_pages - self.kv.pages.num_free) * ps,
+            "prefix_cache_tokens": (self.prefix.num_pages * ps) if self.prefix else 0,
+            "state_slots_total": self.states.num_slots,
+            "state_slots_used": self.states.num_slots - self.states.slots.num_free,
+            "preemptions": self.num_preemptions,
+            "prefix_cache_hit_tokens": self.prefix.hit_tokens if self.prefix else 0,
+            "steps": self.num_steps,
+        }
+
+    # --- scheduling ---------------------------------------------------------------------
+    def _schedule(self) -> list[tuple[Request, int]]:
+        budget = self.cfg.max_extend_tokens
+        plan: list[tuple[Request, int]] = []
+        for req in list(self.running):
+            if req.state is not RequestState.RUNNING:
+                continue  # preempted while making room for an older request
+            prefill = req.pending > 1
+            if prefill and budget <= 0:
+                continue
+            n = min(req.pending, budget) if prefill else 1
+            if not self._reserve_or_preempt(req, req.num_computed + n):
+                continue
+            budget -= n if prefill else 0
+            plan.append((req, n))
+        while self.waiting and len(self.running) < self.cfg.max_running_requests and budget > 0:
+            req = self.waiting[0]
+            if not self._admit(req):
+                break
+            n = min(req.pending, budget)
+            if not self._reserve(req, req.num_computed + n):
+                self._release(req, keep_in_cache=False)
+                break
+            self.waiting.popleft()
+            req.state = RequestState.RUNNING
+            self.running.append(req)
+            budget -= n
+            plan.append((req, n))
+        return plan
+
+    def _reserve(self, req: Request, total_tokens: int) -> bool:
+        need = self.kv.pages_for(total_tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        short = need - self.kv.pages.num_free
+        if short > 0 and self.prefix is not None:
+            self.prefix.evict_pages(short)
+        try:
+            req.pages = req.pages + self.kv.pages.alloc(need)
+        except PoolExhausted:
+            return False
+        return True
+
+    def _reserve_or_preempt(self, req: Request, total_tokens: int) -> bool:
+        while not self._reserve(req, total_tokens):
+            victim = max(self.running, key=lambda r: r.arrival)
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        log.info("preempting request %s (%d tokens computed) to free KV pages", req.request_id, req.num_computed)
+        self._release(req, keep_in_cache=True)
+        self.running.remove(req)
+        req.state = RequestState.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _admit(self, req: Request) -> bool:
+        """Give req a state slot and whatever prefix the cache holds for it."""
+        slot = self._alloc_state()
+        if slot is None:
+            return False
+        req.state_slot = slot
+        if self.prefix is None:
+            return True
+        m = self.prefix.match(req.all_ids)
+        if m.length:
+            req.pages, req.num_computed, req.num_shared_pages = list(m.pages), m.length, len(m.pages)
+            req.prefix_lock = m.node
+            self.prefix.lock(m.node, +1)
+            if m.snapshot is not None:
+                self.states.copy(m.snapshot, slot)
+            self.prefix.hit_tokens += m.length
+        if req.num_preemptions == 0:
+            req.cached_tokens = min(m.length, len(req.prompt_ids))
+        return True
+
+    def _alloc_state(self) -> int | None:
+        while self.states.slots.num_free == 0:
+            if self.prefix is None or not self.prefix.evict_state():
+                return None
+        return self.states.alloc()
+
+    def _checkpoint(self, req: Request) -> None:
+        """Save the GDN state at a prefill chunk boundary so later requests can resume here."""
+        if self.prefix is None or not self.needs_state or req.num_computed % self.page_size:
+            return
+        reserve = self.cfg.max_running_requests - len(self.running)  # keep slots for admissions
+        if self.states.slots.num_free <= reserve:
+            return
+        slot = self.states.slots.alloc(1)[0]
+        self.states.copy(req.state_slot, slot)
+        req.snapshots.append((req.num_computed, slot))
+
+    def _release(self, req: Request, keep_in_cache: bool) -> None:
+        """Return a request's pages / slots (to the prefix cache when enabled)."""
+        if req.prefix_lock is not None:
+            self.prefix.lock(req.prefix_lock, -1)
+            req.prefix_lock = None
+        if self.prefix is not None and keep_in_cache:
+            if self.needs_state and req.num_computed % self.page_size == 0 and req.num_computed:
+                slot = self.states.slots.alloc(1)[0] if self.states.slots.num_free else None
+                if slot is not None:
+                    self.states.copy(req.state_slot, slot)
+                    req.snapshots.append((req.num_computed, slot))
+            self.prefix.insert(req.all_ids[:req.num_computed], req.pages, req.snapshots)
+        else:
+            shared = getattr(req, "num_shared_pages", 0)
+            self.kv.pages.free(req.pages[shared:])
+            for _, slot in req.snapshots:
+                self.states.free(slot)
+        req.pages, req.snapshots, req.num_computed, req.num_shared_pages = [], [], 0, 0
+        if req.state_slot is not None:
+            self.states.free(req.state_slot)
+            req.state_slot = None
+
+    # --- sampling and finishing -----------------------------------------------------------
+    def _sample(self, ready: list[tuple[Request, torch.Tensor]]) -> list[TokenEvent]:
+        reqs = [r for r, _ in ready]
+        logits = torch.stack([row for _, row in ready])
+        tokens, logprobs = sample_requests(reqs, logits, self.eos_ids)
+        events = []
+        for req, tok, lp in zip(reqs, tokens, logprobs):
+            req.output_ids.append(tok)
+            reason = self._finish_reason(req, tok)
+            if reason is not None:
+                self._finish(req, reason)
+            events.append(self._event(req, [tok], None if lp is None else [lp]))
+        return events
+
+    def _finish_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
+            return "stop"
+        if len(req.output_ids) >= req.max_new_tokens:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.finished:
+            return
+        if req.state is RequestState.RUNNING:
+            self.running.remove(req)
+            self._release(req, keep_in_cache=reason != "error")
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.state, req.finish_reason = RequestState.FINISHED, reason
+
+    @staticmethod
+    def _event(req: Request, tokens: list[int], logprobs, error: str | None = None) -> TokenEvent:
+        return TokenEvent(req.request_id, tokens, logprobs, req.finished, req.finish_reason,
+                          len(req.prompt_ids), req.cached_tokens, error)
