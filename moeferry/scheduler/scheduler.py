@@ -103,10 +103,10 @@ class Scheduler:
         ready = []
         for (r, n), row in zip(plan, logits):
             r.num_computed += n
+            if r.pending > 0 or r.num_computed == len(r.prompt_ids):
+                self._checkpoint(r)  # chunk boundary or prompt end
             if r.pending == 0:
                 ready.append((r, row))
-            else:
-                self._checkpoint(r)
         if ready:
             events += self._sample(ready)
         return events

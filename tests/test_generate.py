@@ -1,0 +1,124 @@
+"""Generation through the scheduler equals transformers' greedy generate."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeferry import LLM
+from moeferry.scheduler.sampling import SamplingParams
+from tests.test_model_parity import prompt
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+ARCHS = ["qwen3_moe", "qwen3_5_moe"]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_model):
+    cache = {}
+
+    def run(name, ids, n=32):
+        key = (name, tuple(ids), n)
+        if key not in cache:
+            with torch.no_grad():
+                out = hf_model(name).generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                              eos_token_id=None, pad_token_id=0)
+            cache[key] = out[0, len(ids):].tolist()
+        return cache[key]
+
+    return run
+
+
+PROMPTS = [prompt(n, 100 + n) for n in (3, 16, 17, 40, 9, 31, 5, 50)]
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_greedy_equals_transformers_and_batching(name, checkpoint, hf_greedy):
+    """8 prompts (some longer than max_extend_tokens) with 3 running at once."""
+    llm = LLM(str(checkpoint(name)), dtype="float32", max_running_requests=3, max_extend_tokens=16,
+              enable_prefix_cache=False)
+    outs = llm.generate(PROMPTS, GREEDY)
+    for p, o in zip(PROMPTS, outs):
+        assert o.token_ids == hf_greedy(name, p)
+        assert o.finish_reason == "length"
+    alone = [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS[:3]]
+    assert alone == [o.token_ids for o in outs[:3]]
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_preemption_keeps_outputs(name, checkpoint, hf_greedy):
+    llm = LLM(str(checkpoint(name)), dtype="float32", max_running_requests=3, max_extend_tokens=16,
+              num_tokens=110, enable_prefix_cache=False)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert llm.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == [hf_greedy(name, p) for p in PROMPTS]
+    assert llm.scheduler.stats()["kv_tokens_used"] == 0
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_prefix_cache_reuse(name, checkpoint, hf_greedy):
+    llm = LLM(str(checkpoint(name)), dtype="float32", max_running_requests=2, max_extend_tokens=16, num_tokens=600)
+    shared = prompt(45, 7)
+    first = llm.generate([shared + [11, 12, 13]], GREEDY)[0]
+    second = llm.generate([shared + [21, 22]], GREEDY)[0]
+    assert first.cached_tokens == 0
+    assert second.cached_tokens > 0
+    if name == "qwen3_5_moe":  # resumes from a GDN state checkpoint at a chunk boundary
+        assert second.cached_tokens % 16 == 0
+    else:
+        assert second.cached_tokens == 45
+    assert second.token_ids == hf_greedy(name, shared + [21, 22])
+    again = llm.generate([shared + [21, 22]], GREEDY)[0]
+    assert again.token_ids == second.token_ids
+    if name == "qwen3_moe":  # attention KV: everything but the last token is reused
+        assert again.cached_tokens == len(shared) + 1
+    turn = shared + [21, 22] + second.token_ids + [5, 6]  # next turn of a conversation
+    third = llm.generate([turn], GREEDY)[0]
+    assert third.cached_tokens == len(shared) + 2 + len(second.token_ids) - 1  # saved when `second` finished
+    assert third.token_ids == hf_greedy(name, turn)
+
+
+def test_prefix_cache_with_preemption_and_eviction(checkpoint, hf_greedy):
+    name = "qwen3_5_moe"
+    llm = LLM(str(checkpoint(name)), dtype="float32", max_running_requests=3, max_extend_tokens=16, num_tokens=130)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(name, p) for p in PROMPTS]
+    s = llm.scheduler.stats()
+    assert s["kv_tokens_used"] == s["prefix_cache_tokens"] <= s["kv_tokens_total"]
+
+
+def test_context_limits(checkpoint):
+    from moeferry.scheduler.scheduler import RequestRejected
+
+    llm = LLM(str(checkpoint("qwen3_moe")), dtype="float32", max_seq_len=64, enable_prefix_cache=False)
+    with pytest.raises(RequestRejected) as e:
+        llm.generate([prompt(64, 1)], GREEDY)
+    assert e.value.code == "context_length_exceeded" and "64" in str(e.value)
+    out = llm.generate([prompt(60, 1)], GREEDY)[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_text_prompt_chat_and_stop_strings(checkpoint):
+    llm = LLM(str(checkpoint("qwen3_5_moe")), dtype="float32")
+    free = llm.generate("def main():", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0]
+    assert free.text == llm.tokenizer.decode(free.token_ids)
+    stop = free.text[len(free.text) // 2: len(free.text) // 2 + 2]
+    if stop.strip():
+        cut = llm.generate("def main():", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                                         stop=(stop,)))[0]
+        assert cut.finish_reason == "stop" and stop not in cut.text
+        assert free.text.startswith(cut.text) and len(cut.text) == free.text.find(stop)
+    chat = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0.0, max_tokens=8),
+                    enable_thinking=False)
+    assert chat.finish_reason in ("stop", "length") and len(chat.token_ids) <= 8
+
+
+def test_logprobs(checkpoint):
+    llm = LLM(str(checkpoint("qwen3_moe")), dtype="float32")
+    ids = prompt(12, 9)
+    out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=4))[0]
+    ref = torch.log_softmax(llm.logits(ids + out.token_ids[:2]), -1)
+    for i, lp in enumerate(out.logprobs):
+        row = ref[len(ids) - 1 + i]
+        assert lp.token_id == out.token_ids[i] == int(row.argmax())
+        assert abs(lp.logprob - float(row[lp.token_id])) < 1e-4
+        assert [t for t, _ in lp.top] == row.topk(4).indices.tolist()

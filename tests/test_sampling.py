@@ -1,0 +1,104 @@
+"""Sampler: filters never emit excluded tokens, penalties move mass the documented way, seeds reproduce."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeferry.ops.sampler import apply_penalties, filter_logits, sample
+from moeferry.scheduler.batch_sampler import build_sampling_batch
+from moeferry.scheduler.request import Request
+from moeferry.scheduler.sampling import SamplingParamError, SamplingParams
+
+V = 50
+
+
+def reqs(*params, prompt=(1, 2, 3), outputs=()):
+    out = []
+    for p in params:
+        r = Request("r", list(prompt), p)
+        r.output_ids = list(outputs)
+        out.append(r)
+    return out
+
+
+def draw(logits, rs, n):
+    b = build_sampling_batch(rs, V, {0}, "cpu")
+    return torch.stack([sample(logits, b) for _ in range(n)])  # [n, B]
+
+
+def test_top_k_top_p_min_p_never_emit_excluded():
+    torch.manual_seed(0)
+    logits = torch.randn(3, V) * 2
+    rs = reqs(SamplingParams(top_k=5), SamplingParams(top_p=0.5), SamplingParams(min_p=0.2))
+    got = draw(logits, rs, 400)
+    probs = logits.softmax(-1)
+    allowed_k = set(logits[0].topk(5).indices.tolist())
+    order = probs[1].argsort(descending=True)
+    before = probs[1][order].cumsum(0) - probs[1][order]
+    allowed_p = set(order[before < 0.5].tolist())
+    allowed_min = set((probs[2] >= 0.2 * probs[2].max()).nonzero()[:, 0].tolist())
+    assert set(got[:, 0].tolist()) <= allowed_k and len(set(got[:, 0].tolist())) > 1
+    assert set(got[:, 1].tolist()) <= allowed_p
+    assert set(got[:, 2].tolist()) <= allowed_min
+
+
+def test_sampling_matches_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0] + [-1e4] * (V - 3)])
+    got = draw(logits, reqs(SamplingParams(temperature=1.0, seed=3)), 3000)[:, 0]
+    freq = torch.bincount(got, minlength=V)[:3].float() / 3000
+    assert torch.allclose(freq, logits[0, :3].softmax(-1), atol=0.03)
+    cold = draw(logits, reqs(SamplingParams(temperature=0.25, seed=3)), 1000)[:, 0]
+    assert (cold == 0).float().mean() > 0.95
+
+
+def test_seed_reproduces_and_differs():
+    logits = torch.randn(1, V)
+    a = draw(logits, reqs(SamplingParams(seed=7)), 50)
+    b = draw(logits, reqs(SamplingParams(seed=7)), 50)
+    c = draw(logits, reqs(SamplingParams(seed=8)), 50)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_penalties():
+    logits = torch.full((1, V), 1.0)
+    logits[0, 5] = 3.0
+    logits[0, 6] = -3.0
+    out = (5, 5, 5, 6)
+    b = build_sampling_batch(reqs(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), outputs=out), V, {0}, "cpu")
+    pen = apply_penalties(logits, b)[0]
+    assert pen[5] == pytest.approx(3.0 - 1.5 - 0.25) and pen[6] == pytest.approx(-3.0 - 0.5 - 0.25)
+    assert pen[7] == 1.0
+    b = build_sampling_batch(reqs(SamplingParams(repetition_penalty=2.0), prompt=(7,), outputs=(5, 6)), V, {0}, "cpu")
+    pen = apply_penalties(logits, b)[0]
+    assert pen[5] == 1.5 and pen[6] == -6.0 and pen[7] == 0.5 and pen[8] == 1.0
+    b = build_sampling_batch(reqs(SamplingParams(min_tokens=2, stop_token_ids=(9,))), V, {0}, "cpu")
+    pen = apply_penalties(logits, b)[0]
+    assert pen[0] == float("-inf") and pen[9] == float("-inf") and pen[5] == 3.0
+
+
+def test_greedy_rows_take_argmax_in_mixed_batch():
+    logits = torch.randn(4, V)
+    rs = reqs(SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),
+              SamplingParams(temperature=0.0), SamplingParams(top_k=1))
+    got = draw(logits, rs, 20)
+    assert (got[:, 0] == logits[0].argmax()).all() and (got[:, 2] == logits[2].argmax()).all()
+    assert (got[:, 3] == logits[3].argmax()).all()
+
+
+def test_filter_keeps_best_token():
+    logits = torch.randn(1, V)
+    b = build_sampling_batch(reqs(SamplingParams(top_p=1e-6, min_p=1.0)), V, {0}, "cpu")
+    kept = torch.isfinite(filter_logits(logits, b))[0]
+    assert kept.sum() == 1 and kept[logits[0].argmax()]
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("top_p", 0.0, "top_p"), ("top_p", 1.5, "(0, 1]"), ("temperature", -1.0, "temperature"),
+    ("top_k", -2, "top_k"), ("min_p", 2.0, "min_p"), ("max_tokens", 0, "max_tokens"),
+    ("repetition_penalty", 0.0, "repetition_penalty"), ("presence_penalty", 3.0, "presence_penalty"),
+    ("logprobs", 21, "logprobs"), ("n", 2, "n=1"), ("min_tokens", 50, "min_tokens"), ("stop", ("",), "stop"),
+])
+def test_validation_messages(field, value, needle):
+    with pytest.raises(SamplingParamError) as e:
+        SamplingParams(**{field: value}).validate()
+    assert e.value.param == field and needle in str(e.value)
