@@ -95,7 +95,8 @@ class LLM:
             detoks[req.request_id] = IncrementalDetokenizer(self.tokenizer, p.stop) if self.tokenizer else None
         while any(o.finish_reason is None for o in outputs.values()):
             for ev in self.scheduler.step():
-                self._apply(outputs[ev.request_id], detoks[ev.request_id], ev)
+                if ev.request_id in outputs:  # skip late events of earlier calls (e.g. stop-string aborts)
+                    self._apply(outputs[ev.request_id], detoks[ev.request_id], ev)
         return list(outputs.values())
 
     def _apply(self, out: GenerationOutput, detok, ev) -> None:

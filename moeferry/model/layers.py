@@ -11,10 +11,15 @@ from moeferry.model.linear import Linear
 from moeferry.model.spec import ModelSpec
 from moeferry.ops.attention import paged_attention, store_kv
 from moeferry.ops.conv import causal_conv1d
-from moeferry.ops.gdn import gdn_decode, gdn_prefill
+from moeferry.ops.gdn import gdn_decode_gated, gdn_gates, gdn_prefill
 from moeferry.ops.moe import route_topk
-from moeferry.ops.norm import gated_rms_norm, rms_norm
+from moeferry.ops.norm import add_rms_norm, gated_rms_norm, rms_norm
 from moeferry.ops.rope import apply_rope
+
+
+def _dev(tensor, host):
+    """The batch's device-tensor metadata when built, else its host list."""
+    return host if tensor is None else tensor
 
 
 @dataclass
@@ -49,7 +54,8 @@ class FullAttention:
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         k_cache, v_cache = ctx.kv_pool.k[self.kv_index], ctx.kv_pool.v[self.kv_index]
         store_kv(k_cache, v_cache, k, v, b.out_slots)
-        out = paged_attention(q, k_cache, v_cache, b.cu_seqlens, b.kv_lens, b.page_table, b.page_size, d ** -0.5)
+        out = paged_attention(q, k_cache, v_cache, _dev(b.cu_seqlens_t, b.cu_seqlens), _dev(b.kv_lens_t, b.kv_lens),
+                              b.page_table, b.page_size, d ** -0.5, max_q_len=b.max_q_len or None)
         out = out.reshape(t, s.num_heads * d)
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -70,16 +76,16 @@ class GatedDeltaNet:
         t = x.shape[0]
         hk, hv, dk, dv = s.linear_num_k_heads, s.linear_num_v_heads, s.linear_k_head_dim, s.linear_v_head_dim
         conv_state = ctx.state_pool.conv[self.state_index]
-        mixed = causal_conv1d(self.in_qkv(x), self.conv_weight, conv_state, b.cu_seqlens, b.state_slots)
+        cu, slots = _dev(b.cu_seqlens_t, b.cu_seqlens), _dev(b.state_slots_t, b.state_slots)
+        mixed = causal_conv1d(self.in_qkv(x), self.conv_weight, conv_state, cu, slots, b.max_q_len or None)
         q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
-        beta = torch.sigmoid(self.in_b(x))
-        g = -self.a_log.float().exp() * F.softplus(self.in_a(x).float() + self.dt_bias)
         state = ctx.state_pool.recurrent[self.state_index]
-        if b.is_decode:
-            o = gdn_decode(q, k, v, g, beta, state, b.state_slots)
+        if b.is_decode:  # gates fused into the recurrent step
+            o = gdn_decode_gated(q, k, v, self.in_a(x), self.in_b(x), self.a_log, self.dt_bias, state, slots)
         else:
-            o = gdn_prefill(q, k, v, g, beta, state, b.cu_seqlens, b.state_slots)
+            g, beta = gdn_gates(self.in_a(x), self.in_b(x), self.a_log, self.dt_bias)
+            o = gdn_prefill(q, k, v, g, beta, state, cu, slots, b.max_q_len or None)
         z = self.in_z(x).reshape(t * hv, dv)
         o = gated_rms_norm(o.reshape(t * hv, dv), z, self.norm_weight, s.rms_norm_eps)
         return self.out_proj(o.reshape(t, hv * dv))
@@ -117,5 +123,6 @@ class DecoderLayer:
 
     def __call__(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         s = self.spec
-        h = h + self.mixer(rms_norm(h, self.input_norm, s.rms_norm_eps, s.zero_centered_norm), ctx)
-        return h + self.mlp(rms_norm(h, self.post_norm, s.rms_norm_eps, s.zero_centered_norm))
+        x = self.mixer(rms_norm(h, self.input_norm, s.rms_norm_eps, s.zero_centered_norm), ctx)
+        x, h = add_rms_norm(x, h, self.post_norm, s.rms_norm_eps, s.zero_centered_norm)  # h + x, norm(h + x)
+        return h + self.mlp(x)

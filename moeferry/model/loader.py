@@ -7,23 +7,10 @@ from tqdm import tqdm
 from moeferry.checkpoint.experts import read_experts
 from moeferry.checkpoint.reader import CheckpointReader
 from moeferry.model.layers import DecoderLayer, DenseMLP, FullAttention, GatedDeltaNet, SparseMoE
-from moeferry.model.linear import Linear
 from moeferry.model.model import CausalLM
 from moeferry.model.spec import FULL_ATTENTION, ModelSpec
-from moeferry.moe.resident import ResidentExperts
-
-
-class _Weights:
-    """Reads tensors of one layer, checks shapes and moves them to the target device/dtype."""
-
-    def __init__(self, reader: CheckpointReader, dtype: torch.dtype, device):
-        self.reader, self.dtype, self.device = reader, dtype, device
-
-    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return self.reader.get(name, shape).to(device=self.device, dtype=self.dtype)
-
-    def linear(self, name: str, out: int, inp: int) -> Linear:
-        return Linear(self.tensor(f"{name}.weight", (out, inp)))
+from moeferry.model.weights import WeightLoader as _Weights
+from moeferry.moe.resident import PackedExperts, ResidentExperts
 
 
 def _attention(w: _Weights, spec: ModelSpec, p: str, kv_index: int) -> FullAttention:
@@ -53,8 +40,12 @@ def _mlp(w: _Weights, p: str, hidden: int, inter: int) -> DenseMLP:
 
 def _moe(w: _Weights, spec: ModelSpec, p: str) -> SparseMoE:
     h, e, i = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
-    gate_up, down = read_experts(w.reader, p, e, h, i)
-    experts = ResidentExperts(gate_up.to(w.device, w.dtype), down.to(w.device, w.dtype))
+    if w.is_quantized(p + "experts.0.gate_proj"):  # quantized checkpoints store experts one by one
+        experts = PackedExperts([(w.linear(f"{p}experts.{x}.gate_proj", i, h), w.linear(f"{p}experts.{x}.up_proj", i, h),
+                                  w.linear(f"{p}experts.{x}.down_proj", h, i)) for x in range(e)], w.dtype)
+    else:
+        gate_up, down = read_experts(w.reader, p, e, h, i)
+        experts = ResidentExperts(gate_up.to(w.device, w.dtype), down.to(w.device, w.dtype))
     shared = shared_gate = None
     if spec.shared_expert_intermediate_size:
         shared = _mlp(w, p + "shared_expert.", h, spec.shared_expert_intermediate_size)
@@ -78,8 +69,6 @@ def load_model(reader: CheckpointReader, spec: ModelSpec, dtype: torch.dtype, de
         layers.append(DecoderLayer(spec, mixer, mlp, w.tensor(p + "input_layernorm.weight", (h,)),
                                    w.tensor(p + "post_attention_layernorm.weight", (h,))))
     embed = w.tensor("model.embed_tokens.weight", (spec.vocab_size, h))
-    if spec.tie_word_embeddings and not reader.has("lm_head.weight"):
-        lm_head = embed
-    else:
-        lm_head = w.tensor("lm_head.weight", (spec.vocab_size, h))
+    tied = spec.tie_word_embeddings and not any(n.startswith("lm_head.") for n in reader.tensors)
+    lm_head = Linear(embed) if tied else w.linear("lm_head", spec.vocab_size, h)
     return CausalLM(spec, embed, layers, w.tensor("model.norm.weight", (h,)), lm_head)

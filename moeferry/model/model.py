@@ -12,7 +12,7 @@ from moeferry.ops.rope import rope_cos_sin, rope_inv_freq
 
 
 class CausalLM:
-    def __init__(self, spec: ModelSpec, embed: torch.Tensor, layers: list, norm: torch.Tensor, lm_head: torch.Tensor):
+    def __init__(self, spec: ModelSpec, embed: torch.Tensor, layers: list, norm: torch.Tensor, lm_head):
         self.spec, self.embed, self.layers, self.norm, self.lm_head = spec, embed, layers, norm, lm_head
         self.inv_freq = rope_inv_freq(spec.rotary_dim, spec.rope_theta).to(embed.device)
 
@@ -33,4 +33,4 @@ class CausalLM:
             h = layer(h, ctx)
         h = h[batch.logit_rows]
         h = rms_norm(h, self.norm, self.spec.rms_norm_eps, self.spec.zero_centered_norm)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()

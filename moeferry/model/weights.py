@@ -1,0 +1,33 @@
+"""Read one module's weights from the checkpoint in the format its quantization says."""
+from __future__ import annotations
+
+import torch
+
+from moeferry.checkpoint.formats import BF16, FORMATS, check_tensors, detect_scheme
+from moeferry.checkpoint.reader import CheckpointReader
+from moeferry.model.linear import Linear, QuantLinear
+
+
+class WeightLoader:
+    """Checks shapes, picks each module's format and moves tensors to the target device."""
+
+    def __init__(self, reader: CheckpointReader, dtype: torch.dtype, device):
+        self.reader, self.dtype, self.device = reader, dtype, device
+        self.scheme = detect_scheme(reader.config, reader.hf_quant_config or None)
+
+    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.reader.get(name, shape).to(device=self.device, dtype=self.dtype)
+
+    def linear(self, module: str, out: int, inp: int) -> Linear | QuantLinear:
+        fmt_name = self.scheme.format_for(module)
+        if fmt_name == BF16.format:
+            return Linear(self.tensor(f"{module}.weight", (out, inp)))
+        fmt, params = FORMATS[fmt_name], self.scheme.params_for(module)
+        suffixes = fmt.tensor_suffixes + tuple(fmt.suffix_aliases)
+        tensors = {s: self.reader.get(f"{module}.{s}") for s in suffixes if self.reader.has(f"{module}.{s}")}
+        check_tensors(module, fmt, tensors, out, inp, params)
+        packed = fmt.packed(fmt.canonical(tensors), params).to(self.device)
+        return QuantLinear(packed, fmt_name)
+
+    def is_quantized(self, module: str) -> bool:
+        return self.scheme.format_for(module) != BF16.format
