@@ -38,11 +38,11 @@ _WRAPPERS = ("model.language_model.", "language_model.model.")
 
 def canonical_module(name: str) -> str:
     """`model.language_model.X` / `language_model.model.X` -> `model.X`; any lm_head -> `lm_head`."""
+    if name in ("model.language_model.lm_head", "language_model.lm_head", "model.lm_head"):
+        return "lm_head"
     for w in _WRAPPERS:
         if name.startswith(w):
             return "model." + name[len(w):]
-    if name in ("model.language_model.lm_head", "language_model.lm_head", "model.lm_head"):
-        return "lm_head"
     return name
 
 
@@ -211,10 +211,19 @@ def _modelopt_from_config(qc: dict) -> dict:
     group_size = None
     for grp in (qc.get("config_groups") or {}).values():
         group_size = group_size or (grp.get("weights") or {}).get("group_size")
+    layers = qc.get("quantized_layers")
+    if layers is None and str(qc.get("quant_algo")).upper() == "MIXED_PRECISION":
+        layers = {}  # older exports: per-layer choices only as config_groups targets
+        for grp in (qc.get("config_groups") or {}).values():
+            w = grp.get("weights") or {}
+            bits, typ = w.get("num_bits"), w.get("type")
+            algo = "FP8" if bits == 8 else "NVFP4" if typ == "float" else f"{typ}{bits}"
+            layers.update({t: {"quant_algo": algo, "group_size": w.get("group_size")}
+                           for t in grp.get("targets") or [] if t != "Linear"})
     kv = qc.get("kv_cache_scheme")
     return {"quant_algo": qc.get("quant_algo"), "group_size": qc.get("group_size", group_size),
             "exclude_modules": qc.get("exclude_modules", qc.get("ignore")),
-            "quantized_layers": qc.get("quantized_layers"),
+            "quantized_layers": layers,
             "kv_cache_quant_algo": kv if isinstance(kv, str) or kv is None else "FP8"}
 
 

@@ -70,14 +70,14 @@ def _expand_groups(t: torch.Tensor, g: int, in_features: int) -> torch.Tensor:
     return t.repeat_interleave(g, dim=1)[:, :in_features]
 
 
-def _group_size(in_features: int, ngroups: int, params: QuantParams | None) -> int:
-    if params is not None and params.group_size:
-        return params.group_size
-    if ngroups == 1:
-        return in_features
-    if in_features % ngroups:
-        raise ValueError(f"cannot infer the group size of {ngroups} groups over {in_features} inputs")
-    return in_features // ngroups
+def _group_size(in_features: int, ngroups: int, params: QuantParams) -> int:
+    """The configured group size when the scales agree with it, else the one they imply."""
+    g = params.group_size or in_features
+    if cdiv(in_features, g) == ngroups:
+        return g
+    if in_features % ngroups == 0:
+        return in_features // ngroups
+    raise ValueError(f"{ngroups} scale groups do not fit {in_features} inputs with group size {g}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -127,7 +127,7 @@ class Int4AwqFormat(QuantFormat):
         q = unpack_int32(tensors["qweight"], AWQ_ORDER)  # [in, out]
         z = unpack_int32(tensors["qzeros"], AWQ_ORDER)   # [ngroups, out]
         s = tensors["scales"]
-        g = _group_size(q.shape[0], s.shape[0], params)
+        g = _group_size(q.shape[0], s.shape[0], self.params(params))
         return q, z, s, g
 
     def dequantize(self, tensors, out_features, in_features, dtype=torch.bfloat16, params=None):
@@ -206,7 +206,7 @@ class Int4CtFormat(QuantFormat):
     def dequantize(self, tensors, out_features, in_features, dtype=torch.bfloat16, params=None):
         u, uz = self._unsigned(tensors, out_features, in_features)
         s = tensors["weight_scale"].float()
-        g = _group_size(in_features, s.shape[1], params)
+        g = _group_size(in_features, s.shape[1], self.params(params))
         z = uz.float() if uz is not None else torch.full_like(s, 8.0)
         return ((u.float() - _expand_groups(z, g, in_features)) * _expand_groups(s, g, in_features)).to(dtype)
 
@@ -248,6 +248,6 @@ class Int4CtFormat(QuantFormat):
             raise ValueError(f"int4_ct: in_features {inp} must be even for the device layout")
         u, uz = self._unsigned(tensors, out, inp)
         s = tensors["weight_scale"]
-        g = _group_size(inp, s.shape[1], params)
+        g = _group_size(inp, s.shape[1], self.params(params))
         zeros = uz.to(torch.uint8).contiguous() if uz is not None else None
         return Int4Weight(out, inp, pack_nibbles(u), s.contiguous(), zeros, g)
