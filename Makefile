@@ -14,5 +14,8 @@ setup: $(PY)
 test: setup
 	$(PY) -m pytest tests
 
+# Without --model this serves the random-weight demo model (made in ~/.cache/moeferry on first use).
+# Pass flags with SERVE_ARGS, e.g. make serve SERVE_ARGS="--model DIR --port 8000".
+SERVE_ARGS ?=
 serve: setup
-	$(VENV)/bin/moeferry serve
+	$(VENV)/bin/moeferry serve $(SERVE_ARGS)

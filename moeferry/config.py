@@ -155,7 +155,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-seq-len-override", type=_positive_int, metavar="TOKENS",
                    help="context length (prompt + output) instead of the model's max_position_embeddings")
     g.add_argument("--max-running-requests", type=_positive_int, default=8, metavar="N",
-                   help="sequences decoding at once; also the number of recurrent-state slots (default: 8)")
+                   help="sequences decoding at once (default: 8); recurrent-state slots are this, or "
+                   "2N + 8 with the prefix cache (it keeps state checkpoints)")
     g.add_argument("--max-extend-tokens", "--max-prefill-length", dest="max_extend_tokens", type=_positive_int,
                    default=8192, metavar="TOKENS",
                    help="new prompt tokens per step; longer prompts are prefilled in chunks (default: 8192)")
@@ -164,13 +165,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("api")
     g.add_argument("--max-output-tokens", type=_positive_int, metavar="TOKENS",
-                   help="max_tokens of a request that sets none (default: the rest of the context)")
+                   help="max_tokens of a request that sets none (default: generation_config.json's "
+                   "max_new_tokens with --sampling-defaults model, else the rest of the context)")
     g.add_argument("--sampling-defaults", choices=("openai", "model"), default="model",
                    help="where unset sampling fields come from: model = the checkpoint's generation_config.json "
                    "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), then OpenAI's "
                    "defaults; openai = OpenAI's defaults only (default: model)")
     g.add_argument("--enable-cache-report", action="store_true",
                    help="report prefix-cache hits in usage.prompt_tokens_details.cached_tokens")
+    _mark_not_built(p)
+
+
+def _mark_not_built(p: argparse.ArgumentParser) -> None:
+    """Say in --help which flags (or values) are refused for now, from the NOT_BUILT table."""
+    by_option = {opt: action for action in p._actions for opt in action.option_strings}
+    for n in NOT_BUILT:
+        action = by_option[n.flag.split()[0]]
+        what = f"'{n.flag.split()[1]}'" if " " in n.flag else "this flag"
+        action.help = f"{action.help}. [{what} is not supported yet: it comes with {n.comes_with}]"
 
 
 # ---------------------------------------------------------------- the config
@@ -190,6 +202,7 @@ class ServeConfig:
     expert_load: str  # resolved: serial
     max_seq_len: int  # context length, prompt + output
     model_max_seq_len: int  # the checkpoint's max_position_embeddings
+    vocab_size: int
     page_size: int
     num_pages: int
     num_state_slots: int
@@ -220,12 +233,15 @@ class ServeConfig:
         path = Path(model_dir)
         if not (path / "config.json").is_file():
             raise ConfigError(f"--model {model_dir}: no config.json there (expected a Hugging Face model directory)")
-        model_max = _model_max_seq_len(path)
+        spec = _model_spec(path)
+        model_max = spec.max_position_embeddings
         max_seq_len = args.max_seq_len_override or model_max
         if args.num_pages is not None:
             num_pages = args.num_pages
         else:
             num_pages = -(-(args.num_tokens or max_seq_len) // args.page_size)
+        # A sequence can never outgrow the KV pool, so the pool bounds the context too.
+        max_seq_len = min(max_seq_len, num_pages * args.page_size)
         device = _resolve_device(args.device)
         from moeferry.engine.engine import resolve_dtype
 
@@ -237,8 +253,9 @@ class ServeConfig:
         return cls(
             model_dir=str(path.resolve()), served_model_name=name, is_demo=is_demo, host=args.host,
             port=args.port, log_level=args.log_level, device=device, dtype=dtype, moe_backend="resident",
-            expert_load="serial", max_seq_len=max_seq_len, model_max_seq_len=model_max, page_size=args.page_size,
-            num_pages=num_pages, num_state_slots=args.max_running_requests,
+            expert_load="serial", max_seq_len=max_seq_len, model_max_seq_len=model_max,
+            vocab_size=spec.vocab_size, page_size=args.page_size,
+            num_pages=num_pages, num_state_slots=_state_slots(args.max_running_requests, args.prefix_cache),
             max_running_requests=args.max_running_requests, max_extend_tokens=args.max_extend_tokens,
             prefix_cache=args.prefix_cache, max_output_tokens=args.max_output_tokens,
             sampling_defaults=args.sampling_defaults, enable_cache_report=args.enable_cache_report,
@@ -256,6 +273,7 @@ class ServeConfig:
             ("expert load", self.expert_load),
             ("context", f"{self.max_seq_len} tokens" + ("" if self.max_seq_len == self.model_max_seq_len
                                                          else f" (model: {self.model_max_seq_len})")),
+            ("vocabulary", str(self.vocab_size)),
             ("kv pool", f"{self.kv_tokens} tokens = {self.num_pages} pages x {self.page_size}"),
             ("state slots", str(self.num_state_slots)),
             ("running requests", f"at most {self.max_running_requests}"),
@@ -270,12 +288,18 @@ class ServeConfig:
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
-def _model_max_seq_len(path: Path) -> int:
+def _state_slots(max_running: int, prefix_cache: bool) -> int:
+    """One recurrent-state slot per running sequence, plus room for the prefix cache's GDN
+    checkpoints (the same rule as `LLM`)."""
+    return 2 * max_running + 8 if prefix_cache else max_running
+
+
+def _model_spec(path: Path):
     from moeferry.checkpoint.reader import CheckpointError, CheckpointReader
     from moeferry.model.registry import resolve_spec
 
     try:
-        return resolve_spec(CheckpointReader(str(path))).max_position_embeddings
+        return resolve_spec(CheckpointReader(str(path)))
     except CheckpointError as e:
         raise ConfigError(f"--model {path}: {e}") from None
 

@@ -45,7 +45,7 @@ def expand(t, g, n):
 def test_registry_has_one_entry_per_format():
     assert list(FORMATS) == ["bf16", "fp8_tensor", "fp8_block", "nvfp4", "nvfp4_ct", "int4_awq", "int4_ct"]
     for name, fmt in FORMATS.items():
-        assert fmt.name == name and fmt.kernels is None
+        assert fmt.name == name  # `kernels` is filled in by the GPU MoE backend when it is imported
         assert set(fmt.expected_shapes(OUT, IN)) <= set(fmt.tensor_suffixes)
 
 
@@ -489,7 +489,8 @@ def test_presets_write_what_their_config_declares(preset):
     assert f["model.layers.0.mlp.gate"] == f["model.layers.0.mlp.shared_expert_gate"] == "bf16"
     if preset == "mixed_nvfp4":
         assert f["model.layers.0.mlp.experts.7.gate_proj"] == f["lm_head"] == "nvfp4"
-        assert f["model.layers.0.self_attn.q_proj"] == f["model.layers.0.mlp.shared_expert.down_proj"] == "fp8_tensor"
+        assert f["model.layers.0.self_attn.q_proj"] == "fp8_tensor"
+        assert f["model.layers.0.mlp.shared_expert.down_proj"] == "nvfp4"  # as in the NVIDIA release
         assert f["model.layers.0.linear_attn.in_proj_qkv"] == "fp8_tensor"
         assert f["model.layers.0.linear_attn.in_proj_a"] == "bf16"
         assert "model.layers.0.mlp.experts" in hq["quantization"]["quantized_layers"]

@@ -74,6 +74,7 @@ class Rejected:
     request_id: str
     code: str
     message: str
+    param: str | None = None
 
 
 @dataclass(frozen=True)

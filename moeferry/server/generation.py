@@ -1,0 +1,242 @@
+"""The API process's side of a generation: prompt -> token ids -> worker -> text pieces.
+
+`Frontend` owns the tokenizer, the sampling defaults and the supervisor. `Frontend.start`
+tokenizes, checks the context, resolves the sampling parameters, submits the request and
+waits for the worker to accept it, so every refusal is an HTTP error before any byte of a
+response is sent. The returned `Generation` is iterated for `Piece`s of text: detokenized
+here, with stop strings matched in the text (the worker is told to abort when one matches).
+Closing a `Generation` before it finished (client gone) aborts it in the worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from moeferry.scheduler.request import Request, TokenEvent, TokenLogprob
+from moeferry.scheduler.sampling import SamplingParamError, SamplingParams
+from moeferry.server.messages import Accepted, Rejected
+from moeferry.server.protocol import ApiError, SamplingFields, bad_request
+from moeferry.server.stats import ServerStats
+from moeferry.server.supervisor import Supervisor, Unavailable, WorkerDied
+from moeferry.text.detokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("moeferry.api")
+
+# generation_config.json key -> SamplingParams field, for --sampling-defaults model.
+MODEL_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+# Request fields copied into SamplingParams when set.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "seed", "min_tokens", "ignore_eos")
+
+
+def model_sampling_defaults(model_dir: str) -> dict:
+    """The sampling fields generation_config.json sets (SamplingParams names)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        cfg = json.loads(path.read_text())
+    except ValueError as e:
+        log.warning("ignoring unreadable %s: %s", path, e)
+        return {}
+    return {field: cfg[key] for key, field in MODEL_DEFAULT_KEYS.items() if cfg.get(key) is not None}
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None  # set on the last piece: stop | length
+
+
+def engine_failure(message: str) -> ApiError:
+    return ApiError(500, message, "server_error", None, "engine_error")
+
+
+def worker_died(item: WorkerDied) -> ApiError:
+    return ApiError(503, item.message, "server_error", None, "worker_died")
+
+
+class Frontend:
+    def __init__(self, supervisor: Supervisor, tokenizer, *, max_seq_len: int, vocab_size: int,
+                 default_max_tokens: int | None, sampling_defaults: dict, stats: ServerStats):
+        self.supervisor = supervisor
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len
+        self.vocab_size = vocab_size
+        self.default_max_tokens = default_max_tokens
+        self.defaults = sampling_defaults
+        self.stats = stats
+
+    # ------------------------------------------------------------ parameters
+
+    def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        fields = {}
+        for name in SAMPLING_FIELDS:
+            value = getattr(req, name)
+            if value is None:
+                value = self.defaults.get(name)
+            if value is not None:
+                fields[name] = value
+        if max_tokens is None:
+            max_tokens = self.default_max_tokens or self.defaults.get("max_tokens")  # None: rest of the context
+        fields["max_tokens"] = max_tokens
+        if req.stop is not None:
+            fields["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+        if req.stop_token_ids:
+            fields["stop_token_ids"] = tuple(req.stop_token_ids)
+        fields["logprobs"] = logprobs
+        try:
+            params = SamplingParams(**fields)
+            params.validate()
+        except SamplingParamError as e:
+            raise bad_request(str(e), param=e.param, code="invalid_value") from None
+        except (TypeError, ValueError) as e:
+            raise bad_request(f"invalid sampling parameters: {e}", code="invalid_value") from None
+        return params
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise bad_request("the prompt is empty", param=param)
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param)
+        if len(ids) >= self.max_seq_len:
+            raise bad_request(f"This model's maximum context length is {self.max_seq_len} tokens. However, your "
+                              f"prompt has {len(ids)} tokens, leaving no room for output. Please shorten it.",
+                              param=param, code="context_length_exceeded")
+
+    # ------------------------------------------------------------ running
+
+    async def start(self, prompt_ids: list[int], params: SamplingParams, prefix: str) -> "Generation":
+        """Submit and wait until the worker accepted the request; raises ApiError otherwise."""
+        rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue = asyncio.Queue()
+
+        def sink(item) -> None:  # called on the supervisor thread
+            loop.call_soon_threadsafe(items.put_nowait, item)
+
+        try:
+            request = Request(rid, list(prompt_ids), params)
+        except (ValueError, RuntimeError) as e:
+            raise bad_request(f"invalid request: {e}") from None
+        try:
+            self.supervisor.submit(request, sink)
+        except Unavailable as e:
+            self.stats.requests_rejected += 1
+            raise ApiError(503, str(e), "server_error", None, f"server_{e.state}") from None
+        gen = Generation(self, rid, len(prompt_ids), params, items)
+        try:
+            first = await items.get()
+        except BaseException:  # cancelled while waiting (client gone)
+            gen.close()
+            raise
+        if isinstance(first, Rejected):
+            self.stats.requests_rejected += 1
+            gen.finished = True
+            if first.code == "internal_error":
+                raise engine_failure(first.message)
+            raise bad_request(first.message, param=first.param, code=first.code)
+        if isinstance(first, WorkerDied):
+            self.stats.requests_failed += 1
+            gen.finished = True
+            raise worker_died(first)
+        assert isinstance(first, Accepted), first
+        self.stats.requests_total += 1
+        return gen
+
+
+class Generation:
+    """One request the worker accepted. Iterate for pieces; close() aborts it if unfinished."""
+
+    def __init__(self, frontend: Frontend, request_id: str, prompt_len: int, params: SamplingParams,
+                 items: asyncio.Queue):
+        self.frontend = frontend
+        self.request_id = request_id
+        self.items = items
+        self.prompt_tokens = prompt_len
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self.finished = False
+        self.started = time.monotonic()
+        self._first = True
+        self._detok = IncrementalDetokenizer(frontend.tokenizer, tuple(params.stop))
+
+    async def pieces(self):
+        """Yield Pieces until the last one (finish_reason set). Raises ApiError on failure."""
+        stats = self.frontend.stats
+        try:
+            while not self.finished:
+                item = await self.items.get()
+                if isinstance(item, WorkerDied):
+                    self.finished = True
+                    stats.requests_failed += 1
+                    raise worker_died(item)
+                piece = self._on_event(item)
+                if piece is not None:
+                    yield piece
+        finally:
+            self.close()
+
+    def _on_event(self, ev: TokenEvent) -> Piece | None:
+        stats = self.frontend.stats
+        if self._first:
+            self._first = False
+            self.prompt_tokens = ev.prompt_tokens or self.prompt_tokens
+            self.cached_tokens = ev.cached_tokens or 0
+            stats.prefilled(self.prompt_tokens, self.cached_tokens)
+        else:
+            self.cached_tokens = max(self.cached_tokens, ev.cached_tokens or 0)
+        if ev.finish_reason == "error" or (ev.finished and ev.finish_reason not in ("stop", "length")):
+            self.finished = True
+            stats.requests_failed += 1
+            raise engine_failure(ev.error or f"the engine ended the request ({ev.finish_reason})")
+        self.completion_tokens += len(ev.token_ids)
+        stats.generated(len(ev.token_ids))
+        try:
+            text = self._detok.feed(ev.token_ids)
+            if self._detok.stopped:  # a stop string ended the output: the worker stops too
+                self.finished = True
+                self.frontend.supervisor.abort(self.request_id)
+                stats.requests_finished += 1
+                self._log_done(f"stop string {self._detok.stop_reason!r}")
+                return Piece(text, ev.token_ids, ev.logprobs, "stop")
+            if ev.finished:
+                text += self._detok.flush()
+        except Exception as e:  # noqa: BLE001 - a detokenizer failure fails this request only
+            log.exception("detokenizing %s failed", self.request_id)
+            self.finished = True
+            self.frontend.supervisor.abort(self.request_id)
+            stats.requests_failed += 1
+            raise engine_failure(f"detokenizing the output failed: {type(e).__name__}: {e}") from None
+        if ev.finished:
+            self.finished = True
+            stats.requests_finished += 1
+            self._log_done(ev.finish_reason)
+            return Piece(text, ev.token_ids, ev.logprobs, ev.finish_reason)
+        if not text and not ev.logprobs:
+            return None
+        return Piece(text, ev.token_ids, ev.logprobs, None)
+
+    def _log_done(self, why: str) -> None:
+        log.info("%s done (%s): %d prompt tokens (%d cached), %d generated, %.2f s", self.request_id, why,
+                 self.prompt_tokens, self.cached_tokens, self.completion_tokens, time.monotonic() - self.started)
+
+    def close(self) -> None:
+        """Abort in the worker unless finished. Idempotent."""
+        if not self.finished:
+            self.finished = True
+            self.frontend.stats.requests_aborted += 1
+            log.info("request %s aborted before it finished", self.request_id)
+            self.frontend.supervisor.abort(self.request_id)
+
+    def token_text(self, token_id: int) -> str:
+        return self.frontend.tokenizer.decode([token_id])

@@ -1,0 +1,278 @@
+"""OpenAI wire format: request and response models (pydantic) and the error body.
+
+Requests forbid unknown fields, so a misspelt parameter is a 400 naming it rather than a
+silently ignored setting. Parameters OpenAI defines that this server does not implement are
+declared and refused with a clear message (see `unsupported()`), never ignored. Non-OpenAI
+sampling fields (top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos)
+are accepted the way vLLM and SGLang accept them (the openai client's `extra_body`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ApiError(Exception):
+    """An error the client gets as OpenAI's error body with `status`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param, code)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+# Ranges are checked by SamplingParams.validate(); these bounds only keep integers inside what the
+# sampler's int64 tensors and torch.Generator seeds can hold.
+_INT32 = 2**31 - 1
+
+
+class SamplingFields(_Request):
+    """Sampling fields shared by both endpoints; None = not set (a default applies)."""
+    model: str
+    max_tokens: Optional[int] = Field(default=None, le=_INT32)
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = Field(default=None, le=_INT32)
+    min_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    min_tokens: Optional[int] = Field(default=None, le=_INT32)
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: Optional[bool] = None
+    n: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None  # an end-user id for the caller's own bookkeeping; logged, nothing else
+    logit_bias: Optional[dict[str, float]] = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(param, why) for set parameters this server does not implement."""
+        out = []
+        if self.n not in (None, 1):
+            out.append(("n", "n > 1 is not supported yet: send n requests"))
+        if self.logit_bias:
+            out.append(("logit_bias", "logit_bias is not supported yet"))
+        return out
+
+
+# ---------------------------------------------------------------- chat
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: Union[str, dict[str, Any]] = ""
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    # Unknown message keys are kept and handed to the chat template (which may use them).
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
+
+
+class ResponseFormat(_Request):
+    type: str
+    json_schema: Optional[dict[str, Any]] = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, le=_INT32)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    response_format: Optional[ResponseFormat] = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.tool_choice not in (None, "none", "auto"):
+            out.append(("tool_choice", "tool_choice 'required' or a named function is not supported yet "
+                                       "(it needs constrained decoding); use 'auto' or 'none'"))
+        if self.response_format is not None and self.response_format.type != "text":
+            out.append(("response_format", f"response_format '{self.response_format.type}' is not supported yet"))
+        return out
+
+
+# ---------------------------------------------------------------- completions
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.echo:
+            out.append(("echo", "echo is not supported yet"))
+        if self.suffix:
+            out.append(("suffix", "suffix (fill-in-the-middle) is not supported yet"))
+        if self.best_of not in (None, 1):
+            out.append(("best_of", "best_of > 1 is not supported yet"))
+        return out
+
+
+# ---------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class TokenLogprobOut(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChoiceLogprobs(BaseModel):
+    content: Optional[list[TokenLogprobOut]] = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "moeferry"
+    max_model_len: int
+    root: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

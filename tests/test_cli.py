@@ -1,0 +1,170 @@
+"""`serve`'s command line and ServeConfig: the users' seed line, unbuilt flags, resolution, --help."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moeferry import cli
+from moeferry.config import (DEFAULT_HOST, DEFAULT_PORT, DEMO_MODEL_NAME, NOT_BUILT, ConfigError, ServeConfig,
+                             add_serve_arguments, parse_bytes)
+
+SEED_LINE = ("serve --model {model} --served-model-name NAME --host 0.0.0.0 --port 1919 "
+             "--moe-backend offload --moe-cache-auto --kv-reserve-tokens 131072 "
+             "--max-seq-len-override 131072 --max-running-requests 1 --max-output-tokens 4096 "
+             "--sampling-defaults model --enable-cache-report")
+# Exactly the seed line's flags whose feature is not built yet.
+SEED_REFUSED = ["--moe-backend offload", "--moe-cache-auto", "--kv-reserve-tokens"]
+# The whole table of unbuilt flags (a new feature removes its row here and in config.NOT_BUILT).
+ALL_REFUSED = {
+    "--moe-backend offload": ["--moe-backend", "offload"],
+    "--moe-backend cpu": ["--moe-backend", "cpu"],
+    "--moe-backend hybrid": ["--moe-backend", "hybrid"],
+    "--moe-cache-size": ["--moe-cache-size", "100"],
+    "--moe-cache-rate": ["--moe-cache-rate", "0.5"],
+    "--moe-cache-auto": ["--moe-cache-auto"],
+    "--kv-reserve-tokens": ["--kv-reserve-tokens", "1024"],
+    "--memory-ratio": ["--memory-ratio", "0.9"],
+    "--gpu-memory-limit": ["--gpu-memory-limit", "16GiB"],
+    "--expert-load parallel": ["--expert-load", "parallel"],
+}
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    return p.parse_args(list(argv))
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return str(checkpoint("qwen3_5_moe"))
+
+
+def test_seed_line_is_refused_for_exactly_the_unbuilt_flags(model):
+    """`ft serve` with the users' line verbatim (plus --device cpu): refused, naming each unbuilt flag."""
+    ft = Path(sys.executable).with_name("ft")
+    cmd = [str(ft)] if ft.exists() else [sys.executable, "-m", "moeferry.cli"]
+    argv = SEED_LINE.format(model=model).split() + ["--device", "cpu"]
+    r = subprocess.run(cmd + argv, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    refused = [line.split(" is not supported yet")[0].removeprefix("moeferry serve: error: ")
+               for line in r.stderr.strip().splitlines() if "is not supported yet: it comes with the" in line]
+    assert refused == SEED_REFUSED, r.stderr
+
+
+def test_seed_line_without_the_unbuilt_flags_resolves(model):
+    argv = SEED_LINE.format(model=model).split()[1:]
+    for flag in ("--moe-backend", "offload", "--moe-cache-auto", "--kv-reserve-tokens", "131072"):
+        argv.remove(flag)
+    cfg = ServeConfig.from_args(parse(*argv, "--device", "cpu"))
+    assert (cfg.served_model_name, cfg.host, cfg.port) == ("NAME", "0.0.0.0", 1919)
+    assert cfg.max_seq_len == 131072 and cfg.model_max_seq_len == 4096
+    assert cfg.kv_tokens == 131072 and cfg.max_running_requests == 1 and cfg.num_state_slots == 10
+    assert cfg.max_output_tokens == 4096 and cfg.sampling_defaults == "model" and cfg.enable_cache_report
+    assert (cfg.device, cfg.dtype, cfg.moe_backend) == ("cpu", "float32", "resident")
+    table = cfg.table()
+    for row in ("device", "dtype", "moe backend", "kv pool", "state slots", "131072 tokens"):
+        assert row in table
+
+
+def test_not_built_table_is_pinned():
+    assert [n.flag for n in NOT_BUILT] == list(ALL_REFUSED)
+
+
+@pytest.mark.parametrize("flag", list(ALL_REFUSED))
+def test_each_unbuilt_flag_is_refused_with_its_issue(flag, model):
+    with pytest.raises(ConfigError) as e:
+        ServeConfig.from_args(parse("--model", model, "--device", "cpu", *ALL_REFUSED[flag]))
+    assert str(e.value).startswith(f"{flag} is not supported yet: it comes with the ")
+    assert "\n" not in str(e.value)
+
+
+def test_defaults_and_aliases(model):
+    a = parse("--model", model)
+    assert (a.host, a.port) == (DEFAULT_HOST, DEFAULT_PORT) == ("127.0.0.1", 1919)
+    assert a.max_extend_tokens == 8192 and a.page_size == 1 and a.moe_backend == "auto"
+    assert parse("--max-prefill-length", "512").max_extend_tokens == 512
+    assert parse("--max-extend-tokens", "256").max_extend_tokens == 256
+    cfg = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--num-tokens", "1000",
+                                      "--page-size", "16", "--no-prefix-cache", "--max-running-requests", "3"))
+    assert cfg.num_pages == 63 and cfg.kv_tokens == 1008  # rounded up to whole pages
+    assert cfg.max_seq_len == 1008  # the pool bounds the context
+    assert cfg.num_state_slots == 3 and not cfg.prefix_cache
+    assert cfg.served_model_name == Path(model).name
+
+
+@pytest.mark.parametrize("argv", [
+    ["--num-tokens", "10", "--num-pages", "10"],
+    ["--moe-cache-size", "10", "--moe-cache-auto"],
+    ["--moe-cache-rate", "0.5", "--moe-cache-auto"],
+    ["--port", "70000"],
+    ["--max-running-requests", "0"],
+    ["--gpu-memory-limit", "lots"],
+    ["--memory-ratio", "1.5"],
+    ["--device", "tpu"],
+    ["--moe-backend", "magic"],
+])
+def test_invalid_flags_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(*argv)
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_parse_bytes():
+    assert parse_bytes("16GiB") == 16 * 2**30
+    assert parse_bytes("500MB") == 500 * 10**6
+    assert parse_bytes("1.5 GiB") == int(1.5 * 2**30)
+    assert parse_bytes("4096") == 4096
+
+
+def test_missing_model_dir_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        ServeConfig.from_args(parse("--model", str(tmp_path), "--device", "cpu"))
+
+
+def test_cuda_without_cuda_is_refused(model):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        ServeConfig.from_args(parse("--model", model, "--device", "cuda"))
+
+
+def test_help_documents_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    text = capsys.readouterr().out
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    for action in p._actions:
+        for opt in action.option_strings:
+            assert opt in text, opt
+        assert action.help, action.option_strings
+    for n in NOT_BUILT:
+        assert n.comes_with.split(" (")[0] in " ".join(text.split())
+
+
+def test_cli_refusal_exits_2_before_loading(model, capsys):
+    assert cli.main(["serve", "--model", model, "--device", "cpu", "--memory-ratio", "0.8"]) == 2
+    assert "--memory-ratio is not supported yet" in capsys.readouterr().err
+
+
+def test_demo_model_is_made_once_in_the_cache_dir(tmp_path, monkeypatch):
+    from moeferry.server import demo
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = Path(demo.ensure_demo_model())
+    assert path.parent == tmp_path / "moeferry" and (path / "config.json").is_file()
+    assert (path / "tokenizer.json").is_file() and (path / "chat_template.jinja").is_file()
+    stamp = (path / "config.json").stat().st_mtime_ns
+    assert demo.ensure_demo_model() == str(path) and (path / "config.json").stat().st_mtime_ns == stamp
+    assert [p.name for p in (tmp_path / "moeferry").iterdir()] == [path.name]  # no half-built leftovers
+    cfg = ServeConfig.from_args(parse("--device", "cpu"), demo_model=demo.ensure_demo_model)
+    assert cfg.is_demo and cfg.served_model_name == DEMO_MODEL_NAME == "moeferry-demo-random-weights"
+    assert cfg.model_dir == str(path) and "random weights" in cfg.table()

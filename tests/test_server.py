@@ -1,0 +1,247 @@
+"""End to end: the real server (subprocess, loopback, tiny checkpoint, CPU) through the openai client.
+
+The module's server is started with our users' seed command line minus the flags whose
+feature is not built yet (test_server_config.py pins exactly which those are).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from moeferry.text.tokenizer import Tokenizer
+
+BOOT_TIMEOUT_S = 180.0
+NAME = "tiny-seed"
+SEED_LINE_BUILT = [  # the users' command line without --moe-backend offload --moe-cache-auto --kv-reserve-tokens
+    "--served-model-name", NAME, "--host", "127.0.0.1", "--max-seq-len-override", "131072",
+    "--max-running-requests", "1", "--max-output-tokens", "4096", "--sampling-defaults", "model",
+    "--enable-cache-report",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`moeferry serve` in a subprocess; its output goes to a log file shown on failure."""
+
+    def __init__(self, model_dir: Path, args: list[str], log_path: Path):
+        self.port = free_port()
+        self.log_path = log_path
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "moeferry.cli", "serve", "--model", str(model_dir), "--port", str(self.port),
+               "--device", "cpu", *args]
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.http = httpx.Client(base_url=self.url, timeout=30.0)
+
+    def log(self, tail: int | None = 6000) -> str:
+        text = self.log_path.read_text(errors="replace")
+        return text[-tail:] if tail else text
+
+    def health(self) -> dict:
+        return self.http.get("/health").json()
+
+    def wait_ok(self, timeout: float = BOOT_TIMEOUT_S, not_pid: int | None = None) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}:\n{self.log()}"
+            try:
+                h = self.health()
+                if h["status"] == "ok" and h["worker_pid"] != not_pid:
+                    return h
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"server not ok within {timeout} s:\n{self.log()}")
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120.0, **kw)
+
+    def stats(self) -> dict:
+        return self.http.get("/v1/stats").json()
+
+    def stop(self) -> None:
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+
+def model_copy(checkpoint, dest: Path, **generation) -> Path:
+    """The tiny qwen3_5_moe checkpoint with generation_config.json fields replaced."""
+    src = Path(checkpoint("qwen3_5_moe"))
+    shutil.copytree(src, dest)
+    path = dest / "generation_config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(generation)
+    path.write_text(json.dumps(cfg))
+    return dest
+
+
+def start_server(model_dir: Path, args: list[str], log_path: Path) -> ServerProcess:
+    server = ServerProcess(model_dir, args, log_path)
+    try:
+        server.wait_ok()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+# The checkpoint's generation_config.json makes sampling greedy by default (top_k 1), so a
+# request that sets no sampling field must give the greedy text whatever its seed.
+@pytest.fixture(scope="module")
+def model_dir(checkpoint, tmp_path_factory):
+    return model_copy(checkpoint, tmp_path_factory.mktemp("served") / "tiny", top_k=1, temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    s = start_server(model_dir, SEED_LINE_BUILT, tmp_path_factory.mktemp("logs") / "server.log")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return Tokenizer.from_dir(model_dir)
+
+
+GREEDY = dict(temperature=0.0)
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers."}]
+
+
+def test_models_lists_the_served_name(client, server):
+    models = client.models.list().data
+    assert [m.id for m in models] == [NAME]
+    assert models[0].model_extra["max_model_len"] == 131072
+    log = server.log(tail=None)
+    assert "served as          tiny-seed" in log and "kv pool            131072 tokens" in log  # the boot table
+
+
+def test_chat_stream_equals_non_stream_and_usage(client, tokenizer):
+    full = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=12, **GREEDY)
+    text = full.choices[0].message.content
+    expected_prompt = len(tokenizer.encode(tokenizer.apply_chat_template(MESSAGES)))
+    assert full.usage.prompt_tokens == expected_prompt
+    assert full.usage.completion_tokens == 12 or full.choices[0].finish_reason == "stop"
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    assert full.choices[0].finish_reason in ("length", "stop")
+    assert text
+
+    stream = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY)
+    chunks = list(stream)
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(deltas) == text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == expected_prompt
+
+
+def test_completions_string_and_token_ids(client, tokenizer):
+    prompt = "def fibonacci(n):"
+    by_text = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, **GREEDY)
+    ids = tokenizer.encode(prompt)
+    by_ids = client.completions.create(model=NAME, prompt=ids, max_tokens=8, **GREEDY)
+    assert by_text.choices[0].text == by_ids.choices[0].text
+    assert by_text.usage.prompt_tokens == by_ids.usage.prompt_tokens == len(ids)
+    stream = client.completions.create(model=NAME, prompt=ids, max_tokens=8, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in stream) == by_ids.choices[0].text
+
+
+def test_completion_text_is_the_decoded_tokens(client, tokenizer):
+    """logprobs: the chosen tokens decode to the text; the chosen token is the top-1 under greedy."""
+    out = client.completions.create(model=NAME, prompt="The quick brown fox", max_tokens=6, logprobs=3, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == out.usage.completion_tokens
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and max(top.values()) == pytest.approx(chosen)
+    assert "".join(lp.tokens) == out.choices[0].text
+
+
+def test_chat_logprobs(client):
+    out = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=5, logprobs=True,
+                                         top_logprobs=2, **GREEDY)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 2 and item.logprob <= 0.0
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob)
+        assert sum(2.718281828 ** t.logprob for t in item.top_logprobs) <= 1.0 + 1e-5
+
+
+def test_cached_tokens_on_a_repeated_prefix(client, tokenizer):
+    first = tokenizer.encode("A long shared system preamble about rivers, mountains and the sea. " * 3)
+    out1 = client.completions.create(model=NAME, prompt=first, max_tokens=2, **GREEDY)
+    assert out1.usage.prompt_tokens_details.cached_tokens == 0
+    second = first + tokenizer.encode(" And now a different question entirely?")
+    out2 = client.completions.create(model=NAME, prompt=second, max_tokens=2, **GREEDY)
+    cached = out2.usage.prompt_tokens_details.cached_tokens
+    assert len(first) <= cached < len(second)
+
+
+def test_tools_and_template_kwargs_reach_the_template(client, tokenizer):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    out = client.chat.completions.create(model=NAME, messages=MESSAGES, tools=tools, max_tokens=1,
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    text = tokenizer.apply_chat_template(MESSAGES, tools=tools, enable_thinking=False)
+    assert "get_weather" in text and "</think>" in text
+    assert out.usage.prompt_tokens == len(tokenizer.encode(text))
+
+
+def test_sampling_defaults_come_from_generation_config(client):
+    """generation_config.json sets top_k=1: unseeded/seeded requests with no sampling fields are greedy."""
+    greedy = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=8, **GREEDY)
+    for seed in (1, 2):
+        out = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=8, seed=seed)
+        assert out.choices[0].text == greedy.choices[0].text
+
+
+def test_stop_string_ends_the_text(client):
+    base = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=10, **GREEDY)
+    text = base.choices[0].text
+    stop = text[3:6]
+    assert stop
+    out = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=10, stop=[stop], **GREEDY)
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == text[:text.index(stop)]
+
+
+def test_stats_count_requests_and_pools(server):
+    stats = server.stats()
+    assert stats["status"] == "ok" and stats["restarts"] == 0
+    assert stats["requests"]["finished"] >= 5 and stats["requests"]["failed"] == 0
+    assert stats["tokens"]["completion"] > 0 and stats["tokens"]["cached"] > 0
+    assert stats["kv"]["tokens_total"] == 131072
+    assert stats["state_slots"]["total"] == 2 * 1 + 8
+    assert set(stats["throughput"]) == {"window_s", "prefill_tokens_per_s", "decode_tokens_per_s"}

@@ -1,0 +1,170 @@
+"""The worker loop and supervisor with a fake scheduler (the real worker process, the real messages):
+one request's failure stays with it, a failing step fails its batch and the worker goes on, and a
+worker that keeps dying puts the supervisor in `error` with the reason instead of looping."""
+from __future__ import annotations
+
+import argparse
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from moeferry.config import ServeConfig, add_serve_arguments
+from moeferry.scheduler.request import TokenEvent
+from moeferry.scheduler.scheduler import RequestRejected
+from moeferry.server.app import build_server, create_app, worker_spec
+from moeferry.server.supervisor import ERROR, OK, Supervisor
+
+ADD_FAILS, PROCESSING_FAILS, STEP_FAILS = 7, 13, 17  # prompt tokens that trigger each failure
+
+
+class FakeScheduler:
+    """Echoes each prompt back one token per step. A prompt holding ADD_FAILS makes add() raise,
+    PROCESSING_FAILS makes its own processing fail (an error event, as the real scheduler reports a
+    per-request failure), STEP_FAILS makes the whole step() raise."""
+
+    def __init__(self, max_seq_len: int):
+        self.max_seq_len = max_seq_len
+        self.reqs: dict[str, list] = {}
+
+    def add(self, req) -> None:
+        if ADD_FAILS in req.prompt_ids:
+            raise RuntimeError("fake add failure")
+        if len(req.prompt_ids) >= self.max_seq_len // 2:
+            raise RequestRejected("fake limit: prompt too long", "context_length_exceeded", "prompt")
+        self.reqs[req.request_id] = [req, 0]
+
+    def abort(self, request_id: str) -> None:
+        self.reqs.pop(request_id, None)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.reqs)
+
+    def step(self) -> list[TokenEvent]:
+        time.sleep(0.02)
+        if any(STEP_FAILS in r.prompt_ids for r, _ in self.reqs.values()):
+            self.reqs.clear()
+            raise RuntimeError("fake step failure")
+        events = []
+        for rid, entry in list(self.reqs.items()):
+            req, n = entry
+            if PROCESSING_FAILS in req.prompt_ids:
+                del self.reqs[rid]
+                events.append(TokenEvent(rid, [], None, True, "error", len(req.prompt_ids), 0, "fake request failure"))
+                continue
+            entry[1] = n + 1
+            done = entry[1] >= (req.params.max_tokens or 4)
+            if done:
+                del self.reqs[rid]
+            events.append(TokenEvent(rid, [req.prompt_ids[n % len(req.prompt_ids)]], None, done,
+                                     "length" if done else None, len(req.prompt_ids), 0))
+        return events
+
+    def stats(self) -> dict:
+        return {"running": len(self.reqs), "waiting": 0}
+
+
+def fake_factory(spec, progress):
+    progress("fake loading", 0.5)
+    return FakeScheduler(spec.max_seq_len), dict(vocab_size=4096, max_seq_len=spec.max_seq_len, eos_token_ids=())
+
+
+def dies_at_boot(spec, progress):
+    raise RuntimeError("fake checkpoint is corrupt")
+
+
+def _config(model: str) -> ServeConfig:
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    return ServeConfig.from_args(p.parse_args(["--model", model, "--device", "cpu", "--served-model-name", "fake",
+                                               "--max-seq-len-override", "64"]))
+
+
+@pytest.fixture(scope="module")
+def fake_server(checkpoint):
+    """The real app in this process (uvicorn in a thread) over a worker running FakeScheduler."""
+    server = build_server(_config(str(checkpoint("qwen3_5_moe"))), factory=f"{__name__}:fake_factory")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health").json()["status"] == "ok":
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    else:
+        raise AssertionError("fake server did not come up")
+    yield server, openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    uv.should_exit = True
+    thread.join(20)
+
+
+def test_one_failing_request_fails_alone(fake_server):
+    server, client = fake_server
+    pid = server.supervisor.pid
+    results: dict[str, object] = {}
+
+    def run(name, prompt, max_tokens=30):
+        try:
+            results[name] = client.completions.create(model="fake", prompt=prompt, max_tokens=max_tokens)
+        except openai.APIError as e:
+            results[name] = e
+
+    healthy = threading.Thread(target=run, args=("healthy", [100, 200, 300]))
+    healthy.start()
+    time.sleep(0.2)  # the healthy request is running in the worker while the others fail
+    run("add", [1, ADD_FAILS])
+    run("processing", [1, PROCESSING_FAILS])
+    healthy.join(60)
+    for name in ("add", "processing"):
+        assert isinstance(results[name], openai.InternalServerError), results[name]
+        assert results[name].status_code == 500
+    assert "fake add failure" in str(results["add"]) and "fake request failure" in str(results["processing"])
+    ok = results["healthy"]
+    assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 30
+    assert server.supervisor.pid == pid and server.supervisor.restarts == 0
+
+
+def test_a_failing_step_fails_its_batch_and_the_worker_goes_on(fake_server):
+    server, client = fake_server
+    pid = server.supervisor.pid
+    with pytest.raises(openai.InternalServerError, match="fake step failure"):
+        client.completions.create(model="fake", prompt=[1, STEP_FAILS], max_tokens=3)
+    out = client.completions.create(model="fake", prompt=[100, 200], max_tokens=3)
+    assert out.usage.completion_tokens == 3
+    assert server.supervisor.pid == pid and server.supervisor.state == OK
+
+
+def test_scheduler_rejection_is_a_400(fake_server):
+    server, client = fake_server
+    # 40 tokens pass the API's own check (context 64); the fake scheduler refuses >= 32.
+    with pytest.raises(openai.BadRequestError, match="fake limit") as e:
+        client.completions.create(model="fake", prompt=list(range(100, 140)), max_tokens=1)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "prompt"
+
+
+def test_restart_limit_ends_in_error_with_the_reason(checkpoint):
+    spec = worker_spec(_config(str(checkpoint("qwen3_5_moe"))), factory=f"{__name__}:dies_at_boot")
+    sup = Supervisor(spec, "warning", max_restarts_per_minute=1, backoff_s=0.05)
+    sup.start()
+    try:
+        deadline = time.monotonic() + 120
+        while sup.state != ERROR and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sup.state == ERROR
+        assert sup.restarts == 1  # started twice, then gave up
+        assert "fake checkpoint is corrupt" in sup.reason and "not restarting" in sup.reason
+    finally:
+        sup.stop()

@@ -1,0 +1,94 @@
+"""Pieces of the API process that need no server: sampling defaults, parameter resolution, messages."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moeferry.server.generation import Frontend, model_sampling_defaults
+from moeferry.server.openai_api import chat_messages, completion_prompt
+from moeferry.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from moeferry.server.stats import ServerStats
+from moeferry.server.supervisor import describe_exit
+
+
+def frontend(defaults: dict, max_output_tokens: int | None = None) -> Frontend:
+    return Frontend(None, None, max_seq_len=100, vocab_size=50, default_max_tokens=max_output_tokens,
+                    sampling_defaults=defaults, stats=ServerStats())
+
+
+def test_model_sampling_defaults_read_generation_config(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "repetition_penalty": 1.05,
+         "max_new_tokens": 300, "do_sample": True, "eos_token_id": [1, 2], "presence_penalty": None}))
+    assert model_sampling_defaults(str(tmp_path)) == {
+        "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "repetition_penalty": 1.05,
+        "max_tokens": 300}
+    assert model_sampling_defaults(str(tmp_path / "nowhere")) == {}
+
+
+def test_request_beats_model_default_beats_openai_default():
+    f = frontend({"temperature": 0.6, "top_k": 20, "max_tokens": 300})
+    req = CompletionRequest(model="m", prompt="x", top_k=5, seed=3, stop="END")
+    p = f.sampling_params(req, None, None)
+    assert (p.temperature, p.top_k, p.top_p, p.seed, p.stop) == (0.6, 5, 1.0, 3, ("END",))
+    assert p.max_tokens == 300  # generation_config's max_new_tokens
+    assert frontend({"max_tokens": 300}, max_output_tokens=40).sampling_params(req, None, None).max_tokens == 40
+    assert frontend({}, max_output_tokens=40).sampling_params(req, 7, None).max_tokens == 7
+    assert frontend({}).sampling_params(req, None, None).max_tokens is None  # the rest of the context
+    assert frontend({}).sampling_params(req, None, 2).logprobs == 2
+
+
+def test_invalid_sampling_values_name_their_param():
+    f = frontend({})
+    for fields, param in [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                          ({"min_tokens": 5}, "min_tokens"), ({"repetition_penalty": 0.0}, "repetition_penalty")]:
+        with pytest.raises(ApiError) as e:
+            f.sampling_params(CompletionRequest(model="m", prompt="x", **fields), 2, None)
+        assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_prompt_checks():
+    f = frontend({})
+    f.check_prompt([1, 2, 3], "prompt")
+    for ids, code in [([], None), ([1, 50], None), (list(range(1, 41)) * 3, "context_length_exceeded")]:
+        with pytest.raises(ApiError) as e:
+            f.check_prompt(ids, "prompt")
+        assert (e.value.status, e.value.param, e.value.code) == (400, "prompt", code)
+
+
+def test_chat_messages_for_the_template():
+    req = ChatCompletionRequest(model="m", messages=[
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "1"},
+    ])
+    m = chat_messages(req)
+    assert [x["role"] for x in m] == ["system", "user", "assistant", "tool"]
+    assert m[1]["content"] == "ab" and m[2]["content"] == ""
+    assert m[2]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    assert m[3]["tool_call_id"] == "1"
+    image = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+    with pytest.raises(ApiError) as e:
+        chat_messages(image)
+    assert e.value.param == "messages[0].content"
+
+
+def test_completion_prompt_forms():
+    class Tok:
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    assert completion_prompt(Tok(), "ab") == [97, 98]
+    assert completion_prompt(Tok(), [5, 6]) == [5, 6]
+    assert completion_prompt(Tok(), [[5, 6]]) == [5, 6]
+    assert completion_prompt(Tok(), ["ab"]) == [97, 98]
+    with pytest.raises(ApiError):
+        completion_prompt(Tok(), [[1], [2]])
+
+
+def test_describe_exit():
+    assert describe_exit(-9) == "killed by SIGKILL"
+    assert describe_exit(3) == "exit code 3"
