@@ -32,6 +32,11 @@ class ForwardBatch:
     state_slots: list[int]
     logit_rows: torch.Tensor  # rows of the flat batch whose logits are returned
     page_size: int
+    # The same metadata as int32 device tensors, for kernels (and CUDA graphs: no host lists).
+    cu_seqlens_t: torch.Tensor | None = None  # [B+1]
+    kv_lens_t: torch.Tensor | None = None  # [B]
+    state_slots_t: torch.Tensor | None = None  # [B]
+    max_q_len: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -65,5 +70,8 @@ class ForwardBatch:
         def t(x):
             return torch.tensor(x, dtype=torch.long, device=device)
 
-        return cls(t(ids), t(pos), q_lens, kv_lens, cu, table.to(device), t(slots),
-                   [c.state_slot for c in chunks], t(rows), page_size)
+        state_slots = [c.state_slot for c in chunks]
+        meta = torch.tensor(cu + kv_lens + state_slots, dtype=torch.int32).to(device)  # one host->device copy
+        b = len(chunks)
+        return cls(t(ids), t(pos), q_lens, kv_lens, cu, table.to(device), t(slots), state_slots, t(rows), page_size,
+                   meta[: b + 1], meta[b + 1: 2 * b + 1], meta[2 * b + 1:], max(q_lens))

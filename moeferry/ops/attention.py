@@ -10,9 +10,22 @@ from __future__ import annotations
 
 import torch
 
+from moeferry.ops.triton import use_triton
+
+
+def _host(x) -> list[int]:
+    return x.tolist() if isinstance(x, torch.Tensor) else list(x)
+
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write new keys/values [T, H_kv, D] into their slots [T]."""
+    """Write new keys/values [T, H_kv, D] into their slots [T] (negative slots: skipped on the Triton path)."""
+    if use_triton(k):
+        from moeferry.ops.triton import attention as ta
+        return ta.store_kv(k_cache, v_cache, k, v, slots)
+    store_kv_ref(k_cache, v_cache, k, v, slots)
+
+
+def store_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     k_cache[slots] = k.to(k_cache.dtype)
     v_cache[slots] = v.to(v_cache.dtype)
 
@@ -26,16 +39,41 @@ def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    cu_seqlens: list[int] | torch.Tensor,
+    kv_lens: list[int] | torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    scale: float,
+    max_q_len: int | None = None,
+    workspace: tuple | None = None,
+) -> torch.Tensor:
+    """Causal attention of q [T, H_q, D] against each sequence's cached prefix and itself.
+
+    cu_seqlens / kv_lens: host lists or int tensors (int32 on q's device for the Triton path);
+    max_q_len: the longest query chunk (saves a device sync on the Triton path).
+    Triton path (`moeferry.ops.triton.attention`): a split-K decode kernel when every sequence
+    has one query row, else a flash-attention prefill kernel. Workspace: decode only,
+    B * H_q * num_splits * (D + 2) * 4 bytes (`triton.attention.decode_workspace`); made here
+    when not given. Prefill needs none.
+    """
+    if use_triton(q):
+        from moeferry.ops.triton import attention as ta
+        return ta.paged_attention(q, k_cache, v_cache, cu_seqlens, kv_lens, page_table, page_size, scale,
+                                  max_q_len, workspace)
+    return paged_attention_ref(q, k_cache, v_cache, _host(cu_seqlens), _host(kv_lens), page_table, page_size, scale)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     cu_seqlens: list[int],
     kv_lens: list[int],
     page_table: torch.Tensor,
     page_size: int,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention of q [T, H_q, D] against each sequence's cached prefix and itself.
-
-    Reference implementation: softmax in fp32, GQA by repeating kv heads.
-    """
+    """Reference implementation: softmax in fp32, GQA by repeating kv heads."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[1]
     for b in range(len(kv_lens)):

@@ -7,6 +7,13 @@ with S [K, V] in fp32. k-heads are repeated to v-heads (GQA style).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from moeferry.ops.triton import use_triton
+
+
+def _host(x) -> list[int]:
+    return x.tolist() if isinstance(x, torch.Tensor) else list(x)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -50,12 +57,28 @@ def _chunk_scan(q, k, v, g, beta, state, chunk: int = 64):
     return out.transpose(0, 1), state
 
 
-def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens: list[int], state_slots: list[int]) -> torch.Tensor:
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
+    """(g, beta) from the raw projections: g = -exp(A_log) * softplus(a + dt_bias) in fp32,
+    beta = sigmoid(b) in b's dtype."""
+    return -a_log.float().exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
+
+
+def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, max_q_len: int | None = None,
+                workspace: tuple | None = None) -> torch.Tensor:
     """Chunked gated delta rule for sequences of any lengths.
 
     q, k [T, Hk, K]; v [T, Hv, V]; g, beta [T, Hv]; state_pool [S, Hv, K, V] fp32 (in/out).
-    Returns o [T, Hv, V] in v's dtype.
+    cu_seqlens [B+1], state_slots [B]: host lists or int tensors. Returns o [T, Hv, V] in v's dtype.
+    Triton path: chunk 64, UT form (`moeferry.ops.triton.gdn`). Workspace (fp32 W, U, G):
+    T * Hv * (K + V + 1) * 4 bytes (`triton.gdn.prefill_workspace`), made here when not given.
     """
+    if use_triton(v):
+        from moeferry.ops.triton import gdn as tg
+        return tg.gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, max_q_len, workspace)
+    return gdn_prefill_ref(q, k, v, g, beta, state_pool, _host(cu_seqlens), _host(state_slots))
+
+
+def gdn_prefill_ref(q, k, v, g, beta, state_pool, cu_seqlens: list[int], state_slots: list[int]) -> torch.Tensor:
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, v.shape[1])
     out = torch.empty(vf.shape, dtype=torch.float32, device=v.device)
     for b, slot in enumerate(state_slots):
@@ -66,8 +89,19 @@ def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens: list[int], state_slots
     return out.to(v.dtype)
 
 
-def gdn_decode(q, k, v, g, beta, state_pool, state_slots: torch.Tensor) -> torch.Tensor:
-    """One recurrent step for B sequences (one token each); same layouts as gdn_prefill with T = B."""
+def gdn_decode_gated(q, k, v, a, b, a_log, dt_bias, state_pool, state_slots) -> torch.Tensor:
+    """One recurrent step from the raw gate inputs a, b [B, Hv] (see gdn_gates). On the Triton
+    path gates, l2norm, state update and output are one kernel; no workspace."""
+    if use_triton(v):
+        from moeferry.ops.triton import gdn as tg
+        return tg.gdn_decode_gated(q, k, v, a, b, a_log, dt_bias, state_pool, state_slots)
+    g, beta = gdn_gates(a, b, a_log, dt_bias)
+    return gdn_decode(q, k, v, g, beta, state_pool, state_slots)
+
+
+def gdn_decode(q, k, v, g, beta, state_pool, state_slots) -> torch.Tensor:
+    """One recurrent step for B sequences (one token each); same layouts as gdn_prefill with T = B.
+    Reference (the Triton decode step takes raw gates: gdn_decode_gated)."""
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, v.shape[1])
     slots = torch.as_tensor(state_slots, device=state_pool.device, dtype=torch.long)
     state = state_pool[slots].float() * gf.exp()[..., None, None]  # [B, H, K, V]

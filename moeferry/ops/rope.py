@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from moeferry.ops.triton import use_triton
+
 
 def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
@@ -21,7 +23,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, R] with R <= D: rotate the first R dims, pass the rest."""
+    """x [T, H, D]; cos/sin [T, R] with R <= D: rotate the first R dims, pass the rest. No workspace."""
+    if use_triton(x):
+        from moeferry.ops.triton import rope as tr
+        return tr.apply_rope(x, cos, sin)
+    return apply_rope_ref(x, cos, sin)
+
+
+def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     rot = cos.shape[-1]
     c, s = cos[:, None, :], sin[:, None, :]
     x_rot, x_pass = x[..., :rot], x[..., rot:]

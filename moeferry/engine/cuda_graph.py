@@ -1,0 +1,149 @@
+"""CUDA graphs of the decode step (one token per sequence), one per padded batch size.
+
+Each graph reads its inputs from static buffers: token ids, positions, KV slots of the new
+tokens, the page table, and the int32 metadata (cu_seqlens, kv_lens, state slots) that the
+kernels take as device tensors. A step of B sequences runs the graph of the smallest
+captured size >= B; rows past B are padding: KV slot -1 and state slot -1 (the kernels skip
+their writes) and kv_len 0 (attention returns zeros), so padding never touches a pool.
+
+A batch the graphs cannot serve (prefill, too many sequences, a longer page table) or a
+model that cannot be captured runs eagerly. Capture is lazy, per size, on first use (or all
+at once with `capture_all`). Before capturing, one eager warm-up runs with PyTorch's sync
+debug mode set to error: an op that synchronises with the host (e.g. the reference MoE loop's
+`.tolist()`) cannot live in a graph, and then graphs are switched off for good with the
+reason in `disabled` (a first warm-up without the check compiles and autotunes kernels, whose
+benchmarking may synchronise legitimately). Graphs hold raw pointers into the KV/state pools and weights: call
+`invalidate()` after any of them is reallocated.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from moeferry.engine.batch import ForwardBatch, SeqChunk
+
+log = logging.getLogger(__name__)
+
+
+def default_sizes(max_batch: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if s < max_batch]
+    return sizes + [max_batch]
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_pool, state_pool, max_batch: int, max_pages: int, page_size: int,
+                 device: torch.device, sizes: list[int] | None = None):
+        self.model, self.kv_pool, self.state_pool = model, kv_pool, state_pool
+        self.sizes = sorted(set(sizes or default_sizes(max_batch)))
+        self.max_batch, self.max_pages, self.page_size = self.sizes[-1], max_pages, page_size
+        self.device = device
+        n = self.max_batch
+        self.tokens = torch.zeros(3, n, dtype=torch.long, device=device)  # ids, positions, KV slots
+        self.meta = torch.zeros(3 * n + 1, dtype=torch.int32, device=device)  # cu | kv_lens | state slots
+        self.page_table = torch.zeros(n, max_pages, dtype=torch.int32, device=device)
+        self.rows = torch.arange(n, dtype=torch.long, device=device)
+        # Host staging in pageable memory: a copy from it returns once the data is staged, so
+        # the buffers can be refilled next step without waiting for the device.
+        self._host_tokens = torch.zeros(3, n, dtype=torch.long)
+        self._host_meta = torch.zeros(3 * n + 1, dtype=torch.int32)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.disabled: str | None = None
+        if os.environ.get("MOEFERRY_CUDA_GRAPHS", "1") == "0":
+            self.disabled = "MOEFERRY_CUDA_GRAPHS=0"
+        self._fill_padding(0, n)
+
+    # -- static batch ---------------------------------------------------------------------
+    def _batch(self, n: int) -> ForwardBatch:
+        """The ForwardBatch a graph of size n is captured over: views of the static buffers."""
+        m = self.max_batch
+        return ForwardBatch(
+            input_ids=self.tokens[0, :n], positions=self.tokens[1, :n], q_lens=[1] * n, kv_lens=[0] * n,
+            cu_seqlens=list(range(n + 1)), page_table=self.page_table[:n], out_slots=self.tokens[2, :n],
+            state_slots=[-1] * n, logit_rows=self.rows[:n], page_size=self.page_size,
+            cu_seqlens_t=self.meta[: n + 1], kv_lens_t=self.meta[m + 1: m + 1 + n],
+            state_slots_t=self.meta[2 * m + 1: 2 * m + 1 + n], max_q_len=1)
+
+    def _fill_padding(self, start: int, end: int) -> None:
+        """Host staging rows start..end-1 as padding (no KV or state writes, empty context)."""
+        m = self.max_batch
+        ht, hm = self._host_tokens, self._host_meta
+        ht[:2, start:end] = 0
+        ht[2, start:end] = -1
+        hm[: m + 1] = torch.arange(m + 1, dtype=torch.int32)
+        hm[m + 1 + start: m + 1 + end] = 0
+        hm[2 * m + 1 + start: 2 * m + 1 + end] = -1
+
+    def _load(self, chunks: list[SeqChunk], size: int) -> None:
+        m, ps = self.max_batch, self.page_size
+        ht, hm = self._host_tokens, self._host_meta
+        width = max(len(c.pages) for c in chunks)
+        table = torch.zeros(len(chunks), width, dtype=torch.int32)
+        for b, c in enumerate(chunks):
+            p = c.start
+            ht[0, b], ht[1, b], ht[2, b] = c.tokens[0], p, c.pages[p // ps] * ps + p % ps
+            hm[m + 1 + b], hm[2 * m + 1 + b] = p + 1, c.state_slot
+            table[b, : len(c.pages)] = torch.tensor(c.pages, dtype=torch.int32)
+        self._fill_padding(len(chunks), size)
+        self.tokens.copy_(ht)
+        self.meta.copy_(hm)
+        self.page_table[: len(chunks), :width].copy_(table)
+
+    # -- capture / replay -----------------------------------------------------------------
+    def can_run(self, chunks: list[SeqChunk]) -> bool:
+        return (self.disabled is None and 0 < len(chunks) <= self.max_batch
+                and all(len(c.tokens) == 1 and len(c.pages) <= self.max_pages for c in chunks))
+
+    def _capture(self, size: int) -> bool:
+        self._fill_padding(0, self.max_batch)
+        self.tokens.copy_(self._host_tokens)
+        self.meta.copy_(self._host_meta)
+        batch = self._batch(size)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(stream):
+                self.model.forward(batch, self.kv_pool, self.state_pool)  # compiles / autotunes kernels
+                prev = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    self.model.forward(batch, self.kv_pool, self.state_pool)  # finds host syncs
+                finally:
+                    torch.cuda.set_sync_debug_mode(prev)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.model.forward(batch, self.kv_pool, self.state_pool)
+        except RuntimeError as e:
+            torch.cuda.synchronize()
+            self.disabled = f"decode step cannot be captured ({str(e).splitlines()[0]})"
+            log.warning("CUDA graphs off: %s", self.disabled)
+            return False
+        self.pool = graph.pool()
+        self.graphs[size] = (graph, out)
+        return True
+
+    def capture_all(self) -> bool:
+        for size in reversed(self.sizes):
+            if size not in self.graphs and not self._capture(size):
+                return False
+        return True
+
+    def run(self, chunks: list[SeqChunk]) -> torch.Tensor | None:
+        """fp32 logits [len(chunks), vocab], or None when this batch must run eagerly."""
+        if not self.can_run(chunks):
+            return None
+        size = next(s for s in self.sizes if s >= len(chunks))
+        if size not in self.graphs and not self._capture(size):
+            return None
+        self._load(chunks, size)
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out[: len(chunks)].clone()
+
+    def invalidate(self) -> None:
+        """Drop every graph (after pools or weights were reallocated); they recapture on use."""
+        self.graphs.clear()
+        self.pool = None

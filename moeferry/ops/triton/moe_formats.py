@@ -1,0 +1,284 @@
+"""Per-format pieces of the fused MoE kernels: how one weight tile is read and multiplied.
+
+Every format provides a `@triton.jit` *step* with one signature,
+
+    acc = step(acc, a, w, s, z, slot, n0, k0, N, K, PART, BN, BK, G, GN, HAS_Z, DT, SWAP)
+
+that adds `a [BM, BK] @ W[slot, n0:n0+BN, k0:k0+BK]^T` (dequantized inside the kernel) to
+the fp32 accumulator `acc` ([BM, BN], or its transpose [BN, BM] with SWAP). The GEMM kernels in `moe_gemm.py` take the step as a
+constexpr argument, so they hold no format switch. `MoEKernel` (one per device form of the
+registry in `moeferry.checkpoint.formats`) couples the step with the code that stacks the
+registry's `PackedWeight`s into slot tensors; `register_moe_kernels(FORMATS)` fills in each
+registry entry's `kernels`.
+
+Slot layouts of one matrix `[N, K]` (rows = output features), leading dim = slot:
+
+    dense       w bf16/fp16/fp32 [S, N, K]
+    fp8_row     w e4m3 [S, N, K]; rs fp32 [S, N] (epilogue row scale)
+    fp8_block   w e4m3 [S, N, K]; s fp32 [S, parts * ceil(PART/GN), ceil(K/G)]
+                (gate_up stacks gate's and up's block scales: PART = I rows per part)
+    fp4         w uint8 [S, N, K/2] (element 2j low nibble); s e4m3 [S, N, K/16];
+                rs fp32 [S, N] (the global multiplier, per row since gate and up differ)
+    int4        w uint8 [S, N, K/2] unsigned nibbles (same byte layout as fp4);
+                s fp16/bf16 [S, N, K/G]; z uint8 [S, N, K/G] (absent: zero point 8)
+
+Group-scaled formats (fp8_block, int4) need BK to divide the group G: the scale is then one
+value per output column for the whole k-step and multiplies the dot product, not the tile.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+
+# -- steps ----------------------------------------------------------------------------------
+# SWAP (constexpr): the weight tile is the dot's first operand, acc is [BN, BM] and the tile
+# is loaded [BN, BK] (k contiguous). That is the fast orientation for dequantizing steps
+# (the tile is dequantized in registers as the MMA's A operand) and for few tokens (BM is
+# the narrow side). Without SWAP, acc is [BM, BN] and the tile is loaded [BK, BN].
+# Written flat (few nested jit calls): the interpreter pays per call.
+@triton.jit
+def _dot(w, a, acc, SWAP: tl.constexpr):
+    if SWAP:
+        return tl.dot(w, tl.trans(a), acc)
+    else:
+        return tl.dot(a, w, acc)
+
+
+@triton.jit
+def _tile_offs(n0, kk0, N, BN: tl.constexpr, BKK: tl.constexpr, SWAP: tl.constexpr):
+    """(row offsets, col offsets, row mask) as broadcastable 2-D index tensors: rows are
+    weight rows n, cols k (packed units of BKK); [BN, BKK] with SWAP, else [BKK, BN]."""
+    offs_n = n0 + tl.arange(0, BN)
+    offs_k = kk0 + tl.arange(0, BKK)
+    if SWAP:
+        return offs_n[:, None], offs_k[None, :], offs_n[:, None] < N
+    else:
+        return offs_n[None, :], offs_k[:, None], offs_n[None, :] < N
+
+
+@triton.jit
+def _vec(v, SWAP: tl.constexpr):
+    """A per-row [BN] vector broadcast along the k / token side of the tile or acc."""
+    if SWAP:
+        return v[:, None]
+    else:
+        return v[None, :]
+
+
+@triton.jit
+def dense_step(acc, a, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
+               BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
+               HAS_Z: tl.constexpr, DT: tl.constexpr, SWAP: tl.constexpr):
+    rn, rk, mn = _tile_offs(n0, k0, N, BN, BK, SWAP)
+    b = tl.load(w_ptr + slot * N * K + rn * K + rk, mask=mn & (rk < K), other=0.0)
+    return _dot(b.to(DT), a, acc, SWAP)
+
+
+@triton.jit
+def fp8_row_step(acc, a, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
+                 BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
+                 HAS_Z: tl.constexpr, DT: tl.constexpr, SWAP: tl.constexpr):
+    rn, rk, mn = _tile_offs(n0, k0, N, BN, BK, SWAP)
+    # uint8 + bitcast: a masked fp8 load with `other=` does not work everywhere
+    q = tl.load(w_ptr + slot * N * K + rn * K + rk, mask=mn & (rk < K), other=0)
+    return _dot(q.to(tl.float8e4nv, bitcast=True).to(DT), a, acc, SWAP)
+
+
+@triton.jit
+def fp8_block_step(acc, a, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
+                   BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
+                   HAS_Z: tl.constexpr, DT: tl.constexpr, SWAP: tl.constexpr):
+    rn, rk, mn = _tile_offs(n0, k0, N, BN, BK, SWAP)
+    q = tl.load(w_ptr + slot * N * K + rn * K + rk, mask=mn & (rk < K), other=0)
+    b = q.to(tl.float8e4nv, bitcast=True).to(DT)
+    offs_n = n0 + tl.arange(0, BN)
+    nbk = tl.cdiv(K, G)
+    nbr = tl.cdiv(PART, GN)
+    brow = (offs_n // PART) * nbr + (offs_n % PART) // GN
+    sc = tl.load(s_ptr + slot * (N // PART) * nbr * nbk + brow * nbk + k0 // G, mask=offs_n < N, other=0.0)
+    return acc + _dot(b, a, tl.zeros(acc.shape, tl.float32), SWAP) * _vec(sc, SWAP)
+
+
+@triton.jit
+def fp4_step(acc, a, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
+             BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
+             HAS_Z: tl.constexpr, DT: tl.constexpr, SWAP: tl.constexpr):
+    # BK/2 bytes of a row: low nibble = even k, high = odd k
+    kp = K // 2
+    rn, rk, mn = _tile_offs(n0, k0 // 2, N, BN, BK // 2, SWAP)
+    p = tl.load(w_ptr + slot * N * kp + rn * kp + rk, mask=mn, other=0)
+    ks = K // 16
+    rn, rk, mn = _tile_offs(n0, k0 // 16, N, BN, BK // 16, SWAP)
+    sc = tl.load(s_ptr + slot * N * ks + rn * ks + rk, mask=mn, other=0)
+    # e4m3 scale x 2**14 (the E2M1 decode below yields value / 2**14); one per 8 bytes of a row
+    sc = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
+    if SWAP:
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, BK // 16, 8)), (BN, BK // 2))
+    else:
+        sc = tl.reshape(tl.broadcast_to(sc[:, None, :], (BK // 16, 8, BN)), (BK // 2, BN))
+    # E2M1 -> fp16 bits: sign to bit 15, the 3 magnitude bits to bits 9-11 (= value / 2**14)
+    v = p.to(tl.uint16)
+    lo = (((v & 8) << 12) | ((v & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (((v & 128) << 8) | ((v & 112) << 5)).to(tl.float16, bitcast=True).to(tl.float32)
+    a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], BK // 2, 2)))
+    acc = _dot((lo * sc).to(DT), a_even, acc, SWAP)  # e2m1 x e4m3 is exact in bf16
+    return _dot((hi * sc).to(DT), a_odd, acc, SWAP)
+
+
+@triton.jit
+def int4_step(acc, a, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
+              BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
+              HAS_Z: tl.constexpr, DT: tl.constexpr, SWAP: tl.constexpr):
+    kp = K // 2
+    rn, rk, mn = _tile_offs(n0, k0 // 2, N, BN, BK // 2, SWAP)
+    p = tl.load(w_ptr + slot * N * kp + rn * kp + rk, mask=mn, other=0)
+    offs_n = n0 + tl.arange(0, BN)
+    ng = tl.cdiv(K, G)
+    goff = slot * N * ng + offs_n * ng + k0 // G
+    sc = tl.load(s_ptr + goff, mask=offs_n < N, other=0.0).to(tl.float32)
+    if HAS_Z:
+        zp = tl.load(z_ptr + goff, mask=offs_n < N, other=8).to(tl.float32)
+    else:
+        zp = tl.full((BN,), 8.0, tl.float32)
+    lo = ((p & 0xF).to(tl.float32) - _vec(zp, SWAP)).to(DT)  # small integers: exact
+    hi = ((p >> 4).to(tl.float32) - _vec(zp, SWAP)).to(DT)
+    a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], BK // 2, 2)))
+    part = _dot(hi, a_odd, _dot(lo, a_even, tl.zeros(acc.shape, tl.float32), SWAP), SWAP)
+    return acc + part * _vec(sc, SWAP)
+
+
+# -- slot tensors ---------------------------------------------------------------------------
+@dataclass
+class SlotMatrix:
+    """One weight matrix [N, K] for S slots, in a kernel's slot layout (see module doc)."""
+
+    kernel: "MoEKernel"
+    n: int
+    k: int
+    part: int                      # rows per part (gate_up: I; down: N)
+    w: torch.Tensor
+    s: torch.Tensor | None = None
+    z: torch.Tensor | None = None
+    rs: torch.Tensor | None = None
+    group: int = 1 << 30           # k-group of s (fp8_block: block cols, int4: group size)
+    group_n: int = 1               # fp8_block: block rows
+
+    @property
+    def num_slots(self) -> int:
+        return self.w.shape[0]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in (("w", self.w), ("s", self.s), ("z", self.z), ("rs", self.rs)) if v is not None}
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.tensors().values())
+
+    def write(self, slot: int, parts: dict[str, torch.Tensor]) -> None:
+        """Copy one expert's tensors (as made by `MoEKernel.pack`) into `slot`."""
+        for name, t in parts.items():
+            getattr(self, name)[slot].copy_(t, non_blocking=True)
+
+    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w, s, z, rs) as the kernels take them (fp8 as uint8; absent ones: any tensor)."""
+        def arg(t):
+            if t is None:
+                return self.w
+            return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+        return arg(self.w), arg(self.s), arg(self.z), arg(self.rs)
+
+
+@dataclass(frozen=True)
+class MoEKernel:
+    """The kernel side of one device form: its step and how to build its slot tensors."""
+
+    name: str
+    step: Any                       # a @triton.jit step (see module doc)
+    pack: Callable[[list], tuple[dict[str, torch.Tensor], dict[str, int]]]
+    has_row_scale: bool = False
+    group_scaled: bool = False      # BK must divide the group
+    packed_k: bool = False          # k packed two per byte: K % BK == 0 required
+    max_bk: int = 256               # larger k-steps spill registers in the dequantizing steps
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return f"<MoEKernel {self.name}>"
+
+    def slot_matrix(self, per_slot: list[list], part: int | None = None) -> SlotMatrix:
+        """Stack slots; `per_slot[s]` = the PackedWeights stacked by rows into that slot's
+        matrix (gate_up: [gate, up]; down: [down])."""
+        packs = [self.pack(ws) for ws in per_slot]
+        tensors, meta = packs[0]
+        stacked = {k: torch.stack([p[0][k] for p in packs]) for k in tensors}
+        n = sum(w.out_features for w in per_slot[0])
+        k = per_slot[0][0].in_features
+        return SlotMatrix(self, n, k, part or n, **stacked, **meta)
+
+    def empty_matrix(self, num_slots: int, example: list, device, part: int | None = None) -> SlotMatrix:
+        """An uninitialised matrix of `num_slots` slots shaped like `example` (one slot's weights)."""
+        tensors, meta = self.pack(example)
+        n = sum(w.out_features for w in example)
+        stacked = {k: torch.empty((num_slots, *t.shape), dtype=t.dtype, device=device) for k, t in tensors.items()}
+        return SlotMatrix(self, n, example[0].in_features, part or n, **stacked, **meta)
+
+
+def _cat(ws, attr):
+    return torch.cat([getattr(w, attr) for w in ws], dim=0)
+
+
+def _row_scale(ws, attr):
+    return torch.cat([getattr(w, attr).float().reshape(-1).expand(w.out_features) for w in ws])
+
+
+def _pack_dense(ws):
+    return {"w": _cat(ws, "weight")}, {}
+
+
+def _pack_fp8_row(ws):
+    return {"w": _cat(ws, "weight"), "rs": _row_scale(ws, "scale")}, {}
+
+
+def _pack_fp8_block(ws):
+    b0, b1 = ws[0].block_size
+    if any(tuple(w.block_size) != (b0, b1) for w in ws):
+        raise ValueError("fp8_block: gate and up use different block sizes")
+    return {"w": _cat(ws, "weight"), "s": _cat(ws, "scale_inv").float()}, {"group": b1, "group_n": b0}
+
+
+def _pack_fp4(ws):
+    return {"w": _cat(ws, "packed"), "s": _cat(ws, "scale"), "rs": _row_scale(ws, "global_scale")}, {"group": 16}
+
+
+def _pack_int4(ws):
+    g = ws[0].group_size
+    if any(w.group_size != g for w in ws) or len({w.zeros is None for w in ws}) > 1:
+        raise ValueError("int4: gate and up use different group sizes or zero-point modes")
+    t = {"w": _cat(ws, "packed"), "s": _cat(ws, "scales")}
+    if ws[0].zeros is not None:
+        t["z"] = _cat(ws, "zeros")
+    return t, {"group": g}
+
+
+DENSE = MoEKernel("dense", dense_step, _pack_dense)
+FP8_ROW = MoEKernel("fp8_row", fp8_row_step, _pack_fp8_row, has_row_scale=True)
+FP8_BLOCK = MoEKernel("fp8_block", fp8_block_step, _pack_fp8_block, group_scaled=True, max_bk=128)
+FP4 = MoEKernel("fp4", fp4_step, _pack_fp4, has_row_scale=True, packed_k=True, max_bk=128)
+INT4 = MoEKernel("int4", int4_step, _pack_int4, group_scaled=True, packed_k=True, max_bk=128)
+
+# registry format name -> kernel of its device form (`QuantFormat.packed(...)`)
+KERNELS_BY_FORMAT: dict[str, MoEKernel] = {
+    "bf16": DENSE, "fp8_tensor": FP8_ROW, "fp8_block": FP8_BLOCK,
+    "nvfp4": FP4, "nvfp4_ct": FP4, "int4_awq": INT4, "int4_ct": INT4,
+}
+
+
+def register_moe_kernels(formats: Mapping[str, Any]) -> None:
+    """Point each registry entry's `kernels` at its MoE kernel (unknown entries: untouched)."""
+    for name, fmt in formats.items():
+        if name in KERNELS_BY_FORMAT:
+            fmt.kernels = KERNELS_BY_FORMAT[name]

@@ -1,0 +1,477 @@
+"""Triton kernels (attention, Gated DeltaNet, conv, norms, rotary) against their references.
+
+Every case draws fresh random inputs (never zeros), poisons outputs and pools it does not
+expect to change, and compares with the plain-PyTorch reference in `moeferry.ops`.
+Interpreter: each case runs on small fp32 shapes in two worker subprocesses with
+TRITON_INTERPRET=1 (the variable never reaches this process), each reported as a test.
+On a CUDA machine the same cases also run compiled here (`-m gpu`), and further GPU cases
+check the real Qwen3.6-35B-A3B shapes in bf16 against the reference on fp32 copies.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moeferry.ops import attention as ref_attn  # noqa: E402
+from moeferry.ops import conv as ref_conv  # noqa: E402
+from moeferry.ops import gdn as ref_gdn  # noqa: E402
+from moeferry.ops import norm as ref_norm  # noqa: E402
+from moeferry.ops import rope as ref_rope  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = 2
+
+
+def _rel(out, ref):
+    assert torch.isfinite(out.float()).all(), "non-finite output"
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def _check(out, ref, tol, what=""):
+    err = _rel(out, ref)
+    assert err <= tol, f"{what}: rel err {err:.3g} > {tol:g}"
+    return err
+
+
+def _cu(lens):
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _dot_tol(device):
+    """fp32 tl.dot runs as tf32 on the GPU, exactly under the interpreter."""
+    return 3e-3 if device.startswith("cuda") else 2e-5
+
+
+# -- cases: fn(device) -> worst relative error ------------------------------------------------
+def case_rms_norm(device, rows=37, n=200, seed=0):
+    from moeferry.ops.triton import norm as tn
+    g = _gen(seed)
+    worst = 0.0
+    base = torch.randn(rows, 3, n, generator=g)
+    for x in (base[:, 1], base.reshape(rows * 3, n)):  # strided row view and plain rows
+        x = x.to(device)
+        w = (torch.randn(n, generator=g) * 0.5).to(device)
+        r = torch.randn(x.shape, generator=g).to(device)
+        for zc in (False, True):
+            worst = max(worst, _check(tn.rms_norm(x, w, 1e-6, zc), ref_norm.rms_norm_ref(x, w, 1e-6, zc), 1e-5, "rms"))
+            out, summed = tn.add_rms_norm(x, r, w, 1e-6, zc)
+            ref_out, ref_sum = ref_norm.add_rms_norm_ref(x, r, w, 1e-6, zc)
+            worst = max(worst, _check(out, ref_out, 1e-5, "add_rms"), _check(summed, ref_sum, 1e-6, "sum"))
+    x16 = torch.randn(9, 5, 64, generator=g).half().to(device)
+    w16 = torch.randn(64, generator=g).half().to(device)
+    worst = max(worst, _check(tn.rms_norm(x16, w16, 1e-6, False), ref_norm.rms_norm_ref(x16, w16, 1e-6, False),
+                              2e-3, "fp16"))
+    return worst
+
+
+def case_gated_rms_norm(device, seed=1):
+    from moeferry.ops.triton import norm as tn
+    g = _gen(seed)
+    x = torch.randn(4 * 8, 128, generator=g).to(device)
+    z = (torch.randn(4 * 8, 128, generator=g) * 2).to(device)
+    w = torch.randn(128, generator=g).to(device)
+    return _check(tn.gated_rms_norm(x, z, w, 1e-6), ref_norm.gated_rms_norm_ref(x, z, w, 1e-6), 1e-5, "gated")
+
+
+def case_rope(device, seed=2):
+    from moeferry.ops.triton import rope as tr
+    g = _gen(seed)
+    worst = 0.0
+    for t, h, d, rot, gated in ((9, 5, 48, 16, True), (4, 3, 32, 32, False), (6, 16, 256, 64, True)):
+        inv = ref_rope.rope_inv_freq(rot, 10000.0)
+        pos = torch.randint(0, 4000, (t,), generator=g)
+        cos, sin = ref_rope.rope_cos_sin(pos, inv, torch.float32)
+        if gated:  # the query half of Qwen3.5's q_proj output: a strided view
+            x = torch.randn(t, h, 2 * d, generator=g)[..., :d]
+        else:
+            x = torch.randn(t, h, d, generator=g)
+        x, cos, sin = x.to(device), cos.to(device), sin.to(device)
+        worst = max(worst, _check(tr.apply_rope(x, cos, sin), ref_rope.apply_rope_ref(x, cos, sin), 1e-6, "rope"))
+    return worst
+
+
+def case_store_kv(device, seed=3):
+    from moeferry.ops.triton import attention as ta
+    g = _gen(seed)
+    kc = torch.randn(40, 2, 32, generator=g).to(device)
+    vc = torch.randn(40, 2, 32, generator=g).to(device)
+    k = torch.randn(6, 2, 32, generator=g).to(device)
+    v = torch.randn(6, 2, 32, generator=g).to(device)
+    slots = torch.tensor([5, 17, -1, 0, 39, -1], dtype=torch.int64, device=device)
+    rk, rv = kc.clone(), vc.clone()
+    keep = slots >= 0
+    ref_attn.store_kv_ref(rk, rv, k[keep], v[keep], slots[keep])
+    ta.store_kv(kc, vc, k, v, slots)
+    assert torch.equal(kc, rk) and torch.equal(vc, rv)
+    return 0.0
+
+
+def case_conv(device, seed=4):
+    """Ragged prefill (lengths below and above K-1) continuing from random states, then a
+    decode step with a padded (negative) slot; states compared everywhere."""
+    from moeferry.ops.triton import conv as tc
+    g = _gen(seed)
+    c, k, s = 80, 4, 7
+    w = torch.randn(c, k, generator=g).to(device)
+    state = torch.randn(s, c, k - 1, generator=g).to(device)
+    ref_state = state.clone()
+    worst = 0.0
+    lens, slots = [1, 5, 70, 2], [4, 0, 2, 6]
+    x = torch.randn(sum(lens), c, 2, generator=g)[..., 0].to(device)  # strided rows
+    out = tc.causal_conv1d(x, w, state, _cu(lens), slots)
+    ref = ref_conv.causal_conv1d_ref(x, w, ref_state, _cu(lens), slots)
+    worst = max(worst, _check(out, ref, 1e-5, "conv prefill"), _check(state, ref_state, 0, "conv state"))
+    x = torch.randn(5, c, generator=g).to(device)
+    slots = [2, 0, 6, 4, -1]
+    out = tc.causal_conv1d(x, w, state, list(range(6)), slots, max_q_len=1)
+    ref = ref_conv.causal_conv1d_ref(x[:4], w, ref_state, list(range(5)), slots[:4])
+    worst = max(worst, _check(out[:4], ref, 1e-5, "conv decode"), _check(state, ref_state, 0, "conv state"))
+    assert torch.isfinite(out[4]).all()
+    return worst
+
+
+def _paged_kv(g, ctx, hkv, d, page_size, device):
+    """A shuffled page pool holding len(ctx) sequences; returns (k_cache, v_cache, page_table)."""
+    pages = [-(-c // page_size) for c in ctx]
+    num_pages = sum(pages) + 3
+    kc = torch.randn(num_pages * page_size, hkv, d, generator=g)
+    vc = torch.randn(num_pages * page_size, hkv, d, generator=g)
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    table = torch.zeros(len(ctx), max(pages), dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = torch.tensor(perm[i:i + n], dtype=torch.int32)
+        i += n
+    return kc.to(device), vc.to(device), table.to(device)
+
+
+def case_attention_prefill(device, seed=5):
+    """Ragged chunks over cached prefixes (incl. no prefix and a 1-token chunk), GQA and MHA,
+    page sizes 1 and 4, head dims 64 and 256."""
+    from moeferry.ops.triton import attention as ta
+    g = _gen(seed)
+    worst = 0.0
+    for hq, hkv, d, ps, ctx, qlen in ((8, 2, 64, 4, [7, 40, 1, 90], [3, 40, 1, 17]),
+                                      (2, 2, 256, 1, [70, 5], [66, 2])):
+        kc, vc, table = _paged_kv(g, ctx, hkv, d, ps, device)
+        cu = _cu(qlen)
+        q = torch.randn(cu[-1], hq, d, generator=g).to(device)
+        out = ta.paged_attention(q, kc, vc, cu, ctx, table, ps, d ** -0.5)
+        ref = ref_attn.paged_attention_ref(q, kc, vc, cu, ctx, table, ps, d ** -0.5)
+        worst = max(worst, _check(out, ref, _dot_tol(device), f"prefill d={d}"))
+    return worst
+
+
+def case_attention_decode(device, seed=6):
+    """One token per sequence, split-K with 1 and 4 splits; a kv_len-0 row (graph padding) is zero."""
+    from moeferry.ops.triton import attention as ta
+    g = _gen(seed)
+    worst = 0.0
+    hq, hkv, d, ps = 8, 2, 64, 2
+    ctx = [7, 200, 1, 33]
+    kc, vc, table = _paged_kv(g, ctx, hkv, d, ps, device)
+    q = torch.randn(len(ctx), hq, d, generator=g).to(device)
+    ref = ref_attn.paged_attention_ref(q, kc, vc, list(range(len(ctx) + 1)), ctx, table, ps, d ** -0.5)
+    for splits in (1, 4):
+        kv = torch.tensor(ctx, dtype=torch.int32, device=device)
+        out = ta.paged_attention_decode(q, kc, vc, kv, table, ps, d ** -0.5, splits)
+        worst = max(worst, _check(out, ref, _dot_tol(device), f"decode splits={splits}"))
+    kv = torch.tensor(ctx[:3] + [0], dtype=torch.int32, device=device)
+    out = ta.paged_attention_decode(q, kc, vc, kv, table, ps, d ** -0.5, 4)
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    return worst
+
+
+def _gdn_inputs(g, t, hk, hv, dk, dv, device):
+    """q, k, v as views of one conv output (as in the model); gates from raw projections."""
+    mixed = torch.randn(t, 2 * hk * dk + hv * dv, generator=g)
+    q, k, v = torch.split(mixed.to(device), [hk * dk, hk * dk, hv * dv], dim=-1)
+    a = torch.randn(t, hv, generator=g).to(device)
+    b = torch.randn(t, hv, generator=g).to(device)
+    a_log = (torch.rand(hv, generator=g) * 2 - 1).to(device)
+    dt_bias = torch.randn(hv, generator=g).to(device)
+    return q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), a, b, a_log, dt_bias
+
+
+def case_gdn_prefill(device, seed=7):
+    """Ragged lengths (1, 64, 65, 130: partial and full chunks) from random pool states,
+    GQA (Hv = 2 Hk); untouched slots must stay as they were."""
+    from moeferry.ops.triton import gdn as tg
+    g = _gen(seed)
+    hk, hv, dk, dv = 1, 2, 32, 16
+    lens, slots = [1, 65, 130, 64], [3, 0, 5, 1]
+    q, k, v, a, b, a_log, dt_bias = _gdn_inputs(g, sum(lens), hk, hv, dk, dv, device)
+    gg, beta = ref_gdn.gdn_gates(a, b, a_log, dt_bias)
+    pool = (torch.randn(6, hv, dk, dv, generator=g) * 0.3).to(device)
+    ref_pool = pool.clone()
+    out = tg.gdn_prefill(q, k, v, gg, beta, pool, _cu(lens), slots)
+    ref = ref_gdn.gdn_prefill_ref(q, k, v, gg, beta, ref_pool, _cu(lens), slots)
+    tol = 20 * _dot_tol(device)
+    return max(_check(out, ref, tol, "gdn out"), _check(pool, ref_pool, tol, "gdn state"))
+
+
+def case_gdn_chunked_equals_one_pass(device, seed=8):
+    """A 100-token sequence prefilled as 37 + 63 tokens through the pool equals one pass."""
+    from moeferry.ops.triton import gdn as tg
+    g = _gen(seed)
+    hk, hv, dk, dv = 2, 2, 16, 32
+    q, k, v, a, b, a_log, dt_bias = _gdn_inputs(g, 100, hk, hv, dk, dv, device)
+    gg, beta = ref_gdn.gdn_gates(a, b, a_log, dt_bias)
+    init = (torch.randn(2, hv, dk, dv, generator=g) * 0.3).to(device)
+    whole, split = init.clone(), init.clone()
+    one = tg.gdn_prefill(q, k, v, gg, beta, whole, [0, 100], [1])
+    parts = [tg.gdn_prefill(q[s:e], k[s:e], v[s:e], gg[s:e], beta[s:e], split, [0, e - s], [1])
+             for s, e in ((0, 37), (37, 100))]
+    tol = 20 * _dot_tol(device)
+    return max(_check(torch.cat(parts), one, tol, "chunked out"), _check(split, whole, tol, "chunked state"))
+
+
+def case_gdn_decode(device, seed=9):
+    """Fused gates + l2norm + update + output for 5 sequences; a padded slot (-1) writes nothing."""
+    from moeferry.ops.triton import gdn as tg
+    g = _gen(seed)
+    hk, hv, dk, dv = 2, 4, 32, 64
+    q, k, v, a, b, a_log, dt_bias = _gdn_inputs(g, 6, hk, hv, dk, dv, device)
+    pool = torch.randn(7, hv, dk, dv, generator=g).to(device)
+    ref_pool = pool.clone()
+    slots = torch.tensor([3, 0, 6, 1, 2, -1], dtype=torch.int32, device=device)
+    out = tg.gdn_decode_gated(q, k, v, a, b, a_log, dt_bias, pool, slots)
+    gg, beta = ref_gdn.gdn_gates(a[:5], b[:5], a_log, dt_bias)
+    ref = ref_gdn.gdn_decode(q[:5], k[:5], v[:5], gg, beta, ref_pool, slots[:5])
+    assert torch.isfinite(out[5]).all()
+    return max(_check(out[:5], ref, 1e-5, "decode out"), _check(pool, ref_pool, 1e-5, "decode state"))
+
+
+def case_dispatch(device, seed=10):
+    """The public ops run the Triton kernel under MOEFERRY_TRITON_INTERPRET / on CUDA and the
+    reference otherwise (checked by call counting), with equal results."""
+    import moeferry.ops.triton.norm as tn
+    g = _gen(seed)
+    x = torch.randn(5, 64, generator=g).to(device)
+    w = torch.randn(64, generator=g).to(device)
+    calls = []
+    orig = tn.rms_norm
+    tn.rms_norm = lambda *a: calls.append(1) or orig(*a)
+    try:
+        out = ref_norm.rms_norm(x, w, 1e-6, True)
+    finally:
+        tn.rms_norm = orig
+    expect = device.startswith("cuda") or os.environ.get("MOEFERRY_TRITON_INTERPRET") == "1"
+    assert bool(calls) == expect, (calls, expect)
+    return _check(out, ref_norm.rms_norm_ref(x, w, 1e-6, True), 1e-5, "dispatch")
+
+
+def case_decode_graph_static_batch(device, seed=11):
+    """The static, padded batch a decode CUDA graph replays gives the eager step's logits and
+    pool contents: 3 sequences padded to 4 rows (tiny Qwen3.5 model, every op on the kernels)."""
+    import tempfile
+
+    from moeferry.checkpoint.synthetic import make_model
+    from moeferry.engine.batch import SeqChunk
+    from moeferry.engine.cuda_graph import DecodeGraphs
+    from moeferry.engine.engine import Engine, PoolSizes
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_model(tmp, "qwen3_5_moe", "tiny", seed=seed, dtype="float32", expert_layout="fused")
+        eng = Engine(str(path), device, torch.float32, PoolSizes(64, 4, 6), progress=False, cuda_graphs=False)
+    g = _gen(seed)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 9, 2)]
+    pages = [eng.kv_pool.pages.alloc(4) for _ in prompts]
+    slots = [eng.state_pool.alloc() for _ in prompts]
+    eng.forward([SeqChunk(p, 0, pages[i], slots[i]) for i, p in enumerate(prompts)])
+    step = [SeqChunk([7 + i], len(p), pages[i], slots[i]) for i, p in enumerate(prompts)]
+    pools = lambda: [t.clone() for t in eng.kv_pool.k + eng.kv_pool.v + eng.state_pool.conv + eng.state_pool.recurrent]
+    before = pools()
+    eager = eng.forward(step)
+    after_eager = pools()
+    for t, b in zip(eng.kv_pool.k + eng.kv_pool.v + eng.state_pool.conv + eng.state_pool.recurrent, before):
+        t.copy_(b)
+    graphs = DecodeGraphs(eng.model, eng.kv_pool, eng.state_pool, 4, 8, 4, torch.device(device), sizes=[4])
+    graphs._load(step, 4)
+    with torch.inference_mode():
+        static = eng.model.forward(graphs._batch(4), eng.kv_pool, eng.state_pool)
+    worst = _check(static[:3], eager, 1e-5, "static batch logits")
+    assert torch.isfinite(static[3]).all()
+    for a, b in zip(pools(), after_eager):
+        worst = max(worst, _check(a, b, 1e-6, "pools after the step"))
+    return worst
+
+
+CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
+
+
+# -- interpreter workers -------------------------------------------------------------------
+def _worker(shard: int, nshards: int) -> None:
+    try:  # the interpreter's int-overflow checks triple its cost; compiled kernels have none
+        import dataclasses
+
+        import triton.runtime.interpreter as ti
+        ti.interpreter_builder.options = dataclasses.replace(ti.interpreter_builder.options, sanitize_overflow=False)
+    except Exception:
+        pass
+    torch.set_num_threads(1)
+    for name in sorted(CASES)[shard::nshards]:
+        try:
+            err = CASES[name]("cpu")
+            res = {"case": name, "ok": True, "msg": f"err {err:.3g}"}
+        except Exception as ex:  # report, keep going
+            import traceback
+            res = {"case": name, "ok": False, "msg": f"{type(ex).__name__}: {ex}\n{traceback.format_exc()[-2000:]}"}
+        print("RESULT " + json.dumps(res), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    env = dict(os.environ, TRITON_INTERPRET="1", MOEFERRY_TRITON_INTERPRET="1", PYTHONPATH=str(ROOT),
+               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(s), str(WORKERS)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in range(WORKERS)]
+    results, logs = {}, []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        logs.append(err[-3000:])
+        for line in out.splitlines():
+            if line.startswith("RESULT "):
+                r = json.loads(line[7:])
+                results[r["case"]] = r
+    return results, "\n".join(logs)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_interpreted(interpreted, case):
+    results, logs = interpreted
+    assert case in results, f"worker gave no result for {case}:\n{logs}"
+    assert results[case]["ok"], results[case]["msg"]
+
+
+def test_reference_stays_default_on_cpu():
+    """Without CUDA tensors or MOEFERRY_TRITON_INTERPRET, the ops never touch Triton."""
+    from moeferry.ops.triton import use_triton
+    if os.environ.get("MOEFERRY_TRITON_INTERPRET") == "1":
+        pytest.skip("interpreter dispatch requested for this run")
+    assert not use_triton(torch.ones(1))
+
+
+# -- GPU: compiled kernels ---------------------------------------------------------------------
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_compiled_small(case):
+    CASES[case]("cuda")
+
+
+def _bf16_pair(*shape, g, scale=1.0):
+    x = (torch.randn(*shape, generator=g, device="cuda") * scale).bfloat16()
+    return x, x.float()
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_attention_real_shapes():
+    """Qwen3.6-35B-A3B attention (16 q heads, 2 kv heads, head_dim 256) in bf16: decode for
+    16 sequences of ragged contexts up to 4k, and a 2k-token prefill chunk over a 1.5k prefix."""
+    from moeferry.ops.triton import attention as ta
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hq, hkv, d, ps = 16, 2, 256, 16
+    ctx = torch.randint(1, 4096, (16,), generator=g, device="cuda").tolist()
+    ctx[0], ctx[1] = 1, 4096
+    kc, vc, table = _paged_kv(torch.Generator().manual_seed(1), ctx, hkv, d, ps, "cuda")
+    kb, vb = kc.bfloat16(), vc.bfloat16()
+    q, qf = _bf16_pair(16, hq, d, g=g)
+    kv = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+    ref = ref_attn.paged_attention_ref(qf, kb.float(), vb.float(), list(range(17)), ctx, table, ps, d ** -0.5)
+    for splits in (1, 8, 32):
+        _check(ta.paged_attention_decode(q, kb, vb, kv, table, ps, d ** -0.5, splits), ref, 1e-2, f"decode {splits}")
+    ctx, qlen = [3584, 700], [2048, 700]
+    kc, vc, table = _paged_kv(torch.Generator().manual_seed(2), ctx, hkv, d, ps, "cuda")
+    kb, vb = kc.bfloat16(), vc.bfloat16()
+    q, qf = _bf16_pair(sum(qlen), hq, d, g=g)
+    out = ta.paged_attention(q, kb, vb, _cu(qlen), ctx, table, ps, d ** -0.5)
+    ref = ref_attn.paged_attention_ref(qf, kb.float(), vb.float(), _cu(qlen), ctx, table, ps, d ** -0.5)
+    _check(out, ref, 1e-2, "prefill")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_gdn_real_shapes():
+    """Qwen3.6 Gated DeltaNet (16 k heads, 32 v heads, 128x128 state) in bf16 with an fp32
+    pool: a ragged prefill (1, 1000, 3000 tokens) and a 16-sequence decode step."""
+    from moeferry.ops.triton import gdn as tg
+    g = torch.Generator().manual_seed(3)
+    hk, hv, dk, dv = 16, 32, 128, 128
+    lens, slots = [1, 1000, 3000], [2, 0, 5]
+    q, k, v, a, b, a_log, dt_bias = _gdn_inputs(g, sum(lens), hk, hv, dk, dv, "cuda")
+    q, k, v, a, b = (x.bfloat16() for x in (q, k, v, a, b))
+    gg, beta = ref_gdn.gdn_gates(a, b, a_log, dt_bias)
+    pool = (torch.randn(8, hv, dk, dv, generator=g) * 0.1).cuda()
+    ref_pool = pool.clone()
+    out = tg.gdn_prefill(q, k, v, gg, beta, pool, _cu(lens), slots)
+    ref = ref_gdn.gdn_prefill_ref(q.float(), k.float(), v.float(), gg, beta.float(), ref_pool, _cu(lens), slots)
+    _check(out, ref, 1e-2, "gdn prefill out")
+    _check(pool, ref_pool, 1e-2, "gdn prefill state")
+    q, k, v, a, b, a_log, dt_bias = _gdn_inputs(g, 16, hk, hv, dk, dv, "cuda")
+    q, k, v, a, b = (x.bfloat16() for x in (q, k, v, a, b))
+    pool = (torch.randn(20, hv, dk, dv, generator=g) * 0.1).cuda()
+    ref_pool = pool.clone()
+    slots = torch.randperm(20, generator=g)[:16].int().cuda()
+    out = tg.gdn_decode_gated(q, k, v, a, b, a_log, dt_bias, pool, slots)
+    gg, beta = ref_gdn.gdn_gates(a, b, a_log, dt_bias)
+    ref = ref_gdn.gdn_decode(q.float(), k.float(), v.float(), gg, beta.float(), ref_pool, slots)
+    _check(out, ref, 1e-2, "gdn decode out")
+    _check(pool, ref_pool, 1e-4, "gdn decode state")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_conv_norm_rope_real_shapes():
+    """conv over q|k|v (8192 channels, kernel 4), the decoder norm (2048), q/k norm and
+    partial rotary (16 heads x 256, 64 rotary dims), gated norm (128), in bf16."""
+    from moeferry.ops.triton import conv as tc
+    from moeferry.ops.triton import norm as tn
+    from moeferry.ops.triton import rope as tr
+    g = torch.Generator(device="cuda").manual_seed(4)
+    lens, slots = [1, 700, 2000], [3, 1, 0]
+    x, xf = _bf16_pair(sum(lens), 8192, g=g)
+    w, wf = _bf16_pair(8192, 4, g=g, scale=0.5)
+    st, stf = _bf16_pair(4, 8192, 3, g=g)
+    _check(tc.causal_conv1d(x, w, st, _cu(lens), slots),
+           ref_conv.causal_conv1d_ref(xf, wf, stf, _cu(lens), slots), 1e-2, "conv")
+    _check(st, stf, 1e-2, "conv state")
+    h, hf = _bf16_pair(4096, 2048, g=g)
+    r, rf = _bf16_pair(4096, 2048, g=g)
+    nw, nwf = _bf16_pair(2048, g=g, scale=0.1)
+    out, summed = tn.add_rms_norm(h, r, nw, 1e-6, True)
+    ref_out, ref_sum = ref_norm.add_rms_norm_ref(hf, rf, nwf, 1e-6, True)
+    _check(out, ref_out, 1e-2, "add_rms_norm")
+    _check(summed, ref_sum, 1e-2, "residual sum")
+    q, qf = _bf16_pair(4096, 16, 256, g=g)
+    qw, qwf = _bf16_pair(256, g=g, scale=0.1)
+    _check(tn.rms_norm(q, qw, 1e-6, True), ref_norm.rms_norm_ref(qf, qwf, 1e-6, True), 1e-2, "q norm")
+    cos, sin = ref_rope.rope_cos_sin(torch.arange(4096, device="cuda"), ref_rope.rope_inv_freq(64, 1e7).cuda(),
+                                     torch.bfloat16)
+    _check(tr.apply_rope(q, cos, sin), ref_rope.apply_rope_ref(qf, cos.float(), sin.float()), 1e-2, "rope")
+    o, of = _bf16_pair(4096 * 32, 128, g=g)
+    z, zf = _bf16_pair(4096 * 32, 128, g=g)
+    gw, gwf = _bf16_pair(128, g=g)
+    _check(tn.gated_rms_norm(o, z, gw, 1e-6), ref_norm.gated_rms_norm_ref(of, zf, gwf, 1e-6), 1e-2, "gated norm")
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--worker":
+    _worker(int(sys.argv[2]), int(sys.argv[3]))
