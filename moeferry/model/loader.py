@@ -10,7 +10,7 @@ from moeferry.model.layers import DecoderLayer, DenseMLP, FullAttention, GatedDe
 from moeferry.model.model import CausalLM
 from moeferry.model.spec import FULL_ATTENTION, ModelSpec
 from moeferry.model.weights import WeightLoader as _Weights
-from moeferry.moe.resident import PackedExperts, ResidentExperts
+from moeferry.moe import make_expert_executor, make_packed_expert_executor
 
 
 def _attention(w: _Weights, spec: ModelSpec, p: str, kv_index: int) -> FullAttention:
@@ -41,11 +41,12 @@ def _mlp(w: _Weights, p: str, hidden: int, inter: int) -> DenseMLP:
 def _moe(w: _Weights, spec: ModelSpec, p: str) -> SparseMoE:
     h, e, i = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
     if w.is_quantized(p + "experts.0.gate_proj"):  # quantized checkpoints store experts one by one
-        experts = PackedExperts([(w.linear(f"{p}experts.{x}.gate_proj", i, h), w.linear(f"{p}experts.{x}.up_proj", i, h),
-                                  w.linear(f"{p}experts.{x}.down_proj", h, i)) for x in range(e)], w.dtype)
+        experts = make_packed_expert_executor(
+            [(w.linear(f"{p}experts.{x}.gate_proj", i, h), w.linear(f"{p}experts.{x}.up_proj", i, h),
+              w.linear(f"{p}experts.{x}.down_proj", h, i)) for x in range(e)], w.dtype, w.device)
     else:
         gate_up, down = read_experts(w.reader, p, e, h, i)
-        experts = ResidentExperts(gate_up.to(w.device, w.dtype), down.to(w.device, w.dtype))
+        experts = make_expert_executor(gate_up.to(dtype=w.dtype), down.to(dtype=w.dtype), w.device)
     shared = shared_gate = None
     if spec.shared_expert_intermediate_size:
         shared = _mlp(w, p + "shared_expert.", h, spec.shared_expert_intermediate_size)

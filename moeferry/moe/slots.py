@@ -1,0 +1,133 @@
+"""Expert slots on the device: a buffer of N slots of one format, and the slot table.
+
+A slot holds one expert's weights in its format's device form: gate_up [2I, H] (gate rows
+first) and down [H, I], plus scales (layouts in `moeferry.ops.triton.moe_formats`). The
+table maps (layer, expert) -> slot id, -1 when the expert is not resident. The fused MoE
+kernels read experts only through the table, so the resident executor (every expert has a
+slot, identity table) and the offload cache (a few slots, an LRU table) share them.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from moeferry.checkpoint.formats import FORMATS, PackedWeight
+from moeferry.ops.triton.moe_formats import DENSE, MoEKernel, SlotMatrix, register_moe_kernels
+from moeferry.ops.triton.moe_gemm import MoEConfig, fused_moe
+from moeferry.ops.triton.moe_prep import RoutingScratch
+
+register_moe_kernels(FORMATS)
+
+ExpertWeights = tuple[PackedWeight, PackedWeight, PackedWeight]  # gate, up, down
+
+
+def kernel_for(fmt) -> MoEKernel:
+    """The MoE kernel of a registry format (name or entry)."""
+    entry = FORMATS[fmt] if isinstance(fmt, str) else fmt
+    if entry.kernels is None:
+        raise ValueError(f"format {entry.name} has no MoE kernel")
+    return entry.kernels
+
+
+class SlotBuffer:
+    """`num_slots` expert slots of one format on one device."""
+
+    def __init__(self, gate_up: SlotMatrix, down: SlotMatrix):
+        if gate_up.kernel is not down.kernel or gate_up.num_slots != down.num_slots:
+            raise ValueError("gate_up and down slots must share format and slot count")
+        if gate_up.n != 2 * down.k or gate_up.k != down.n:
+            raise ValueError(f"shapes: gate_up [{gate_up.n}, {gate_up.k}] vs down [{down.n}, {down.k}]")
+        self.gate_up, self.down = gate_up, down
+        self.scratch = RoutingScratch(gate_up.num_slots, gate_up.w.device)
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_dense(cls, gate_up: torch.Tensor, down: torch.Tensor) -> "SlotBuffer":
+        """Wrap stacked unquantized experts (gate_up [E, 2I, H], down [E, H, I]) without a copy."""
+        e, n, k = gate_up.shape
+        return cls(SlotMatrix(DENSE, n, k, n // 2, gate_up.contiguous()),
+                   SlotMatrix(DENSE, down.shape[1], down.shape[2], down.shape[1], down.contiguous()))
+
+    @classmethod
+    def allocate(cls, fmt, num_slots: int, example: ExpertWeights, device) -> "SlotBuffer":
+        """Uninitialised slots shaped like `example` (one expert's packed gate, up, down)."""
+        kern = kernel_for(fmt)
+        gate, up, down = example
+        return cls(kern.empty_matrix(num_slots, [gate, up], device, part=gate.out_features),
+                   kern.empty_matrix(num_slots, [down], device))
+
+    @classmethod
+    def from_experts(cls, fmt, experts: Sequence[ExpertWeights], device, num_slots: int | None = None) -> "SlotBuffer":
+        """Slots 0..len(experts)-1 filled with `experts` (one slot each), `num_slots` in all."""
+        buf = cls.allocate(fmt, num_slots or len(experts), experts[0], device)
+        for s, ex in enumerate(experts):
+            buf.write(s, ex)
+        return buf
+
+    # -- slots ----------------------------------------------------------------------------
+    @property
+    def kernel(self) -> MoEKernel:
+        return self.gate_up.kernel
+
+    @property
+    def num_slots(self) -> int:
+        return self.gate_up.num_slots
+
+    @property
+    def hidden(self) -> int:
+        return self.gate_up.k
+
+    @property
+    def inter(self) -> int:
+        return self.down.k
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.gate_up.bytes_per_slot + self.down.bytes_per_slot
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_per_slot * self.num_slots
+
+    def pack(self, expert: ExpertWeights) -> tuple[dict, dict]:
+        """One expert's slot contents (host tensors, e.g. for a pinned host bank)."""
+        gate, up, down = expert
+        return self.kernel.pack([gate, up])[0], self.kernel.pack([down])[0]
+
+    def write_packed(self, slot: int, packed: tuple[dict, dict]) -> None:
+        self.gate_up.write(slot, packed[0])
+        self.down.write(slot, packed[1])
+
+    def write(self, slot: int, expert: ExpertWeights) -> None:
+        self.write_packed(slot, self.pack(expert))
+
+    # -- compute --------------------------------------------------------------------------
+    def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table_row: torch.Tensor,
+            shared_slot: int = -1, shared_weight: torch.Tensor | None = None,
+            config: MoEConfig | None = None) -> torch.Tensor:
+        return fused_moe(x, ids, weights, self.gate_up, self.down, table_row, self.scratch,
+                         shared_slot, shared_weight, config)
+
+
+class SlotTable:
+    """[num_layers, num_experts] int32 on the device: expert -> slot, -1 = not resident."""
+
+    def __init__(self, num_layers: int, num_experts: int, device):
+        self.table = torch.full((num_layers, num_experts), -1, dtype=torch.int32, device=device)
+
+    @classmethod
+    def identity(cls, num_layers: int, num_experts: int, device) -> "SlotTable":
+        """Layer l's expert e in slot l * num_experts + e (everything resident)."""
+        t = cls(num_layers, num_experts, device)
+        t.table.copy_(torch.arange(num_layers * num_experts, dtype=torch.int32).view(num_layers, num_experts))
+        return t
+
+    def row(self, layer: int) -> torch.Tensor:
+        return self.table[layer]
+
+    def assign(self, layer: int, expert: int, slot: int) -> None:
+        self.table[layer, expert] = slot
+
+    def evict(self, layer: int, expert: int) -> None:
+        self.table[layer, expert] = -1

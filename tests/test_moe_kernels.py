@@ -1,0 +1,341 @@
+"""Fused MoE Triton kernels against the CPU reference: dequantize (registry), then fp32 matmul.
+
+Interpreter cases (small shapes, every registry format, token counts 1/3/64, slots in
+permuted order, non-resident experts, a shared expert) run in two worker subprocesses with
+TRITON_INTERPRET=1, so the variable never reaches this process or other test files; each
+case is reported as its own test. GPU cases (`-m gpu`, Qwen3.6 shapes E=256 k=8 H=2048
+I=512, T up to 8192) run the compiled kernels here and skip without CUDA.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from moeferry.checkpoint.formats import FORMATS, QuantParams  # noqa: E402
+from moeferry.moe.resident import ResidentExperts  # noqa: E402
+from moeferry.moe.slots import SlotBuffer  # noqa: E402
+from moeferry.moe.triton_experts import TritonExperts  # noqa: E402
+from moeferry.ops.moe import fused_experts, swiglu  # noqa: E402
+from moeferry.ops.triton.moe_prep import RoutingScratch, prepare_routing  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = 2
+
+
+# -- shared helpers ----------------------------------------------------------------------------
+def _routing(t, e, k, gen, device, dtype=torch.float32):
+    logits = torch.randn(t, e, generator=gen)
+    w, ids = torch.topk(torch.softmax(logits, -1), k)
+    return (w / w.sum(-1, keepdim=True)).to(device, dtype), ids.to(device)
+
+
+def _quantized_expert(fmt, h, i, gen, params):
+    """(gate, up, down) PackedWeights from random weights through the registry's quantizer."""
+    f = FORMATS[fmt]
+    ws = [torch.randn(i, h, generator=gen) * 0.05, torch.randn(i, h, generator=gen) * 0.05,
+          torch.randn(h, i, generator=gen) * 0.05]
+    return tuple(f.packed(f.quantize(w.bfloat16() if fmt == "bf16" else w, params), params) for w in ws)
+
+
+def _dequant(expert, device="cpu"):
+    g, u, d = (w.dequantize(torch.float32).to(device) for w in expert)
+    return torch.cat([g, u]), d
+
+
+def _rel(out, ref):
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def check_moe(fmt, t, e, k, h=128, i=64, slots=None, missing=0, shared=False, dtype="bfloat16",
+              tol=2e-2, seed=0, params=None):
+    """One fused-MoE run through a slot buffer vs the reference; returns the relative error."""
+    gen = torch.Generator().manual_seed(seed)
+    params = QuantParams(**params) if params else None
+    n_exp = e + int(shared)
+    experts = [_quantized_expert(fmt, h, i, gen, params) for _ in range(n_exp)]
+    s = max(slots or n_exp, n_exp)
+    where = torch.randperm(s, generator=gen)[:n_exp]  # expert j lives in slot where[j]
+    contents = [None] * s
+    for j, sl in enumerate(where.tolist()):
+        contents[sl] = experts[j]
+    for sl in range(s):  # unused slots hold other experts: reading them would show
+        if contents[sl] is None:
+            contents[sl] = _quantized_expert(fmt, h, i, gen, params)
+    buf = SlotBuffer.from_experts(fmt, contents, "cpu")
+    table = where[:e].to(torch.int32).clone()
+    gone = torch.randperm(e, generator=gen)[:missing]
+    table[gone] = -1
+    xdt = getattr(torch, dtype)
+    x = (torch.randn(t, h, generator=gen)).to(xdt)
+    w, ids = _routing(t, e, k, gen, "cpu")
+    shw = torch.sigmoid(torch.randn(t, generator=gen)) if shared else None
+    out = buf.run(x, ids, w.to(xdt), table, int(where[e]) if shared else -1, shw)
+    assert out.shape == x.shape and out.dtype == xdt
+    dq = [_dequant(ex) for ex in experts]
+    w_ref = w.to(xdt).float().masked_fill(torch.isin(ids, gone), 0.0)
+    ref = fused_experts(x.float(), ids, w_ref, lambda j: dq[j])
+    if shared:
+        ref = ref + shw[:, None] * swiglu(x.float(), *dq[e])
+    err = _rel(out, ref)
+    assert err < tol, f"relative error {err:.3g} >= {tol}"
+    return err
+
+
+def check_prep(t, k, e=16, slots=24, missing=2, shared=False, block_m=16, seed=0):
+    """Grouping invariants of the routing prep (run twice: the counters must reset)."""
+    gen = torch.Generator().manual_seed(seed)
+    w, ids = _routing(t, e, k, gen, "cpu")
+    table = torch.randperm(slots, generator=gen)[:e].to(torch.int32)
+    table[torch.randperm(e, generator=gen)[:missing]] = -1
+    scratch = RoutingScratch(slots, "cpu")
+    shw = torch.rand(t, generator=gen) if shared else None
+    for _ in range(2):
+        r = prepare_routing(ids, w, table, scratch, block_m, shared_slot=slots - 1, shared_weight=shw)
+        assert int(scratch.counts.abs().sum()) == 0, "counters not reset"
+    topk = k + int(shared)
+    pair_slot = torch.cat([table[ids], torch.full((t, 1), slots - 1, dtype=torch.int32)], 1) if shared else table[ids]
+    pair_slot = pair_slot.reshape(-1)
+    assert torch.equal(r.pair_slot, pair_slot)
+    want_w = torch.cat([w, shw[:, None]], 1) if shared else w
+    assert torch.allclose(r.pair_w, want_w.reshape(-1).float())
+    nb = int(r.num_blocks)
+    assert nb <= r.max_blocks
+    seen = []
+    blocks_per_slot = {}
+    for b in range(nb):
+        rows = int(r.block_rows[b])
+        assert 1 <= rows <= block_m
+        ps = r.sorted_ids[b * block_m: b * block_m + rows].long()
+        assert (pair_slot[ps] == r.block_slot[b]).all(), "a block mixes slots"
+        seen += ps.tolist()
+        blocks_per_slot[int(r.block_slot[b])] = blocks_per_slot.get(int(r.block_slot[b]), 0) + 1
+    valid = torch.nonzero(pair_slot >= 0).flatten().tolist()
+    assert sorted(seen) == valid, "each resident pair exactly once"
+    for sl, n in blocks_per_slot.items():
+        assert n == -(-int((pair_slot == sl).sum()) // block_m), "blocks per slot"
+    assert r.topk == topk
+    return 0.0
+
+
+def check_executor(t=3, e=8, k=2, h=128, i=64, shared_i=64, seed=0):
+    """TritonExperts.resident (shared expert in the slot buffer or its own) vs ResidentExperts."""
+    gen = torch.Generator().manual_seed(seed)
+    gu = (torch.randn(e, 2 * i, h, generator=gen) * 0.05).bfloat16()
+    dn = (torch.randn(e, h, i, generator=gen) * 0.05).bfloat16()
+    sgu = (torch.randn(2 * shared_i, h, generator=gen) * 0.05).bfloat16()
+    sdn = (torch.randn(h, shared_i, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(t, h, generator=gen).bfloat16()
+    w, ids = _routing(t, e, k, gen, "cpu", torch.bfloat16)
+    gate = torch.sigmoid(torch.randn(t, 1, generator=gen)).bfloat16()
+    ex = TritonExperts.resident(gu, dn, shared=(sgu, sdn))
+    assert (ex.shared_slot >= 0) == (shared_i == i)
+    out = ex(x, ids, w, shared_weight=gate)
+    ref = ResidentExperts(gu.float(), dn.float())(x.float(), ids, w.float())
+    ref = ref + gate.float() * swiglu(x.float(), sgu.float(), sdn.float())
+    err = _rel(out, ref)
+    assert err < 2e-2, f"relative error {err:.3g}"
+    err2 = _rel(ex(x, ids, w), ResidentExperts(gu.float(), dn.float())(x.float(), ids, w.float()))
+    assert err2 < 2e-2
+    return max(err, err2)
+
+
+FORMAT_NAMES = ("bf16", "fp8_tensor", "fp8_block", "nvfp4", "nvfp4_ct", "int4_awq", "int4_ct")
+_INT4_G64 = {"group_size": 64}
+
+
+def _params(fmt):
+    return _INT4_G64 if fmt.startswith("int4") else None
+
+
+CASES: dict[str, tuple] = {}
+for _f in FORMAT_NAMES:
+    CASES[f"{_f}-T1"] = (check_moe, dict(fmt=_f, t=1, e=8, k=2, params=_params(_f)))
+    CASES[f"{_f}-T3-permuted-missing-shared"] = (check_moe, dict(
+        fmt=_f, t=3, e=16, k=4, slots=20, missing=3, shared=True, seed=1,
+        params={"block_size": (32, 32)} if _f == "fp8_block" else _params(_f)))
+    CASES[f"{_f}-T64"] = (check_moe, dict(fmt=_f, t=64, e=8, k=2, seed=2, params=_params(_f)))
+for _f in ("fp8_block", "nvfp4", "int4_awq"):
+    CASES[f"{_f}-T3-fp32-exact"] = (check_moe, dict(fmt=_f, t=3, e=8, k=2, dtype="float32", tol=1e-4, seed=3,
+                                                    params=_params(_f)))
+CASES["int4_ct-asymmetric-T3"] = (check_moe, dict(fmt="int4_ct", t=3, e=8, k=2, seed=4,
+                                                  params={"group_size": 64, "symmetric": False}))
+CASES["fp8_tensor-per-channel-T3"] = (check_moe, dict(fmt="fp8_tensor", t=3, e=8, k=2, seed=5,
+                                                      params={"per_channel": True}))
+CASES["prep-T1"] = (check_prep, dict(t=1, k=2))
+CASES["prep-T3-shared"] = (check_prep, dict(t=3, k=4, shared=True))
+CASES["prep-T64"] = (check_prep, dict(t=64, k=4, block_m=32))
+CASES["prep-T600-multi-launch"] = (check_prep, dict(t=600, k=2, shared=True, missing=5))
+CASES["executor-shared-in-buffer"] = (check_executor, dict())
+CASES["executor-shared-own-buffer"] = (check_executor, dict(shared_i=32))
+
+
+# -- interpreter workers -------------------------------------------------------------------
+def _worker(shard: int, nshards: int) -> None:
+    try:  # the interpreter's int-overflow checks triple its cost; the GPU run has none either
+        import dataclasses
+
+        import triton.runtime.interpreter as ti
+        ti.interpreter_builder.options = dataclasses.replace(ti.interpreter_builder.options, sanitize_overflow=False)
+    except Exception:
+        pass
+    names = sorted(CASES)[shard::nshards]
+    for name in names:
+        fn, kw = CASES[name]
+        try:
+            err = fn(**kw)
+            res = {"case": name, "ok": True, "msg": f"err {err:.3g}"}
+        except Exception as ex:  # report, keep going
+            import traceback
+            res = {"case": name, "ok": False, "msg": f"{type(ex).__name__}: {ex}\n{traceback.format_exc()[-2000:]}"}
+        print("RESULT " + json.dumps(res), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(s), str(WORKERS)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in range(WORKERS)]
+    results, logs = {}, []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        logs.append(err[-3000:])
+        for line in out.splitlines():
+            if line.startswith("RESULT "):
+                r = json.loads(line[7:])
+                results[r["case"]] = r
+    return results, "\n".join(logs)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_interpreted(interpreted, case):
+    results, logs = interpreted
+    assert case in results, f"worker gave no result for {case}:\n{logs}"
+    assert results[case]["ok"], results[case]["msg"]
+
+
+# -- GPU: compiled kernels at Qwen3.6 shapes -----------------------------------------------
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+QWEN = dict(e=256, k=8, h=2048, i=512)
+DEVICE_FORMS = ("bf16", "fp8_tensor", "fp8_block", "nvfp4", "int4_awq")  # one per kernel
+
+
+def random_device_experts(fmt, n, h, i, device, seed=0):
+    """n experts of random device-form weights (gate, up, down), made on the device."""
+    from moeferry.checkpoint.formats import DenseWeight, Fp4Weight, Fp8BlockWeight, Fp8Weight, Int4Weight
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device=device)
+
+    def uni(*shape):
+        return torch.rand(*shape, generator=g, device=device)
+
+    def one(out, inp):
+        if fmt == "bf16":
+            return DenseWeight(out, inp, (rnd(out, inp) * 0.03).bfloat16())
+        if fmt == "fp8_tensor":
+            return Fp8Weight(out, inp, (rnd(out, inp) * 64).clamp(-448, 448).to(torch.float8_e4m3fn),
+                             (uni(1) * 5e-4 + 2e-4).expand(out).contiguous())
+        if fmt == "fp8_block":
+            return Fp8BlockWeight(out, inp, (rnd(out, inp) * 64).clamp(-448, 448).to(torch.float8_e4m3fn),
+                                  uni(-(-out // 128), -(-inp // 128)) * 5e-4 + 2e-4, (128, 128))
+        if fmt == "nvfp4":
+            packed = torch.randint(0, 256, (out, inp // 2), generator=g, device=device, dtype=torch.uint8)
+            return Fp4Weight(out, inp, packed, (uni(out, inp // 16) * 3 + 0.5).to(torch.float8_e4m3fn),
+                             uni(1) * 4e-3 + 2e-3)
+        if fmt == "int4_awq":
+            packed = torch.randint(0, 256, (out, inp // 2), generator=g, device=device, dtype=torch.uint8)
+            return Int4Weight(out, inp, packed, (uni(out, inp // 128) * 4e-3 + 1e-3).half(),
+                              torch.randint(0, 16, (out, inp // 128), generator=g, device=device,
+                                            dtype=torch.uint8), 128)
+        raise ValueError(fmt)
+
+    return [(one(i, h), one(i, h), one(h, i)) for _ in range(n)]
+
+
+def _gpu_dequant(expert):
+    from moeferry.checkpoint.formats import fp4
+    dev = next(iter(expert[0].tensors().values())).device
+    table = fp4.E2M1_VALUES
+    fp4.E2M1_VALUES = table.to(dev)  # the registry's E2M1 table is a CPU tensor
+    try:
+        return _dequant(expert, dev)
+    finally:
+        fp4.E2M1_VALUES = table
+
+
+_GPU_CACHE: dict = {}
+
+
+def _gpu_setup(fmt):
+    if fmt not in _GPU_CACHE:
+        dev = torch.device("cuda")
+        e, h, i = QWEN["e"], QWEN["h"], QWEN["i"]
+        experts = random_device_experts(fmt, e + 1, h, i, dev)  # the last one is the shared expert
+        s = e + 40
+        gen = torch.Generator().manual_seed(7)
+        where = torch.randperm(s, generator=gen)[:e + 1]
+        contents = [experts[0]] * s  # unused slots repeat expert 0
+        for j, sl in enumerate(where.tolist()):
+            contents[sl] = experts[j]
+        buf = SlotBuffer.from_experts(fmt, contents, dev)
+        dq = [_gpu_dequant(ex) for ex in experts]
+        _GPU_CACHE[fmt] = (buf, where.to(dev, torch.int32), dq)
+    return _GPU_CACHE[fmt]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("t", [1, 3, 64, 1024, 8192])
+@pytest.mark.parametrize("fmt", DEVICE_FORMS)
+def test_gpu_qwen_shapes(fmt, t):
+    buf, where, dq = _gpu_setup(fmt)
+    e, k = QWEN["e"], QWEN["k"]
+    gen = torch.Generator().manual_seed(t)
+    x = torch.randn(t, QWEN["h"], generator=gen).cuda().bfloat16()
+    w, ids = _routing(t, e, k, gen, "cuda", torch.bfloat16)
+    table = where[:e].clone()
+    shared = t in (3, 1024)
+    missing = torch.tensor([5, 77], device="cuda") if t == 64 else torch.tensor([], dtype=torch.long, device="cuda")
+    table[missing] = -1
+    shw = torch.sigmoid(torch.randn(t, generator=gen)).cuda() if shared else None
+    out = buf.run(x, ids, w, table, int(where[e]) if shared else -1, shw)
+    torch.cuda.synchronize()
+    w_ref = w.float().masked_fill(torch.isin(ids, missing), 0.0)
+    ref = fused_experts(x.float(), ids, w_ref, lambda j: dq[j])
+    if shared:
+        ref = ref + shw[:, None] * swiglu(x.float(), *dq[e])
+    err = _rel(out, ref)
+    assert err < 2e-2, f"{fmt} T={t}: relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_executor_factory():
+    from moeferry.moe import make_expert_executor
+    e, h, i = 64, QWEN["h"], QWEN["i"]
+    g = torch.Generator().manual_seed(0)
+    gu = (torch.randn(e, 2 * i, h, generator=g) * 0.03).bfloat16()
+    dn = (torch.randn(e, h, i, generator=g) * 0.03).bfloat16()
+    ex = make_expert_executor(gu.cuda(), dn.cuda(), torch.device("cuda"))
+    assert isinstance(ex, TritonExperts)
+    x = torch.randn(16, h, generator=g).bfloat16()
+    w, ids = _routing(16, e, 8, g, "cpu", torch.bfloat16)
+    out = ex(x.cuda(), ids.cuda(), w.cuda())
+    ref = ResidentExperts(gu.float(), dn.float())(x.float(), ids, w.float())
+    assert _rel(out.cpu(), ref) < 2e-2
+    assert isinstance(make_expert_executor(gu, dn, torch.device("cpu")), ResidentExperts)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    _worker(int(sys.argv[2]), int(sys.argv[3]))
