@@ -505,3 +505,14 @@ def test_mixed_preset_config_needs_module_names():
         synthetic_quant_config("mixed_nvfp4")
     assert quantize_module("mixed_nvfp4", "model.layers.0.input_layernorm", torch.ones(8)).keys() == {
         "model.layers.0.input_layernorm.weight"}
+
+
+def test_fp8_block_accepts_bf16_scale_inv():
+    """Qwen's FP8 releases store weight_scale_inv in bf16."""
+    fmt = FORMATS["fp8_block"]
+    w = torch.randn(256, 384)
+    t = fmt.quantize(w)
+    t["weight_scale_inv"] = t["weight_scale_inv"].to(torch.bfloat16)
+    check_tensors("model.layers.0.self_attn.q_proj", fmt, t, 256, 384)
+    deq = fmt.dequantize(t, 256, 384, dtype=torch.float32)
+    assert ((deq - w).abs().max() / w.abs().max()) < 0.1

@@ -279,8 +279,10 @@ def test_bfloat16_and_num_layers(tmp_path):
 
 
 def test_bad_arguments(tmp_path):
-    with pytest.raises(ValueError, match="quantization issue"):
-        make_model(tmp_path / "q", "qwen3_moe", "tiny", quant="nvfp4")
+    with pytest.raises(ValueError, match="unknown quantization preset"):
+        make_model(tmp_path / "q", "qwen3_moe", "tiny", quant="int3")
+    with pytest.raises(ValueError, match="per-expert"):
+        make_model(tmp_path / "q", "qwen3_moe", "tiny", quant="nvfp4", expert_layout="fused")
     with pytest.raises(ValueError):
         make_model(tmp_path / "x", "qwen3_moe", "qwen3.6-35b-a3b")
     with pytest.raises(ValueError):

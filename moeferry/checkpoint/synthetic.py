@@ -26,9 +26,21 @@ tensor are held in memory (5-7 GB peak RSS measured for the 35B preset in bf16).
 
 Quantization hook. Every tensor passes through `Emitter.emit(name, fp32_tensor)`, and
 `Emitter.end_group(group)` is called after each group (``embed``, ``layers.{i}``, ``final``,
-``visual``, ``mtp``); `Emitter.config_patch()` is merged into the model config. The plain
-emitter casts to the checkpoint dtype. A quantized format subclasses `Emitter` and is
-chosen in `_make_emitter`.
+``visual``, ``mtp``); `Emitter.config_patch()` is merged into the model config and
+`Emitter.extra_files()` are written next to it. The plain emitter casts to the checkpoint
+dtype.
+
+Quantized checkpoints (``quant=`` one of `moeferry.checkpoint.formats.PRESETS`). The
+`QuantEmitter` runs every 2-D ``*.weight`` through `quantize_module(preset, module, w)` (the
+real quantizers' math on the checkpoint-dtype weight) and writes the resulting tensors
+(e.g. ``weight`` + ``weight_scale`` + ``weight_scale_2``) under the same module prefix;
+modules a preset leaves unquantized are stored plainly. Experts must be per expert (every
+public quantized release stores them so). At the end it writes config.json
+``quantization_config`` and, for the ModelOpt presets, ``hf_quant_config.json``; the
+MIXED_PRECISION ``quantized_layers`` map lists the modules it saw (experts as one
+``...mlp.experts`` entry). Quantization is streamed with the drawing (one tensor at a time
+per worker); ``MOEFERRY_QUANT_DEVICE=cuda`` runs the fp8/nvfp4 quantizer math on a GPU
+(the 35B geometry in seconds; int4 and fp8_block fall back to the CPU).
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ import hashlib
 import json
 import math
 import os
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -53,6 +66,7 @@ __all__ = [
     "Preset",
     "TensorSpec",
     "Emitter",
+    "QuantEmitter",
     "ShardWriter",
     "make_model",
     "model_config",
@@ -662,11 +676,81 @@ class Emitter:
     def config_patch(self) -> dict:
         return {}
 
+    def extra_files(self) -> dict[str, dict]:
+        """Further JSON files of the checkpoint directory (name -> content)."""
+        return {}
+
+
+class QuantEmitter(Emitter):
+    """Quantizes every linear weight per a preset of `moeferry.checkpoint.formats.presets`.
+
+    Each 2-D ``*.weight`` goes through `quantize_module(preset, module, w)` with `w` cast to
+    the checkpoint dtype first (the real quantizers read the released bf16 weights); the
+    modules a preset leaves unquantized (routers, norms, embeddings, conv1d, visual, mtp,
+    ...) come back as a plain ``.weight`` in the checkpoint dtype. Every other tensor
+    (biases, A_log, dt_bias, 1-D norms) is cast as by the plain emitter. The module names
+    are collected as they pass, because ModelOpt's MIXED_PRECISION config lists every
+    quantized layer; `config_patch` / `extra_files` build the config files at the end.
+    """
+
+    def __init__(self, writer: ShardWriter, dtype: torch.dtype, quant: str, device: str | None = None):
+        super().__init__(writer, dtype)
+        from moeferry.checkpoint.formats import PRESETS as QUANT_PRESETS
+
+        if quant not in QUANT_PRESETS:
+            raise ValueError(f"unknown quantization preset {quant!r}; known: {', '.join(QUANT_PRESETS)}")
+        self.quant = quant
+        # Optional accelerator for the quantizer math (fp8 / nvfp4 formats run there; a
+        # format that cannot falls back to the CPU). Values are drawn on the CPU either way.
+        self.device = torch.device(device) if device else None
+        self._modules: set[str] = set()
+        self._lock = threading.Lock()
+        self._configs: tuple[dict | None, dict | None] | None = None
+
+    def _quantize(self, module: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        from moeferry.checkpoint.formats import quantize_module
+
+        if self.device is not None:
+            try:
+                out = quantize_module(self.quant, module, w.to(self.device))
+                return {k: v.cpu() for k, v in out.items()}
+            except RuntimeError as e:
+                if "device" not in str(e):
+                    raise
+                self.device = None  # this format's quantizer is CPU-only
+        return quantize_module(self.quant, module, w)
+
+    def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        if not (name.endswith(".weight") and tensor.ndim == 2):
+            return [(name, tensor.to(self.dtype))]
+        module = name[: -len(".weight")]
+        with self._lock:
+            self._modules.add(module)
+        out = self._quantize(module, tensor.to(self.dtype))
+        return [(k, v.contiguous()) for k, v in out.items()]
+
+    def _quant_configs(self) -> tuple[dict | None, dict | None]:
+        if self._configs is None:
+            from moeferry.checkpoint.formats import synthetic_quant_config
+
+            self._configs = synthetic_quant_config(self.quant, sorted(self._modules))
+        return self._configs
+
+    def config_patch(self) -> dict:
+        qc, _ = self._quant_configs()
+        return {"quantization_config": qc} if qc is not None else {}
+
+    def extra_files(self) -> dict[str, dict]:
+        _, hq = self._quant_configs()
+        return {"hf_quant_config.json": hq} if hq is not None else {}
+
 
 def _make_emitter(quant: str | None, writer: ShardWriter, dtype: torch.dtype) -> Emitter:
-    if quant is not None:
-        raise ValueError("--quant is added by the quantization issue")
-    return Emitter(writer, dtype)
+    if quant is None:
+        return Emitter(writer, dtype)
+    # MOEFERRY_QUANT_DEVICE=cuda quantizes on the GPU (35B-class checkpoints in seconds
+    # instead of minutes); the CPU path is the default and the reference.
+    return QuantEmitter(writer, dtype, quant, device=os.environ.get("MOEFERRY_QUANT_DEVICE") or None)
 
 
 def _produce(spec: TensorSpec, convert) -> list[tuple[str, torch.Tensor]]:
@@ -717,18 +801,21 @@ def make_model(
 
     `arch` in ARCHS, `size` in SIZES (see PRESETS for the valid pairs), `num_layers`
     overrides the preset's layer count, `max_shard_bytes` caps a safetensors shard (tests
-    use a small value to get an index and several shards). Same arguments, same bytes.
+    use a small value to get an index and several shards). `quant` writes a quantized
+    checkpoint (per-expert layout only). Same arguments, same bytes.
     """
-    if quant is not None:
-        raise ValueError("--quant is added by the quantization issue")
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}")
+    if quant is not None and expert_layout != "per-expert":
+        raise ValueError(f"quant={quant!r} needs expert_layout='per-expert': quantized checkpoints "
+                         "(ModelOpt, compressed-tensors, AWQ, fine-grained FP8) store experts one by one")
     config = model_config(arch, size, multimodal=multimodal, num_layers=num_layers, dtype=dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for stale in list(out.glob("model*.safetensors")) + list(out.glob(".shard-*.tmp")):
         stale.unlink()
     (out / "model.safetensors.index.json").unlink(missing_ok=True)
+    (out / "hf_quant_config.json").unlink(missing_ok=True)
 
     writer = ShardWriter(out, max_shard_bytes)
     emitter = _make_emitter(quant, writer, DTYPES[dtype])
@@ -742,6 +829,8 @@ def make_model(
 
     config.update(emitter.config_patch())
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for fname, content in emitter.extra_files().items():
+        (out / fname).write_text(json.dumps(content, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(generation_config(), indent=2) + "\n")
     tcfg = config.get("text_config", config)
     train_demo_tokenizer(out, TOKENIZER_VOCAB, model_max_length=tcfg["max_position_embeddings"])

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from moeferry.checkpoint.formats import BF16, FORMATS, check_tensors, detect_scheme
-from moeferry.checkpoint.reader import CheckpointReader
+from moeferry.checkpoint.formats import (BF16, FORMATS, QuantTensorError, UnsupportedQuantization, check_tensors,
+                                         detect_scheme)
+from moeferry.checkpoint.reader import CheckpointError, CheckpointReader
 from moeferry.model.linear import Linear, QuantLinear
 
 
@@ -13,7 +14,10 @@ class WeightLoader:
 
     def __init__(self, reader: CheckpointReader, dtype: torch.dtype, device):
         self.reader, self.dtype, self.device = reader, dtype, device
-        self.scheme = detect_scheme(reader.config, reader.hf_quant_config or None)
+        try:
+            self.scheme = detect_scheme(reader.config, reader.hf_quant_config or None)
+        except UnsupportedQuantization as e:
+            raise CheckpointError(f"{reader.dir}: {e}") from None
 
     def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return self.reader.get(name, shape).to(device=self.device, dtype=self.dtype)
@@ -25,9 +29,13 @@ class WeightLoader:
         fmt, params = FORMATS[fmt_name], self.scheme.params_for(module)
         suffixes = fmt.tensor_suffixes + tuple(fmt.suffix_aliases)
         tensors = {s: self.reader.get(f"{module}.{s}") for s in suffixes if self.reader.has(f"{module}.{s}")}
-        check_tensors(module, fmt, tensors, out, inp, params)
-        packed = fmt.packed(fmt.canonical(tensors), params).to(self.device)
-        return QuantLinear(packed, fmt_name)
+        try:
+            check_tensors(module, fmt, tensors, out, inp, params)
+            packed = fmt.packed(fmt.canonical(tensors), params)
+        except (QuantTensorError, ValueError) as e:  # one line naming the module and the format
+            msg = str(e) if module in str(e) else f"{module}: format {fmt_name}: {e}"
+            raise CheckpointError(f"{msg} (checkpoint {self.reader.dir})") from None
+        return QuantLinear(packed.to(self.device), fmt_name)
 
     def is_quantized(self, module: str) -> bool:
         return self.scheme.format_for(module) != BF16.format

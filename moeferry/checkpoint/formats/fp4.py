@@ -29,21 +29,26 @@ FP4_MAX = 6.0
 GROUP = 16
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                             -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-# midpoints between consecutive magnitudes; a tie goes to the even code (round-half-even)
-_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+# 2 * magnitude -> magnitude code (only 0, 1, 2, 3, 4, 6, 8, 12 occur)
+_CODE_OF_TWICE = torch.tensor([0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7], dtype=torch.uint8)
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 code (uint8 nibble) of already-scaled values; |x| > 6 saturates."""
-    mag = x.abs().float()
-    code = torch.bucketize(mag, _BOUNDS)  # boundary b_i -> i (the lower code)
-    at_bound = mag == _BOUNDS[code.clamp(max=len(_BOUNDS) - 1)]
-    code = code + (at_bound & (code % 2 == 1)).long()  # odd lower code: the tie goes up
-    return (code | ((x < 0).long() << 3)).to(torch.uint8)
+    """Nearest E2M1 code (uint8 nibble) of already-scaled values; |x| > 6 saturates.
+
+    The E2M1 grid has step 0.5 on [0, 2], 1 on [2, 4] and 2 on [4, 6], so rounding to the
+    nearest grid value is a round-half-even at that step; on this grid a tie between two
+    values always goes to the one with the even code (the ties of the RTN quantizers).
+    Device-agnostic (works on CUDA tensors)."""
+    mag = x.abs().float().clamp(max=FP4_MAX)
+    twice = torch.where(mag < 2, torch.round(mag * 2),
+                        torch.where(mag < 4, torch.round(mag) * 2, torch.round(mag * 0.5) * 4))
+    code = _CODE_OF_TWICE.to(x.device)[twice.long()]
+    return code | ((x < 0).to(torch.uint8) << 3)
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    return E2M1_VALUES[codes.long()]
+    return E2M1_VALUES.to(codes.device)[codes.long()]
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

@@ -117,11 +117,11 @@ class Fp8BlockFormat(QuantFormat):
         return {"weight": [(out_features, in_features)],
                 "weight_scale_inv": [(cdiv(out_features, b0), cdiv(in_features, b1))]}
 
-    def dtype_ok(self, suffix, dtype):
-        return dtype == E4M3 if suffix == "weight" else dtype == torch.float32
+    def dtype_ok(self, suffix, dtype):  # Qwen's FP8 releases store weight_scale_inv in bf16
+        return dtype == E4M3 if suffix == "weight" else dtype.is_floating_point
 
     def expected_dtype(self, suffix):
-        return "float8_e4m3fn" if suffix == "weight" else "float32"
+        return "float8_e4m3fn" if suffix == "weight" else "a float"
 
     def bytes_for(self, out_features, in_features, params=None):
         b0, b1 = self._block(params)

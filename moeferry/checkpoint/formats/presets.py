@@ -11,9 +11,11 @@ Presets and the producer they imitate:
     int4_awq     AutoAWQ GEMM, group 128, zero points
     int4_ct      llm-compressor W4A16 (compressed-tensors pack-quantized, symmetric, group 128)
     mixed_nvfp4  like nvidia/Qwen3.6-35B-A3B-NVFP4: ModelOpt MIXED_PRECISION, W4A16_NVFP4 for
-                 routed experts and lm_head, FP8 for attention / GDN / shared-expert / dense
-                 projections, bf16 routers, norms, embeddings, conv1d, GDN in_proj_a/in_proj_b
-                 (ModelOpt's Qwen3.5 recipe leaves those two unquantized)
+                 routed experts, the shared expert's gate/up/down and lm_head, FP8 for
+                 attention / GDN / dense-MLP projections, bf16 routers, norms, embeddings,
+                 conv1d, GDN in_proj_a/in_proj_b (ModelOpt's Qwen3.5 recipe leaves those two
+                 unquantized). The release lists each shared_expert projection as
+                 W4A16_NVFP4 in quantized_layers (FreeToken 0.1.2's loader reads them as NVFP4).
 
 Routers, norms, embeddings, `visual` and `mtp` are unquantized in every preset, and so is
 lm_head except in mixed_nvfp4. MIXED_PRECISION lists every quantized layer by name, so
@@ -102,7 +104,7 @@ def _mixed_algo(name: str) -> str | None:
     if (never_quantized(canon) or canon.startswith(("model.visual", "visual.", "mtp."))
             or re.search(r"linear_attn\.in_proj_[ab]$", canon)):
         return None
-    if canon == "lm_head" or _EXPERT.match(canon):
+    if canon == "lm_head" or _EXPERT.match(canon) or ".mlp.shared_expert." in canon:
         return "W4A16_NVFP4"
     return "FP8"
 
