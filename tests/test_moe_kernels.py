@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.interpreter_workers import run_workers
 import torch
 import torch.nn.functional as F
 
@@ -202,18 +204,7 @@ def _worker(shard: int, nshards: int) -> None:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(s), str(WORKERS)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in range(WORKERS)]
-    results, logs = {}, []
-    for p in procs:
-        out, err = p.communicate(timeout=600)
-        logs.append(err[-3000:])
-        for line in out.splitlines():
-            if line.startswith("RESULT "):
-                r = json.loads(line[7:])
-                results[r["case"]] = r
-    return results, "\n".join(logs)
+    return run_workers(__file__, WORKERS)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.interpreter_workers import run_workers
 import torch
 
 pytest.importorskip("triton")
@@ -336,19 +338,7 @@ def _worker(shard: int, nshards: int) -> None:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1", MOEFERRY_TRITON_INTERPRET="1", PYTHONPATH=str(ROOT),
-               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(s), str(WORKERS)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in range(WORKERS)]
-    results, logs = {}, []
-    for p in procs:
-        out, err = p.communicate(timeout=600)
-        logs.append(err[-3000:])
-        for line in out.splitlines():
-            if line.startswith("RESULT "):
-                r = json.loads(line[7:])
-                results[r["case"]] = r
-    return results, "\n".join(logs)
+    return run_workers(__file__, WORKERS, MOEFERRY_TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

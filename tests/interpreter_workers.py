@@ -1,0 +1,30 @@
+"""Run a test file's cases under TRITON_INTERPRET=1 in worker subprocesses.
+
+The interpreter must be switched on before triton is imported, so interpreted cases run in
+fresh processes (`python FILE --worker SHARD NUM_SHARDS`) that print one `RESULT {json}` line
+per case; the environment of the main test process is never touched.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_workers(test_file: str, workers: int, **env_extra: str) -> tuple[dict, str]:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env_extra)
+    procs = [subprocess.Popen([sys.executable, test_file, "--worker", str(s), str(workers)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in range(workers)]
+    results, logs = {}, []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        logs.append(err[-3000:])
+        for line in out.splitlines():
+            if line.startswith("RESULT "):
+                r = json.loads(line[7:])
+                results[r["case"]] = r
+    return results, "\n".join(logs)
