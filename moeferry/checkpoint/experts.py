@@ -15,15 +15,12 @@ def read_experts(reader: CheckpointReader, prefix: str, num_experts: int, hidden
         gate_up = reader.get(fused, (num_experts, 2 * inter, hidden))
         down = reader.get(f"{prefix}experts.down_proj", (num_experts, hidden, inter))
         return gate_up, down
-    gate_up = torch.empty(num_experts, 2 * inter, hidden, dtype=_dtype(reader, f"{prefix}experts.0.gate_proj.weight"))
-    down = torch.empty(num_experts, hidden, inter, dtype=gate_up.dtype)
+    first = reader.get(f"{prefix}experts.0.gate_proj.weight", (inter, hidden))
+    gate_up = torch.empty(num_experts, 2 * inter, hidden, dtype=first.dtype)
+    down = torch.empty(num_experts, hidden, inter, dtype=first.dtype)
     for e in range(num_experts):
         p = f"{prefix}experts.{e}."
-        gate_up[e, :inter] = reader.get(p + "gate_proj.weight", (inter, hidden))
+        gate_up[e, :inter] = first if e == 0 else reader.get(p + "gate_proj.weight", (inter, hidden))
         gate_up[e, inter:] = reader.get(p + "up_proj.weight", (inter, hidden))
         down[e] = reader.get(p + "down_proj.weight", (hidden, inter))
     return gate_up, down
-
-
-def _dtype(reader: CheckpointReader, name: str) -> torch.dtype:
-    return reader.get(name).dtype

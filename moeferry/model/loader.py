@@ -9,11 +9,11 @@ from moeferry.checkpoint.reader import CheckpointReader
 from moeferry.model.layers import DecoderLayer, DenseMLP, FullAttention, GatedDeltaNet, SparseMoE
 from moeferry.model.model import CausalLM
 from moeferry.model.spec import FULL_ATTENTION, ModelSpec
-from moeferry.model.weights import WeightLoader as _Weights
+from moeferry.model.weights import WeightLoader
 from moeferry.moe import make_expert_executor, make_packed_expert_executor
 
 
-def _attention(w: _Weights, spec: ModelSpec, p: str, kv_index: int) -> FullAttention:
+def _attention(w: WeightLoader, spec: ModelSpec, p: str, kv_index: int) -> FullAttention:
     h, d = spec.hidden_size, spec.head_dim
     q_out = spec.num_heads * d * (2 if spec.attn_output_gate else 1)
     return FullAttention(
@@ -22,7 +22,7 @@ def _attention(w: _Weights, spec: ModelSpec, p: str, kv_index: int) -> FullAtten
         w.tensor(p + "q_norm.weight", (d,)), w.tensor(p + "k_norm.weight", (d,)), kv_index)
 
 
-def _gdn(w: _Weights, spec: ModelSpec, p: str, state_index: int) -> GatedDeltaNet:
+def _gdn(w: WeightLoader, spec: ModelSpec, p: str, state_index: int) -> GatedDeltaNet:
     h, hv = spec.hidden_size, spec.linear_num_v_heads
     value_dim = hv * spec.linear_v_head_dim
     conv = w.tensor(p + "conv1d.weight", (spec.conv_dim, 1, spec.conv_kernel))[:, 0, :].contiguous()
@@ -33,12 +33,12 @@ def _gdn(w: _Weights, spec: ModelSpec, p: str, state_index: int) -> GatedDeltaNe
         w.tensor(p + "norm.weight", (spec.linear_v_head_dim,)), state_index)
 
 
-def _mlp(w: _Weights, p: str, hidden: int, inter: int) -> DenseMLP:
+def _mlp(w: WeightLoader, p: str, hidden: int, inter: int) -> DenseMLP:
     return DenseMLP(w.linear(p + "gate_proj", inter, hidden), w.linear(p + "up_proj", inter, hidden),
                     w.linear(p + "down_proj", hidden, inter))
 
 
-def _moe(w: _Weights, spec: ModelSpec, p: str) -> SparseMoE:
+def _moe(w: WeightLoader, spec: ModelSpec, p: str) -> SparseMoE:
     h, e, i = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
     if w.is_quantized(p + "experts.0.gate_proj"):  # quantized checkpoints store experts one by one
         experts = make_packed_expert_executor(
@@ -55,7 +55,7 @@ def _moe(w: _Weights, spec: ModelSpec, p: str) -> SparseMoE:
 
 
 def load_model(reader: CheckpointReader, spec: ModelSpec, dtype: torch.dtype, device, progress: bool = True) -> CausalLM:
-    w = _Weights(reader, dtype, device)
+    w = WeightLoader(reader, dtype, device)
     h = spec.hidden_size
     layers, kv_index, state_index = [], 0, 0
     for i in tqdm(range(spec.num_layers), desc="loading layers", unit="layer", disable=not progress):

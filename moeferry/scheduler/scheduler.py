@@ -211,12 +211,18 @@ class Scheduler:
                 return None
         return self.states.alloc()
 
-    def _checkpoint(self, req: Request) -> None:
-        """Save the GDN state at a prefill chunk boundary so later requests can resume here."""
-        if self.prefix is None or not self.needs_state or req.num_computed % self.page_size:
+    def _checkpoint(self, req: Request, keep_free: int | None = None) -> None:
+        """Save the GDN state at req's current position so later requests can resume there.
+
+        Taken at prefill chunk boundaries and the prompt end (keeping `keep_free` slots for
+        admissions, by default one per open running place) and at release (keep_free=0)."""
+        if self.prefix is None or not self.needs_state or req.num_computed == 0 or req.num_computed % self.page_size:
             return
-        reserve = self.cfg.max_running_requests - len(self.running)  # keep slots for admissions
-        if self.states.slots.num_free <= reserve:
+        if req.snapshots and req.snapshots[-1][0] == req.num_computed:
+            return  # already saved here (e.g. a request finishing right after its prompt)
+        if keep_free is None:
+            keep_free = self.cfg.max_running_requests - len(self.running)
+        if self.states.slots.num_free <= keep_free:
             return
         slot = self.states.slots.alloc(1)[0]
         self.states.copy(req.state_slot, slot)
@@ -228,15 +234,10 @@ class Scheduler:
             self.prefix.lock(req.prefix_lock, -1)
             req.prefix_lock = None
         if self.prefix is not None and keep_in_cache:
-            if self.needs_state and req.num_computed % self.page_size == 0 and req.num_computed:
-                slot = self.states.slots.alloc(1)[0] if self.states.slots.num_free else None
-                if slot is not None:
-                    self.states.copy(req.state_slot, slot)
-                    req.snapshots.append((req.num_computed, slot))
+            self._checkpoint(req, keep_free=0)
             self.prefix.insert(req.all_ids[:req.num_computed], req.pages, req.snapshots)
         else:
-            shared = getattr(req, "num_shared_pages", 0)
-            self.kv.pages.free(req.pages[shared:])
+            self.kv.pages.free(req.pages[req.num_shared_pages:])
             for _, slot in req.snapshots:
                 self.states.free(slot)
         req.pages, req.snapshots, req.num_computed, req.num_shared_pages = [], [], 0, 0
