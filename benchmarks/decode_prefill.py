@@ -30,9 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from inmemory import build_hf, moeferry_engine, qwen36_config, use_fastest_moe  # noqa: E402
+from inmemory import build_hf, moe_path, moeferry_engine, qwen36_config  # noqa: E402
 
-from moeferry.engine.batch import SeqChunk  # noqa: E402
+from moeferry.model.batch import SeqChunk  # noqa: E402
 
 
 def sync(device):
@@ -59,27 +59,20 @@ def copy_bandwidth(device, nbytes=4 << 30) -> float:
 
 # -- moeferry -------------------------------------------------------------------------------
 def ours_prefill(engine, n: int, gen) -> float:
-    kv, st = engine.kv_pool, engine.state_pool
     prompt = torch.randint(0, engine.spec.vocab_size, (n,), generator=gen).tolist()
-    pages, slot = kv.pages.alloc(kv.pages_for(n)), st.alloc()
-    try:
+    with engine.cache.sequences([n]) as (seq,):
         sync(engine.device)
         t = time.perf_counter()
-        engine.forward([SeqChunk(prompt, 0, pages, slot)])
+        engine.forward([SeqChunk(prompt, 0, seq.pages, seq.state_slot)])
         sync(engine.device)
         return n / (time.perf_counter() - t)
-    finally:
-        kv.pages.free(pages)
-        st.free(slot)
 
 
 def ours_decode(engine, batch: int, prompt_len: int, steps: int, gen, warmup: int = 3):
     """(tok/s, distinct experts per layer in one step, KV bytes read per step)."""
-    kv, st = engine.kv_pool, engine.state_pool
     total = prompt_len + warmup + steps + 1
-    pages = [kv.pages.alloc(kv.pages_for(total)) for _ in range(batch)]
-    slots = [st.alloc() for _ in range(batch)]
-    try:
+    with engine.cache.sequences([total] * batch) as held:
+        pages, slots = [b.pages for b in held], [b.state_slot for b in held]
         prompts = [torch.randint(0, engine.spec.vocab_size, (prompt_len,), generator=gen).tolist()
                    for _ in range(batch)]
         logits = engine.forward([SeqChunk(p, 0, pages[i], slots[i]) for i, p in enumerate(prompts)])
@@ -102,10 +95,6 @@ def ours_decode(engine, batch: int, prompt_len: int, steps: int, gen, warmup: in
         rate = batch * steps / (time.perf_counter() - t)
         experts = count_experts(engine, [SeqChunk([toks[i]], pos, pages[i], slots[i]) for i in range(batch)])
         return rate, experts, pos
-    finally:
-        for pg, sl in zip(pages, slots):
-            kv.pages.free(pg)
-            st.free(sl)
 
 
 def count_experts(engine, chunks) -> list[int]:
@@ -204,7 +193,7 @@ def main() -> None:
     hf = build_hf(cfg, dev, torch.bfloat16, seed=0)
     engine = moeferry_engine(cfg, hf, dev, torch.bfloat16, num_tokens=max(prefill_lens) + max(batches) * 320 + 64,
                              max_seqs=max(batches))
-    moe = use_fastest_moe(engine)
+    moe = moe_path(engine)
     info = {"date": date.today().isoformat(), "machine": torch.cuda.get_device_name() if dev.startswith("cuda")
             else platform.processor() or "cpu", "torch": torch.__version__, "moeferry_moe": moe,
             "layers": cfg["num_hidden_layers"], "build_s": round(time.perf_counter() - t0, 1)}

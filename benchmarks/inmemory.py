@@ -107,31 +107,16 @@ def build_hf(config: dict, device: str, dtype: torch.dtype, seed: int = 0, plant
 
 def moeferry_engine(config: dict, hf_model, device: str, dtype: torch.dtype, num_tokens: int, max_seqs: int,
                     page_size: int = 16, cuda_graphs: bool = True):
-    """moeferry's Engine over the very tensors of `hf_model` (no copy)."""
-    from moeferry.engine.engine import Engine, PoolSizes
+    """moeferry's Engine over the very tensors of `hf_model` (dense weights not copied)."""
+    from moeferry.engine.config import EngineConfig
+    from moeferry.engine.engine import Engine
     reader = StateDictReader(config, dict(hf_model.state_dict()))
-    pools = PoolSizes(-(-num_tokens // page_size), page_size, max_seqs)
-    return Engine(reader, device, dtype, pools, progress=False, cuda_graphs=cuda_graphs)
+    cfg = EngineConfig("(in memory)", device, str(dtype).removeprefix("torch."), num_tokens=num_tokens,
+                       page_size=page_size, num_state_slots=max_seqs, cuda_graphs=cuda_graphs)
+    return Engine.build(cfg, reader=reader)
 
 
 def moe_path(engine) -> str:
     """Name of the expert executor the engine's MoE layers use."""
     names = {type(layer.mlp.experts).__name__ for layer in engine.model.layers if hasattr(layer.mlp, "experts")}
     return ",".join(sorted(names))
-
-
-def use_fastest_moe(engine) -> str:
-    """Swap reference ResidentExperts for the fused Triton MoE executor when the tree has one
-    (`moeferry.moe.make_expert_executor`); returns the executor name in use."""
-    try:
-        from moeferry.moe import make_expert_executor
-        from moeferry.moe.resident import ResidentExperts
-    except ImportError:
-        return moe_path(engine)
-    for layer in engine.model.layers:
-        ex = getattr(layer.mlp, "experts", None)
-        if isinstance(ex, ResidentExperts):
-            layer.mlp.experts = make_expert_executor(ex.gate_up, ex.down, engine.device)
-    if engine.graphs is not None:
-        engine.graphs.invalidate()  # (none are captured before the first decode step)
-    return moe_path(engine)

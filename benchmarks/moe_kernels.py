@@ -15,7 +15,7 @@ written) and the bf16 matmul rate (8192^3 torch.matmul on random data).
   outside the graph), `moe` = the whole call (prep + 2 GEMMs + top-k reduce).
 - prefill T = 2048, 8192: useful FLOPs = 2 * T * k * 3 * H * I over the time of the whole call.
 - baseline: plain PyTorch, per selected expert: dequantize (the registry's reference) +
-  torch.matmul (`moeferry.ops.moe.fused_experts`), same routing.
+  torch.matmul (`moeferry.ops.moe.experts_reference`), same routing.
 --sweep times a few tile configs per format first (decode T=1 and 16, prefill T=2048 and
 8192) and uses the fastest for the table. Writes moe_kernels.md / .json under --out.
 """
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moeferry.checkpoint.formats import DenseWeight, Fp4Weight, Fp8BlockWeight, Fp8Weight, Int4Weight, fp4  # noqa: E402
 from moeferry.moe.slots import SlotBuffer  # noqa: E402
-from moeferry.ops.moe import fused_experts  # noqa: E402
+from moeferry.ops.moe import experts_reference  # noqa: E402
 from moeferry.ops.triton import moe_gemm as G  # noqa: E402
 from moeferry.ops.triton.moe_prep import prepare_routing  # noqa: E402
 
@@ -168,11 +168,11 @@ class Case:
             return torch.cat([g.dequantize(torch.bfloat16), u.dequantize(torch.bfloat16)]), d.dequantize(torch.bfloat16)
 
         fp4.E2M1_VALUES = fp4.E2M1_VALUES.to(DEV)  # the registry's table is a CPU tensor
-        fused_experts(x, rts[0][1], rts[0][0], weights)
+        experts_reference(x, rts[0][1], rts[0][0], weights)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for w, ids in rts[1:]:
-            fused_experts(x, ids, w, weights)
+            experts_reference(x, ids, w, weights)
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / iters
 

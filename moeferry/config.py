@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from moeferry.engine.config import EngineConfig, EngineSizes, derive_sizes
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 1919
 DEMO_MODEL_NAME = "moeferry-demo-random-weights"
@@ -190,32 +192,27 @@ def _mark_not_built(p: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class ServeConfig:
-    model_dir: str
+    """The API process's settings plus the `EngineConfig` its worker builds from."""
+    engine: EngineConfig
+    sizes: EngineSizes  # what the flags imply before the engine resolves them (Ready reports the final ones)
     served_model_name: str
     is_demo: bool
     host: str
     port: int
     log_level: str
-    device: str  # resolved: cpu, cuda or cuda:N
-    dtype: str  # resolved: float32, bfloat16 or float16
-    moe_backend: str  # resolved: resident
-    expert_load: str  # resolved: serial
-    max_seq_len: int  # context length, prompt + output
     model_max_seq_len: int  # the checkpoint's max_position_embeddings
     vocab_size: int
-    page_size: int
-    num_pages: int
-    num_state_slots: int
-    max_running_requests: int
-    max_extend_tokens: int
-    prefix_cache: bool
     max_output_tokens: int | None
     sampling_defaults: str
     enable_cache_report: bool
 
     @property
-    def kv_tokens(self) -> int:
-        return self.num_pages * self.page_size
+    def model_dir(self) -> str:
+        return self.engine.model_dir
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.sizes.max_seq_len
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, demo_model: Callable[[], str] | None = None) -> "ServeConfig":
@@ -234,51 +231,38 @@ class ServeConfig:
         if not (path / "config.json").is_file():
             raise ConfigError(f"--model {model_dir}: no config.json there (expected a Hugging Face model directory)")
         spec = _model_spec(path)
-        model_max = spec.max_position_embeddings
-        max_seq_len = args.max_seq_len_override or model_max
-        if args.num_pages is not None:
-            num_pages = args.num_pages
-        else:
-            num_pages = -(-(args.num_tokens or max_seq_len) // args.page_size)
-        # A sequence can never outgrow the KV pool, so the pool bounds the context too.
-        max_seq_len = min(max_seq_len, num_pages * args.page_size)
-        device = _resolve_device(args.device)
-        from moeferry.engine.engine import resolve_dtype
-
-        dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
+        engine = _engine_config(args, str(path.resolve()))
         if args.served_model_name:
             name = args.served_model_name
         else:
             name = DEMO_MODEL_NAME if is_demo else path.resolve().name
         return cls(
-            model_dir=str(path.resolve()), served_model_name=name, is_demo=is_demo, host=args.host,
-            port=args.port, log_level=args.log_level, device=device, dtype=dtype, moe_backend="resident",
-            expert_load="serial", max_seq_len=max_seq_len, model_max_seq_len=model_max,
-            vocab_size=spec.vocab_size, page_size=args.page_size,
-            num_pages=num_pages, num_state_slots=_state_slots(args.max_running_requests, args.prefix_cache),
-            max_running_requests=args.max_running_requests, max_extend_tokens=args.max_extend_tokens,
-            prefix_cache=args.prefix_cache, max_output_tokens=args.max_output_tokens,
-            sampling_defaults=args.sampling_defaults, enable_cache_report=args.enable_cache_report,
+            engine=engine, sizes=derive_sizes(engine, spec.max_position_embeddings), served_model_name=name,
+            is_demo=is_demo, host=args.host, port=args.port, log_level=args.log_level,
+            model_max_seq_len=spec.max_position_embeddings, vocab_size=spec.vocab_size,
+            max_output_tokens=args.max_output_tokens, sampling_defaults=args.sampling_defaults,
+            enable_cache_report=args.enable_cache_report,
         )
 
     def table(self) -> str:
         """The boot table: every resolved value and where it came from."""
+        e, z = self.engine, self.sizes
         rows = [
-            ("model", self.model_dir),
+            ("model", e.model_dir),
             ("served as", self.served_model_name + ("  (random weights: a demo, not a real model)"
                                                     if self.is_demo else "")),
-            ("device", self.device),
-            ("dtype", self.dtype),
-            ("moe backend", f"{self.moe_backend} (all experts on the device)"),
-            ("expert load", self.expert_load),
-            ("context", f"{self.max_seq_len} tokens" + ("" if self.max_seq_len == self.model_max_seq_len
-                                                         else f" (model: {self.model_max_seq_len})")),
+            ("device", e.device),
+            ("dtype", e.dtype),
+            ("moe backend", f"{e.moe_backend} (all experts on the device)"),
+            ("expert load", e.expert_load),
+            ("context", f"{z.max_seq_len} tokens" + ("" if z.max_seq_len == self.model_max_seq_len
+                                                      else f" (model: {self.model_max_seq_len})")),
             ("vocabulary", str(self.vocab_size)),
-            ("kv pool", f"{self.kv_tokens} tokens = {self.num_pages} pages x {self.page_size}"),
-            ("state slots", str(self.num_state_slots)),
-            ("running requests", f"at most {self.max_running_requests}"),
-            ("prefill chunk", f"{self.max_extend_tokens} tokens"),
-            ("prefix cache", "on" if self.prefix_cache else "off"),
+            ("kv pool", f"{z.kv_tokens} tokens = {z.num_pages} pages x {z.page_size}"),
+            ("state slots", str(z.num_state_slots)),
+            ("running requests", f"at most {e.max_running_requests}"),
+            ("prefill chunk", f"{e.max_extend_tokens} tokens"),
+            ("prefix cache", "on" if e.prefix_cache else "off"),
             ("max output", f"{self.max_output_tokens} tokens" if self.max_output_tokens else "rest of the context"),
             ("sampling defaults", self.sampling_defaults),
             ("cache report", "on" if self.enable_cache_report else "off"),
@@ -288,10 +272,20 @@ class ServeConfig:
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
-def _state_slots(max_running: int, prefix_cache: bool) -> int:
-    """One recurrent-state slot per running sequence, plus room for the prefix cache's GDN
-    checkpoints (the same rule as `LLM`)."""
-    return 2 * max_running + 8 if prefix_cache else max_running
+def _engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
+    """The engine's half of the flags (pool sizes as given; the engine resolves the rest)."""
+    device = _resolve_device(args.device)
+    from moeferry.engine.engine import resolve_dtype
+
+    dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
+    num_tokens = args.num_pages * args.page_size if args.num_pages is not None else args.num_tokens
+    return EngineConfig(
+        model_dir=model_dir, device=device, dtype=dtype,
+        moe_backend="resident" if args.moe_backend == "auto" else args.moe_backend,
+        expert_load="serial" if args.expert_load == "auto" else args.expert_load,
+        num_tokens=num_tokens, page_size=args.page_size, max_seq_len=args.max_seq_len_override,
+        max_running_requests=args.max_running_requests, max_extend_tokens=args.max_extend_tokens,
+        prefix_cache=args.prefix_cache, progress=True)
 
 
 def _model_spec(path: Path):

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import torch
 
-from moeferry.engine.batch import SeqChunk
-from moeferry.engine.engine import Engine, PoolSizes, resolve_dtype
+from moeferry.model.batch import SeqChunk
+from moeferry.engine.config import EngineConfig
+from moeferry.engine.engine import Engine, resolve_dtype
 from moeferry.scheduler.request import Request, TokenLogprob
 from moeferry.scheduler.sampling import SamplingParams
-from moeferry.scheduler.scheduler import Scheduler, SchedulerConfig
+from moeferry.scheduler.scheduler import Scheduler
 from moeferry.text.detokenizer import IncrementalDetokenizer
 from moeferry.text.tokenizer import Tokenizer
 
@@ -29,16 +30,18 @@ class GenerationOutput:
 
 
 class LLM:
-    def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "auto", num_tokens: int = 8192,
-                 page_size: int = 1, max_running_requests: int = 8, max_extend_tokens: int = 8192,
-                 max_seq_len: int | None = None, enable_prefix_cache: bool = True, num_state_slots: int | None = None,
-                 progress: bool = False):
-        slots = num_state_slots or (2 * max_running_requests + 8 if enable_prefix_cache else max_running_requests)
-        self.engine = Engine(model_dir, device, resolve_dtype(dtype, device),
-                             PoolSizes(-(-num_tokens // page_size), page_size, slots), progress)
+    """The engine and a scheduler in this process. Keyword arguments are `EngineConfig` fields
+    (`moeferry.engine.config`), e.g. `LLM(path, moe_backend="offload", moe_cache_size=64)`;
+    `num_tokens` is the KV capacity (default 8192), `dtype="auto"` is bf16 on CUDA, fp32 elsewhere."""
+
+    def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "auto", num_tokens: int | None = 8192,
+                 **engine_kwargs):
+        dtype_name = str(resolve_dtype(dtype, device)).removeprefix("torch.")
+        self.cfg = EngineConfig(model_dir=str(model_dir), device=device, dtype=dtype_name, num_tokens=num_tokens,
+                                **engine_kwargs)
+        self.engine = Engine.build(self.cfg)
         self.spec = self.engine.spec
-        self.scheduler = Scheduler(self.engine, SchedulerConfig(max_running_requests, max_extend_tokens, max_seq_len,
-                                                                enable_prefix_cache))
+        self.scheduler = Scheduler(self.engine)
         self.tokenizer = (Tokenizer.from_dir(model_dir, self.spec.eos_token_ids)
                           if (Path(model_dir) / "tokenizer.json").is_file() else None)
         self._ids = itertools.count()
@@ -51,30 +54,26 @@ class LLM:
     def logits_batch(self, prompts: list[list[int]], chunk_size: int | list[int] | None = None) -> list[torch.Tensor]:
         """Score several sequences in shared steps. chunk_size: tokens per step per sequence (int),
         or a list of chunk lengths applied to every sequence (the last one repeats)."""
-        kv, states = self.engine.kv_pool, self.engine.state_pool
-        pages = [kv.pages.alloc(kv.pages_for(len(p))) for p in prompts]
-        slots = [states.alloc() for _ in prompts]
+        with self.engine.cache.sequences([len(p) for p in prompts]) as held:
+            return self._score(prompts, held, chunk_size)
+
+    def _score(self, prompts, held, chunk_size) -> list[torch.Tensor]:
         outs: list[list[torch.Tensor]] = [[] for _ in prompts]
-        try:
-            done, step = [0] * len(prompts), 0
-            while any(d < len(p) for d, p in zip(done, prompts)):
-                size = chunk_size[min(step, len(chunk_size) - 1)] if isinstance(chunk_size, (list, tuple)) else chunk_size
-                chunks, owners = [], []
-                for i, p in enumerate(prompts):
-                    if done[i] < len(p):
-                        n = min(size or len(p), len(p) - done[i])
-                        chunks.append(SeqChunk(p[done[i]:done[i] + n], done[i], pages[i], slots[i], all_logits=True))
-                        owners.append((i, n))
-                        done[i] += n
-                logits, row = self.engine.forward(chunks), 0
-                for i, n in owners:
-                    outs[i].append(logits[row:row + n])
-                    row += n
-                step += 1
-        finally:
-            for pg, sl in zip(pages, slots):
-                kv.pages.free(pg)
-                states.free(sl)
+        done, step = [0] * len(prompts), 0
+        while any(d < len(p) for d, p in zip(done, prompts)):
+            size = chunk_size[min(step, len(chunk_size) - 1)] if isinstance(chunk_size, (list, tuple)) else chunk_size
+            chunks, owners = [], []
+            for i, (p, b) in enumerate(zip(prompts, held)):
+                if done[i] < len(p):
+                    n = min(size or len(p), len(p) - done[i])
+                    chunks.append(SeqChunk(p[done[i]:done[i] + n], done[i], b.pages, b.state_slot, all_logits=True))
+                    owners.append((i, n))
+                    done[i] += n
+            logits, row = self.engine.forward(chunks), 0
+            for i, n in owners:
+                outs[i].append(logits[row:row + n])
+                row += n
+            step += 1
         return [torch.cat(o) for o in outs]
 
     # --- generation ---------------------------------------------------------------------

@@ -63,9 +63,9 @@ def test_seed_line_without_the_unbuilt_flags_resolves(model):
     cfg = ServeConfig.from_args(parse(*argv, "--device", "cpu"))
     assert (cfg.served_model_name, cfg.host, cfg.port) == ("NAME", "0.0.0.0", 1919)
     assert cfg.max_seq_len == 131072 and cfg.model_max_seq_len == 4096
-    assert cfg.kv_tokens == 131072 and cfg.max_running_requests == 1 and cfg.num_state_slots == 10
+    assert cfg.sizes.kv_tokens == 131072 and cfg.engine.max_running_requests == 1 and cfg.sizes.num_state_slots == 10
     assert cfg.max_output_tokens == 4096 and cfg.sampling_defaults == "model" and cfg.enable_cache_report
-    assert (cfg.device, cfg.dtype, cfg.moe_backend) == ("cpu", "float32", "resident")
+    assert (cfg.engine.device, cfg.engine.dtype, cfg.engine.moe_backend) == ("cpu", "float32", "resident")
     table = cfg.table()
     for row in ("device", "dtype", "moe backend", "kv pool", "state slots", "131072 tokens"):
         assert row in table
@@ -91,9 +91,9 @@ def test_defaults_and_aliases(model):
     assert parse("--max-extend-tokens", "256").max_extend_tokens == 256
     cfg = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--num-tokens", "1000",
                                       "--page-size", "16", "--no-prefix-cache", "--max-running-requests", "3"))
-    assert cfg.num_pages == 63 and cfg.kv_tokens == 1008  # rounded up to whole pages
+    assert cfg.sizes.num_pages == 63 and cfg.sizes.kv_tokens == 1008  # rounded up to whole pages
     assert cfg.max_seq_len == 1008  # the pool bounds the context
-    assert cfg.num_state_slots == 3 and not cfg.prefix_cache
+    assert cfg.sizes.num_state_slots == 3 and not cfg.engine.prefix_cache
     assert cfg.served_model_name == Path(model).name
 
 

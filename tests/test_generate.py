@@ -35,7 +35,7 @@ PROMPTS = [prompt(n, 100 + n) for n in (3, 16, 17, 40, 9, 31, 5, 50)]
 def test_greedy_equals_transformers_and_batching(name, checkpoint, hf_greedy):
     """8 prompts (some longer than max_extend_tokens) with 3 running at once."""
     llm = LLM(str(checkpoint(name)), dtype="float32", max_running_requests=3, max_extend_tokens=16,
-              enable_prefix_cache=False)
+              prefix_cache=False)
     outs = llm.generate(PROMPTS, GREEDY)
     for p, o in zip(PROMPTS, outs):
         assert o.token_ids == hf_greedy(name, p)
@@ -47,7 +47,7 @@ def test_greedy_equals_transformers_and_batching(name, checkpoint, hf_greedy):
 @pytest.mark.parametrize("name", ARCHS)
 def test_preemption_keeps_outputs(name, checkpoint, hf_greedy):
     llm = LLM(str(checkpoint(name)), dtype="float32", max_running_requests=3, max_extend_tokens=16,
-              num_tokens=110, enable_prefix_cache=False)
+              num_tokens=110, prefix_cache=False)
     outs = llm.generate(PROMPTS, GREEDY)
     assert llm.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == [hf_greedy(name, p) for p in PROMPTS]
@@ -91,7 +91,7 @@ def test_prefix_cache_with_preemption_and_eviction(checkpoint, hf_greedy):
 def test_context_limits(checkpoint):
     from moeferry.scheduler.scheduler import RequestRejected
 
-    llm = LLM(str(checkpoint("qwen3_moe")), dtype="float32", max_seq_len=64, enable_prefix_cache=False)
+    llm = LLM(str(checkpoint("qwen3_moe")), dtype="float32", max_seq_len=64, prefix_cache=False)
     with pytest.raises(RequestRejected) as e:
         llm.generate([prompt(64, 1)], GREEDY)
     assert e.value.code == "context_length_exceeded" and "64" in str(e.value)

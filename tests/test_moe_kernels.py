@@ -23,10 +23,10 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from moeferry.checkpoint.formats import FORMATS, QuantParams  # noqa: E402
-from moeferry.moe.resident import ResidentExperts  # noqa: E402
+from moeferry.moe.resident import DenseExperts  # noqa: E402
 from moeferry.moe.slots import SlotBuffer  # noqa: E402
 from moeferry.moe.triton_experts import TritonExperts  # noqa: E402
-from moeferry.ops.moe import fused_experts, swiglu  # noqa: E402
+from moeferry.ops.moe import experts_reference, swiglu  # noqa: E402
 from moeferry.ops.triton.moe_prep import RoutingScratch, prepare_routing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,7 +85,7 @@ def check_moe(fmt, t, e, k, h=128, i=64, slots=None, missing=0, shared=False, dt
     assert out.shape == x.shape and out.dtype == xdt
     dq = [_dequant(ex) for ex in experts]
     w_ref = w.to(xdt).float().masked_fill(torch.isin(ids, gone), 0.0)
-    ref = fused_experts(x.float(), ids, w_ref, lambda j: dq[j])
+    ref = experts_reference(x.float(), ids, w_ref, lambda j: dq[j])
     if shared:
         ref = ref + shw[:, None] * swiglu(x.float(), *dq[e])
     err = _rel(out, ref)
@@ -130,7 +130,7 @@ def check_prep(t, k, e=16, slots=24, missing=2, shared=False, block_m=16, seed=0
 
 
 def check_executor(t=3, e=8, k=2, h=128, i=64, shared_i=64, seed=0):
-    """TritonExperts.resident (shared expert in the slot buffer or its own) vs ResidentExperts."""
+    """TritonExperts.resident (shared expert in the slot buffer or its own) vs DenseExperts."""
     gen = torch.Generator().manual_seed(seed)
     gu = (torch.randn(e, 2 * i, h, generator=gen) * 0.05).bfloat16()
     dn = (torch.randn(e, h, i, generator=gen) * 0.05).bfloat16()
@@ -142,11 +142,11 @@ def check_executor(t=3, e=8, k=2, h=128, i=64, shared_i=64, seed=0):
     ex = TritonExperts.resident(gu, dn, shared=(sgu, sdn))
     assert (ex.shared_slot >= 0) == (shared_i == i)
     out = ex(x, ids, w, shared_weight=gate)
-    ref = ResidentExperts(gu.float(), dn.float())(x.float(), ids, w.float())
+    ref = DenseExperts(gu.float(), dn.float())(x.float(), ids, w.float())
     ref = ref + gate.float() * swiglu(x.float(), sgu.float(), sdn.float())
     err = _rel(out, ref)
     assert err < 2e-2, f"relative error {err:.3g}"
-    err2 = _rel(ex(x, ids, w), ResidentExperts(gu.float(), dn.float())(x.float(), ids, w.float()))
+    err2 = _rel(ex(x, ids, w), DenseExperts(gu.float(), dn.float())(x.float(), ids, w.float()))
     assert err2 < 2e-2
     return max(err, err2)
 
@@ -303,7 +303,7 @@ def test_gpu_qwen_shapes(fmt, t):
     out = buf.run(x, ids, w, table, int(where[e]) if shared else -1, shw)
     torch.cuda.synchronize()
     w_ref = w.float().masked_fill(torch.isin(ids, missing), 0.0)
-    ref = fused_experts(x.float(), ids, w_ref, lambda j: dq[j])
+    ref = experts_reference(x.float(), ids, w_ref, lambda j: dq[j])
     if shared:
         ref = ref + shw[:, None] * swiglu(x.float(), *dq[e])
     err = _rel(out, ref)
@@ -312,20 +312,24 @@ def test_gpu_qwen_shapes(fmt, t):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_executor_factory():
-    from moeferry.moe import make_expert_executor
+def test_gpu_resident_backend():
+    """The resident backend puts a layer's experts into Triton slots on CUDA, the reference elsewhere."""
+    from moeferry.engine.config import EngineConfig
+    from moeferry.moe import LayerExperts, make_backend
     e, h, i = 64, QWEN["h"], QWEN["i"]
     g = torch.Generator().manual_seed(0)
     gu = (torch.randn(e, 2 * i, h, generator=g) * 0.03).bfloat16()
     dn = (torch.randn(e, h, i, generator=g) * 0.03).bfloat16()
-    ex = make_expert_executor(gu.cuda(), dn.cuda(), torch.device("cuda"))
+    cfg = EngineConfig("(test)")
+    ex = make_backend(cfg, None, torch.device("cuda"), torch.bfloat16).add_layer(0, LayerExperts.from_stacked(gu, dn))
     assert isinstance(ex, TritonExperts)
     x = torch.randn(16, h, generator=g).bfloat16()
     w, ids = _routing(16, e, 8, g, "cpu", torch.bfloat16)
     out = ex(x.cuda(), ids.cuda(), w.cuda())
-    ref = ResidentExperts(gu.float(), dn.float())(x.float(), ids, w.float())
+    ref = DenseExperts(gu.float(), dn.float())(x.float(), ids, w.float())
     assert _rel(out.cpu(), ref) < 2e-2
-    assert isinstance(make_expert_executor(gu, dn, torch.device("cpu")), ResidentExperts)
+    cpu = make_backend(cfg, None, torch.device("cpu"), torch.bfloat16).add_layer(0, LayerExperts.from_stacked(gu, dn))
+    assert isinstance(cpu, DenseExperts)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:

@@ -1,12 +1,12 @@
 """Radix tree bookkeeping: page ownership, splits, snapshots, LRU eviction."""
 from __future__ import annotations
 
-from moeferry.cache.kv_pool import PageAllocator
+from moeferry.cache.kv_pool import IdAllocator
 from moeferry.cache.prefix_cache import PrefixCache
 
 
 def make(needs_state=False, page_size=1):
-    pages = PageAllocator(100)
+    pages = IdAllocator(100)
     freed_state = []
     return PrefixCache(page_size, needs_state, pages.free, freed_state.append), pages, freed_state
 

@@ -14,6 +14,7 @@ import pytest
 import uvicorn
 
 from moeferry.config import ServeConfig, add_serve_arguments
+from moeferry.engine.config import derive_sizes
 from moeferry.scheduler.request import TokenEvent
 from moeferry.scheduler.scheduler import RequestRejected
 from moeferry.server.app import build_server, create_app, worker_spec
@@ -71,7 +72,8 @@ class FakeScheduler:
 
 def fake_factory(spec, progress):
     progress("fake loading", 0.5)
-    return FakeScheduler(spec.max_seq_len), dict(vocab_size=4096, max_seq_len=spec.max_seq_len, eos_token_ids=())
+    sizes = derive_sizes(spec.engine, 4096)
+    return FakeScheduler(sizes.max_seq_len), dict(vocab_size=4096, sizes=sizes, eos_token_ids=())
 
 
 def dies_at_boot(spec, progress):

@@ -284,28 +284,33 @@ def case_decode_graph_static_batch(device, seed=11):
     import tempfile
 
     from moeferry.checkpoint.synthetic import make_model
-    from moeferry.engine.batch import SeqChunk
+    from moeferry.model.batch import SeqChunk
     from moeferry.engine.cuda_graph import DecodeGraphs
-    from moeferry.engine.engine import Engine, PoolSizes
+    from moeferry.engine.config import EngineConfig
+    from moeferry.engine.engine import Engine
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(tmp, "qwen3_5_moe", "tiny", seed=seed, dtype="float32", expert_layout="fused")
-        eng = Engine(str(path), device, torch.float32, PoolSizes(64, 4, 6), progress=False, cuda_graphs=False)
+        eng = Engine.build(EngineConfig(str(path), device, "float32", num_tokens=256, page_size=4, num_state_slots=6,
+                                        cuda_graphs=False))
     g = _gen(seed)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 9, 2)]
-    pages = [eng.kv_pool.pages.alloc(4) for _ in prompts]
-    slots = [eng.state_pool.alloc() for _ in prompts]
+    held = [eng.cache.admit() for _ in prompts]
+    for b in held:
+        eng.cache.grow(b, 16)
+    pages, slots = [b.pages for b in held], [b.state_slot for b in held]
+    kv, states = eng.cache.kv, eng.cache.states
     eng.forward([SeqChunk(p, 0, pages[i], slots[i]) for i, p in enumerate(prompts)])
     step = [SeqChunk([7 + i], len(p), pages[i], slots[i]) for i, p in enumerate(prompts)]
-    pools = lambda: [t.clone() for t in eng.kv_pool.k + eng.kv_pool.v + eng.state_pool.conv + eng.state_pool.recurrent]
+    pools = lambda: [t.clone() for t in kv.k + kv.v + states.conv + states.recurrent]
     before = pools()
     eager = eng.forward(step)
     after_eager = pools()
-    for t, b in zip(eng.kv_pool.k + eng.kv_pool.v + eng.state_pool.conv + eng.state_pool.recurrent, before):
+    for t, b in zip(kv.k + kv.v + states.conv + states.recurrent, before):
         t.copy_(b)
-    graphs = DecodeGraphs(eng.model, eng.kv_pool, eng.state_pool, 4, 8, 4, torch.device(device), sizes=[4])
+    graphs = DecodeGraphs(eng.model, kv, states, 4, 8, 4, torch.device(device), sizes=[4])
     graphs._load(step, 4)
     with torch.inference_mode():
-        static = eng.model.forward(graphs._batch(4), eng.kv_pool, eng.state_pool)
+        static = eng.model.forward(graphs._batch(4), kv, states)
     worst = _check(static[:3], eager, 1e-5, "static batch logits")
     assert torch.isfinite(static[3]).all()
     for a, b in zip(pools(), after_eager):

@@ -8,8 +8,8 @@ class PoolExhausted(RuntimeError):
     """A pool has fewer free entries than asked for."""
 
 
-class PageAllocator:
-    """Free-list allocator of page ids 0..num_pages-1."""
+class IdAllocator:
+    """Free-list allocator of ids 0..num_pages-1 (KV pages, GDN state slots)."""
 
     def __init__(self, num_pages: int, what: str = "KV pages"):
         self.num_pages = num_pages
@@ -19,6 +19,10 @@ class PageAllocator:
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def free_ids(self) -> tuple[int, ...]:
+        return tuple(self._free)
 
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
@@ -35,7 +39,7 @@ class KVPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
         self.page_size = page_size
-        self.pages = PageAllocator(num_pages)
+        self.pages = IdAllocator(num_pages)
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -47,6 +51,11 @@ class KVPool:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V of one token in every full-attention layer (the memory plan's KV term)."""
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

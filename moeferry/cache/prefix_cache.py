@@ -160,22 +160,23 @@ class PrefixCache:
         return True
 
     def _lru(self, pred) -> Node | None:
-        best, stack = None, list(self.root.children.values())
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
+        best = None
+        for n in self.nodes():
             if n.lock == 0 and pred(n) and (best is None or n.last_use < best.last_use):
                 best = n
         return best
 
-    @property
-    def num_pages(self) -> int:
-        total, stack = 0, list(self.root.children.values())
+    def nodes(self):
+        """Every node below the root."""
+        stack = list(self.root.children.values())
         while stack:
             n = stack.pop()
-            total += len(n.pages)
             stack.extend(n.children.values())
-        return total
+            yield n
+
+    @property
+    def num_pages(self) -> int:
+        return sum(len(n.pages) for n in self.nodes())
 
     # --- helpers ------------------------------------------------------------------------
     def _page(self, tokens: list[int], start: int) -> tuple[int, ...]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from moeferry.cache.kv_pool import PageAllocator
+from moeferry.cache.kv_pool import IdAllocator
 
 
 class StatePool:
@@ -11,7 +11,7 @@ class StatePool:
 
     def __init__(self, num_layers: int, num_slots: int, conv_dim: int, conv_kernel: int, num_v_heads: int,
                  k_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device | str):
-        self.slots = PageAllocator(num_slots, what="GDN state slots")
+        self.slots = IdAllocator(num_slots, what="GDN state slots")
         self.conv = [torch.zeros(num_slots, conv_dim, conv_kernel - 1, dtype=dtype, device=device)
                      for _ in range(num_layers)]
         self.recurrent = [torch.zeros(num_slots, num_v_heads, k_dim, v_dim, dtype=torch.float32, device=device)
@@ -20,6 +20,10 @@ class StatePool:
     @property
     def num_slots(self) -> int:
         return self.slots.num_pages
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.conv + self.recurrent)
 
     def alloc(self) -> int:
         """A zeroed slot (a fresh sequence starts from the zero state)."""

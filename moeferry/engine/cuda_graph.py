@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from moeferry.engine.batch import ForwardBatch, SeqChunk
+from moeferry.model.batch import ForwardBatch, SeqChunk
 
 log = logging.getLogger(__name__)
 

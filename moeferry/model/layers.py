@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moeferry.engine.batch import ForwardBatch
+from moeferry.model.batch import ForwardBatch
 from moeferry.model.linear import Linear
 from moeferry.model.spec import ModelSpec
 from moeferry.ops.attention import paged_attention, store_kv

@@ -5,12 +5,13 @@ import torch
 from tqdm import tqdm
 
 from moeferry.checkpoint.experts import read_experts
-from moeferry.checkpoint.reader import CheckpointReader
+from moeferry.checkpoint.reader import CheckpointError, CheckpointReader
+from moeferry.model.linear import Linear
 from moeferry.model.layers import DecoderLayer, DenseMLP, FullAttention, GatedDeltaNet, SparseMoE
 from moeferry.model.model import CausalLM
 from moeferry.model.spec import FULL_ATTENTION, ModelSpec
 from moeferry.model.weights import WeightLoader
-from moeferry.moe import make_expert_executor, make_packed_expert_executor
+from moeferry.moe.layer_experts import LayerExperts
 
 
 def _attention(w: WeightLoader, spec: ModelSpec, p: str, kv_index: int) -> FullAttention:
@@ -38,23 +39,37 @@ def _mlp(w: WeightLoader, p: str, hidden: int, inter: int) -> DenseMLP:
                     w.linear(p + "down_proj", hidden, inter))
 
 
-def _moe(w: WeightLoader, spec: ModelSpec, p: str) -> SparseMoE:
+def _layer_experts(w: WeightLoader, spec: ModelSpec, p: str) -> LayerExperts:
+    """A layer's routed experts on the host, read once (packed as stored, or stacked dense)."""
     h, e, i = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
-    if w.is_quantized(p + "experts.0.gate_proj"):  # quantized checkpoints store experts one by one
-        experts = make_packed_expert_executor(
-            [(w.linear(f"{p}experts.{x}.gate_proj", i, h), w.linear(f"{p}experts.{x}.up_proj", i, h),
-              w.linear(f"{p}experts.{x}.down_proj", h, i)) for x in range(e)], w.dtype, w.device)
-    else:
+    if not w.is_quantized(p + "experts.0.gate_proj"):
         gate_up, down = read_experts(w.reader, p, e, h, i)
-        experts = make_expert_executor(gate_up.to(dtype=w.dtype), down.to(dtype=w.dtype), w.device)
+        return LayerExperts.from_stacked(gate_up.to(dtype=w.dtype), down.to(dtype=w.dtype))
+    # quantized checkpoints store experts one by one
+    fmt = w.format_for(p + "experts.0.gate_proj")
+    experts = [(w.packed(f"{p}experts.{x}.gate_proj", i, h), w.packed(f"{p}experts.{x}.up_proj", i, h),
+                w.packed(f"{p}experts.{x}.down_proj", h, i)) for x in range(e)]
+    mixed = {w.format_for(f"{p}experts.{x}.{m}") for x in range(e) for m in ("gate_proj", "up_proj", "down_proj")}
+    if len(mixed) > 1:
+        raise CheckpointError(f"{p}experts mix formats {sorted(mixed)} within one layer; one format per layer "
+                              f"is supported (checkpoint {w.reader.dir})")
+    return LayerExperts(fmt, experts)
+
+
+def _moe(w: WeightLoader, spec: ModelSpec, p: str, layer: int, experts_backend) -> SparseMoE:
+    h = spec.hidden_size
+    experts = experts_backend.add_layer(layer, _layer_experts(w, spec, p))
     shared = shared_gate = None
     if spec.shared_expert_intermediate_size:
         shared = _mlp(w, p + "shared_expert.", h, spec.shared_expert_intermediate_size)
         shared_gate = w.linear(p + "shared_expert_gate", 1, h)
-    return SparseMoE(spec, w.linear(p + "gate", e, h), experts, shared, shared_gate)
+    return SparseMoE(spec, w.linear(p + "gate", spec.num_experts, h), experts, shared, shared_gate)
 
 
-def load_model(reader: CheckpointReader, spec: ModelSpec, dtype: torch.dtype, device, progress: bool = True) -> CausalLM:
+def load_model(reader: CheckpointReader, spec: ModelSpec, dtype: torch.dtype, device, experts_backend,
+               progress: bool = True) -> CausalLM:
+    """Dense weights go to `device`; each MoE layer's experts go to `experts_backend` (which
+    returns the layer's executor)."""
     w = WeightLoader(reader, dtype, device)
     h = spec.hidden_size
     layers, kv_index, state_index = [], 0, 0
@@ -66,7 +81,7 @@ def load_model(reader: CheckpointReader, spec: ModelSpec, dtype: torch.dtype, de
         else:
             mixer = _gdn(w, spec, p + "linear_attn.", state_index)
             state_index += 1
-        mlp = _moe(w, spec, p + "mlp.") if spec.is_moe_layer(i) else _mlp(w, p + "mlp.", h, spec.dense_intermediate_size)
+        mlp = _moe(w, spec, p + "mlp.", i, experts_backend) if spec.is_moe_layer(i) else _mlp(w, p + "mlp.", h, spec.dense_intermediate_size)
         layers.append(DecoderLayer(spec, mixer, mlp, w.tensor(p + "input_layernorm.weight", (h,)),
                                    w.tensor(p + "post_attention_layernorm.weight", (h,))))
     embed = w.tensor("model.embed_tokens.weight", (spec.vocab_size, h))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moeferry.engine.batch import ForwardBatch
+from moeferry.model.batch import ForwardBatch
 from moeferry.model.layers import StepContext
 from moeferry.model.spec import ModelSpec
 from moeferry.ops.norm import rms_norm

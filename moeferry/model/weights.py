@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from moeferry.checkpoint.formats import (BF16, FORMATS, QuantTensorError, UnsupportedQuantization, check_tensors,
-                                         detect_scheme)
+from moeferry.checkpoint.formats import (BF16, FORMATS, DenseWeight, PackedWeight, QuantTensorError,
+                                         UnsupportedQuantization, check_tensors, detect_scheme)
 from moeferry.checkpoint.reader import CheckpointError, CheckpointReader
 from moeferry.model.linear import Linear, QuantLinear
 
@@ -23,19 +23,28 @@ class WeightLoader:
         return self.reader.get(name, shape).to(device=self.device, dtype=self.dtype)
 
     def linear(self, module: str, out: int, inp: int) -> Linear | QuantLinear:
+        if not self.is_quantized(module):
+            return Linear(self.tensor(f"{module}.weight", (out, inp)))
+        return QuantLinear(self.packed(module, out, inp).to(self.device), self.scheme.format_for(module))
+
+    def packed(self, module: str, out: int, inp: int) -> PackedWeight:
+        """A module's weight in its format's packed form, on the host (unquantized: a
+        `DenseWeight` in the model dtype)."""
         fmt_name = self.scheme.format_for(module)
         if fmt_name == BF16.format:
-            return Linear(self.tensor(f"{module}.weight", (out, inp)))
+            return DenseWeight(out, inp, self.reader.get(f"{module}.weight", (out, inp)).to(self.dtype))
         fmt, params = FORMATS[fmt_name], self.scheme.params_for(module)
         suffixes = fmt.tensor_suffixes + tuple(fmt.suffix_aliases)
         tensors = {s: self.reader.get(f"{module}.{s}") for s in suffixes if self.reader.has(f"{module}.{s}")}
         try:
             check_tensors(module, fmt, tensors, out, inp, params)
-            packed = fmt.packed(fmt.canonical(tensors), params)
+            return fmt.packed(fmt.canonical(tensors), params)
         except (QuantTensorError, ValueError) as e:  # one line naming the module and the format
             msg = str(e) if module in str(e) else f"{module}: format {fmt_name}: {e}"
             raise CheckpointError(f"{msg} (checkpoint {self.reader.dir})") from None
-        return QuantLinear(packed.to(self.device), fmt_name)
+
+    def format_for(self, module: str) -> str:
+        return self.scheme.format_for(module)
 
     def is_quantized(self, module: str) -> bool:
         return self.scheme.format_for(module) != BF16.format

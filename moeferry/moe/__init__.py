@@ -1,40 +1,30 @@
-"""Expert execution: resident / slot-cache executors over the fused MoE kernels."""
+"""Expert execution: the expert-backend registry.
+
+A backend is chosen by `EngineConfig.moe_backend` and built once per engine. The loader hands
+it each MoE layer's experts (`LayerExperts`: host-side packed tensors, read once) and gets
+back that layer's executor, called as `executor(x [T, H], ids [T, k], weights [T, k]) -> [T, H]`.
+After the last layer `finish(plan)` lets a backend size what depends on the memory plan (the
+offload backends' device slot cache). `device_bytes` is what the backend holds on the device;
+`stats()` its counters for /v1/stats.
+
+    resident   every expert on the device (Triton kernels on CUDA, CPU references elsewhere)
+"""
 from __future__ import annotations
 
-import torch
+from moeferry.moe.layer_experts import LayerExperts
+from moeferry.moe.resident import ResidentBackend
+
+EXPERT_BACKENDS = {
+    "resident": ResidentBackend,
+}
 
 
-def _triton_ok(device) -> bool:
-    if torch.device(device).type != "cuda":
-        return False
+def make_backend(cfg, spec, device, dtype):
     try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        cls = EXPERT_BACKENDS[cfg.moe_backend]
+    except KeyError:
+        raise ValueError(f"unknown expert backend {cfg.moe_backend!r}; known: {', '.join(EXPERT_BACKENDS)}") from None
+    return cls(cfg, spec, device, dtype)
 
 
-def make_expert_executor(gate_up: torch.Tensor, down: torch.Tensor, device, shared: tuple | None = None):
-    """Executor for stacked unquantized experts (gate_up [E, 2I, H], down [E, H, I]):
-    TritonExperts on CUDA, ResidentExperts (the reference) elsewhere. `shared` =
-    (gate_up [2Is, H], down [H, Is]) puts the shared expert in the kernels too; call the
-    executor with `shared_weight=` then (CUDA only; elsewhere keep the dense shared MLP)."""
-    if _triton_ok(device):
-        from moeferry.moe.triton_experts import TritonExperts
-        return TritonExperts.resident(gate_up.to(device), down.to(device), shared)
-    from moeferry.moe.resident import ResidentExperts
-    return ResidentExperts(gate_up.to(device), down.to(device))
-
-
-def make_packed_expert_executor(experts: list[tuple], dtype: torch.dtype, device):
-    """Executor for quantized experts, one (gate, up, down) triple of QuantLinear per expert:
-    TritonExperts over a slot buffer of the format's device form on CUDA, PackedExperts (the
-    dequantizing reference) elsewhere, or when the triples mix formats."""
-    formats = {m.format for triple in experts for m in triple}
-    if _triton_ok(device) and len(formats) == 1:
-        from moeferry.moe.slots import SlotBuffer
-        from moeferry.moe.triton_experts import TritonExperts
-        buf = SlotBuffer.from_experts(formats.pop(), [tuple(m.packed for m in t) for t in experts], device)
-        return TritonExperts(buf, torch.arange(len(experts), dtype=torch.int32, device=device))
-    from moeferry.moe.resident import PackedExperts
-    return PackedExperts(experts, dtype)
+__all__ = ["EXPERT_BACKENDS", "LayerExperts", "make_backend"]

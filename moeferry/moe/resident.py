@@ -1,19 +1,25 @@
-"""Resident expert executor: every expert of a layer stacked in device memory."""
+"""Resident experts: every routed expert of every layer in device memory.
+
+On CUDA a layer's experts are copied once, from the host-side packed tensors, into a slot
+buffer of their format that the fused Triton kernels read (identity slot table). Elsewhere
+the CPU references run: stacked dense experts, or packed experts dequantized per step.
+"""
 from __future__ import annotations
 
 import torch
 
-from moeferry.ops.moe import fused_experts
+from moeferry.moe.layer_experts import LayerExperts
+from moeferry.ops.moe import experts_reference
 
 
-class ResidentExperts:
-    """gate_up [E, 2I, H] (gate rows first), down [E, H, I]."""
+class DenseExperts:
+    """Reference executor over stacked unquantized experts: gate_up [E, 2I, H] (gate rows first), down [E, H, I]."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
         self.gate_up, self.down = gate_up, down
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return fused_experts(x, ids, weights, lambda e: (self.gate_up[e], self.down[e]))
+        return experts_reference(x, ids, weights, lambda e: (self.gate_up[e], self.down[e]))
 
     @property
     def nbytes(self) -> int:
@@ -21,19 +27,69 @@ class ResidentExperts:
 
 
 class PackedExperts:
-    """Experts kept in their quantized checkpoint format, one (gate, up, down) triple of
-    QuantLinear per expert; the reference path dequantizes only the experts a step selects."""
+    """Reference executor over experts kept in their quantized checkpoint format (one
+    (gate, up, down) triple of PackedWeight per expert): dequantizes only the experts a step selects."""
 
     def __init__(self, experts: list[tuple], dtype: torch.dtype):
         self.experts, self.dtype = experts, dtype
 
     def _weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         gate, up, down = self.experts[e]
-        return torch.cat([gate.dense(self.dtype), up.dense(self.dtype)]), down.dense(self.dtype)
+        return torch.cat([gate.dequantize(self.dtype), up.dequantize(self.dtype)]), down.dequantize(self.dtype)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return fused_experts(x, ids, weights, self._weights)
+        return experts_reference(x, ids, weights, self._weights)
 
     @property
     def nbytes(self) -> int:
-        return sum(m.nbytes for triple in self.experts for m in triple)
+        return sum(w.nbytes for triple in self.experts for w in triple)
+
+
+def use_kernels(device: torch.device) -> bool:
+    """The fused Triton MoE kernels run on CUDA (and nowhere else by default)."""
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class ResidentBackend:
+    """Expert backend `resident`: each layer's executor holds all of its experts on the device."""
+
+    name = "resident"
+
+    def __init__(self, cfg, spec, device: torch.device, dtype: torch.dtype):
+        self.device, self.dtype = device, dtype
+        self.layers: dict[int, object] = {}
+        self.expert_slots = 0  # every expert has a slot
+
+    def add_layer(self, layer: int, experts: LayerExperts):
+        if use_kernels(self.device):
+            from moeferry.moe.slots import SlotBuffer
+            from moeferry.moe.triton_experts import TritonExperts
+
+            buf = SlotBuffer.allocate(experts.format, experts.num_experts, experts.experts[0], self.device)
+            for e in range(experts.num_experts):
+                buf.write_packed(e, experts.slot_parts(e))
+            ex = TritonExperts(buf, torch.arange(experts.num_experts, dtype=torch.int32, device=self.device))
+        elif experts.stacked is not None:
+            gate_up, down = experts.stacked
+            ex = DenseExperts(gate_up.to(self.device, self.dtype), down.to(self.device, self.dtype))
+        else:
+            ex = PackedExperts([tuple(w.to(self.device) for w in t) for t in experts.experts], self.dtype)
+        self.layers[layer] = ex
+        self.expert_slots += experts.num_experts
+        return ex
+
+    def finish(self, plan=None) -> None:
+        """All layers are added (resident needs nothing more)."""
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(ex.nbytes for ex in self.layers.values())
+
+    def stats(self) -> dict:
+        return {"backend": self.name, "device_bytes": self.device_bytes}

@@ -13,11 +13,9 @@ from typing import Sequence
 import torch
 
 from moeferry.checkpoint.formats import FORMATS, PackedWeight
-from moeferry.ops.triton.moe_formats import DENSE, MoEKernel, SlotMatrix, register_moe_kernels
+from moeferry.ops.triton.moe_formats import DENSE, MoEKernel, SlotMatrix
 from moeferry.ops.triton.moe_gemm import MoEConfig, fused_moe
 from moeferry.ops.triton.moe_prep import RoutingScratch
-
-register_moe_kernels(FORMATS)
 
 ExpertWeights = tuple[PackedWeight, PackedWeight, PackedWeight]  # gate, up, down
 
@@ -25,9 +23,7 @@ ExpertWeights = tuple[PackedWeight, PackedWeight, PackedWeight]  # gate, up, dow
 def kernel_for(fmt) -> MoEKernel:
     """The MoE kernel of a registry format (name or entry)."""
     entry = FORMATS[fmt] if isinstance(fmt, str) else fmt
-    if entry.kernels is None:
-        raise ValueError(f"format {entry.name} has no MoE kernel")
-    return entry.kernels
+    return entry.moe_kernel()
 
 
 class SlotBuffer:
@@ -102,12 +98,43 @@ class SlotBuffer:
     def write(self, slot: int, expert: ExpertWeights) -> None:
         self.write_packed(slot, self.pack(expert))
 
+    def read_slot(self, slot: int) -> tuple[dict, dict]:
+        """A copy of one slot's contents in `pack`'s form (the inverse of `write_packed`)."""
+        return self.gate_up.read(slot), self.down.read(slot)
+
     # -- compute --------------------------------------------------------------------------
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table_row: torch.Tensor,
             shared_slot: int = -1, shared_weight: torch.Tensor | None = None,
             config: MoEConfig | None = None) -> torch.Tensor:
         return fused_moe(x, ids, weights, self.gate_up, self.down, table_row, self.scratch,
                          shared_slot, shared_weight, config)
+
+    # slots dequantized together by `run_reference` (a decode step touches <= top_k experts)
+    REFERENCE_BATCH = 8
+
+    def run_reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table_row: torch.Tensor,
+                      shared_slot: int = -1, shared_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """`run` in plain PyTorch, the CPU reference of the fused kernels (same contract: experts
+        are read only through `table_row`, -1 = skipped; `shared_weight` [T] adds `shared_slot`
+        to every token). Each distinct slot of the step is dequantized once (`dense_slots`, in
+        x's dtype), its tokens go through `swiglu`, each pair's output times its routing weight
+        is rounded to x's dtype and the pairs are summed in fp32, as the kernels do."""
+        from moeferry.ops.moe import swiglu
+
+        slot = table_row.to(ids.device).long()[ids]  # [T, k] slot of each (token, choice)
+        pair_w = weights.float()
+        if shared_weight is not None:
+            slot = torch.cat([slot, slot.new_full((slot.shape[0], 1), shared_slot)], dim=1)
+            pair_w = torch.cat([pair_w, shared_weight.reshape(-1, 1).float()], dim=1)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for batch in torch.unique(slot[slot >= 0]).split(self.REFERENCE_BATCH):
+            gate_up = self.gate_up.dense_slots(batch, x.dtype)
+            down = self.down.dense_slots(batch, x.dtype)
+            for s, gu, d in zip(batch.tolist(), gate_up, down):
+                tok, j = torch.where(slot == s)
+                y = (swiglu(x[tok], gu, d).float() * pair_w[tok, j, None]).to(x.dtype)
+                out.index_add_(0, tok, y.float())
+        return out.to(x.dtype)
 
 
 class SlotTable:

@@ -21,10 +21,11 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
     return F.linear(F.silu(gate) * up, down)
 
 
-def fused_experts(
+def experts_reference(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert_weights
 ) -> torch.Tensor:
-    """sum_k weights[t,k] * expert_{ids[t,k]}(x[t]). `expert_weights(e)` returns (gate_up [2I,H], down [H,I])."""
+    """sum_k weights[t,k] * expert_{ids[t,k]}(x[t]), one expert after another (the unfused
+    reference of the MoE kernels). `expert_weights(e)` returns (gate_up [2I,H], down [H,I])."""
     out = torch.zeros_like(x)
     flat_ids = ids.reshape(-1)
     for e in torch.unique(flat_ids).tolist():

@@ -50,14 +50,10 @@ class Request:
         self.finish_reason: str | None = None
         self.max_new_tokens = params.max_tokens  # clamped to the context at admission
         self.clamped = False
-        # cache resources
-        self.pages: list[int] = []
-        self.state_slot: int | None = None
+        # cache resources (moeferry.cache.manager.SeqBlocks while admitted)
+        self.blocks = None
         self.num_computed = 0  # tokens whose KV / state is in the pools
-        self.num_shared_pages = 0  # leading pages owned by the prefix cache
         self.cached_tokens = 0  # prompt tokens served from the prefix cache
-        self.prefix_lock = None  # prefix-cache node this request pins
-        self.snapshots: list[tuple[int, int]] = []  # (position, state slot) checkpoints taken
         self.num_preemptions = 0
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.generator = torch.Generator().manual_seed(seed)

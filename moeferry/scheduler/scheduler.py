@@ -10,13 +10,10 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
-from moeferry.cache.kv_pool import PoolExhausted
-from moeferry.cache.prefix_cache import PrefixCache
-from moeferry.engine.batch import SeqChunk
+from moeferry.model.batch import SeqChunk
 from moeferry.scheduler.batch_sampler import sample_requests
 from moeferry.scheduler.request import Request, RequestState, TokenEvent
 
@@ -31,25 +28,14 @@ class RequestRejected(ValueError):
         self.code, self.param = code, param
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_running_requests: int = 8
-    max_extend_tokens: int = 8192
-    max_seq_len: int | None = None  # None = the model's max_position_embeddings
-    enable_prefix_cache: bool = True
-
-
 class Scheduler:
-    def __init__(self, engine, cfg: SchedulerConfig):
-        self.engine, self.cfg = engine, cfg
-        self.kv, self.states = engine.kv_pool, engine.state_pool
-        self.page_size = self.kv.page_size
-        spec = engine.spec
-        self.eos_ids = set(spec.eos_token_ids)
-        self.max_seq_len = min(cfg.max_seq_len or spec.max_position_embeddings, self.kv.num_tokens)
-        self.needs_state = bool(spec.linear_layers)
-        self.prefix = (PrefixCache(self.page_size, self.needs_state, self.kv.pages.free, self.states.free)
-                       if cfg.enable_prefix_cache else None)
+    """Drives `engine` (its config's scheduler limits, its resolved sizes, its cache manager)."""
+
+    def __init__(self, engine):
+        self.engine, self.cfg = engine, engine.cfg
+        self.cache = engine.cache
+        self.eos_ids = set(engine.spec.eos_token_ids)
+        self.max_seq_len = engine.sizes.max_seq_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._events: list[TokenEvent] = []
@@ -90,8 +76,8 @@ class Scheduler:
         if not plan:
             return events
         self.num_steps += 1
-        chunks = [SeqChunk(r.all_ids[r.num_computed:r.num_computed + n], r.num_computed, r.pages, r.state_slot)
-                  for r, n in plan]
+        chunks = [SeqChunk(r.all_ids[r.num_computed:r.num_computed + n], r.num_computed, r.blocks.pages,
+                           r.blocks.state_slot) for r, n in plan]
         try:
             logits = self.engine.forward(chunks)
         except Exception as e:  # a failed step fails its requests, never the scheduler
@@ -112,18 +98,8 @@ class Scheduler:
         return events
 
     def stats(self) -> dict:
-        ps = self.page_size
-        return {
-            "running": len(self.running), "waiting": len(self.waiting),
-            "kv_tokens_total": self.kv.num_tokens,
-            "kv_tokens_used": (self.kv.pages.num_pages - self.kv.pages.num_free) * ps,
-            "prefix_cache_tokens": (self.prefix.num_pages * ps) if self.prefix else 0,
-            "state_slots_total": self.states.num_slots,
-            "state_slots_used": self.states.num_slots - self.states.slots.num_free,
-            "preemptions": self.num_preemptions,
-            "prefix_cache_hit_tokens": self.prefix.hit_tokens if self.prefix else 0,
-            "steps": self.num_steps,
-        }
+        return {"running": len(self.running), "waiting": len(self.waiting), **self.cache.stats(),
+                "preemptions": self.num_preemptions, "steps": self.num_steps, **self.engine.stats()}
 
     # --- scheduling ---------------------------------------------------------------------
     def _schedule(self) -> list[tuple[Request, int]]:
@@ -156,17 +132,7 @@ class Scheduler:
         return plan
 
     def _reserve(self, req: Request, total_tokens: int) -> bool:
-        need = self.kv.pages_for(total_tokens) - len(req.pages)
-        if need <= 0:
-            return True
-        short = need - self.kv.pages.num_free
-        if short > 0 and self.prefix is not None:
-            self.prefix.evict_pages(short)
-        try:
-            req.pages = req.pages + self.kv.pages.alloc(need)
-        except PoolExhausted:
-            return False
-        return True
+        return self.cache.grow(req.blocks, total_tokens)
 
     def _reserve_or_preempt(self, req: Request, total_tokens: int) -> bool:
         while not self._reserve(req, total_tokens):
@@ -187,63 +153,25 @@ class Scheduler:
 
     def _admit(self, req: Request) -> bool:
         """Give req a state slot and whatever prefix the cache holds for it."""
-        slot = self._alloc_state()
-        if slot is None:
+        blocks = self.cache.admit(req.all_ids)
+        if blocks is None:
             return False
-        req.state_slot = slot
-        if self.prefix is None:
-            return True
-        m = self.prefix.match(req.all_ids)
-        if m.length:
-            req.pages, req.num_computed, req.num_shared_pages = list(m.pages), m.length, len(m.pages)
-            req.prefix_lock = m.node
-            self.prefix.lock(m.node, +1)
-            if m.snapshot is not None:
-                self.states.copy(m.snapshot, slot)
-            self.prefix.hit_tokens += m.length
+        req.blocks, req.num_computed = blocks, blocks.matched
         if req.num_preemptions == 0:
-            req.cached_tokens = min(m.length, len(req.prompt_ids))
+            req.cached_tokens = min(blocks.matched, len(req.prompt_ids))
         return True
 
-    def _alloc_state(self) -> int | None:
-        while self.states.slots.num_free == 0:
-            if self.prefix is None or not self.prefix.evict_state():
-                return None
-        return self.states.alloc()
-
-    def _checkpoint(self, req: Request, keep_free: int | None = None) -> None:
-        """Save the GDN state at req's current position so later requests can resume there.
-
-        Taken at prefill chunk boundaries and the prompt end (keeping `keep_free` slots for
-        admissions, by default one per open running place) and at release (keep_free=0)."""
-        if self.prefix is None or not self.needs_state or req.num_computed == 0 or req.num_computed % self.page_size:
-            return
-        if req.snapshots and req.snapshots[-1][0] == req.num_computed:
-            return  # already saved here (e.g. a request finishing right after its prompt)
-        if keep_free is None:
-            keep_free = self.cfg.max_running_requests - len(self.running)
-        if self.states.slots.num_free <= keep_free:
-            return
-        slot = self.states.slots.alloc(1)[0]
-        self.states.copy(req.state_slot, slot)
-        req.snapshots.append((req.num_computed, slot))
+    def _checkpoint(self, req: Request) -> None:
+        """Save the GDN state at a prefill chunk boundary or the prompt end, keeping one state
+        slot per open running place for admissions."""
+        keep_free = self.cfg.max_running_requests - len(self.running)
+        self.cache.checkpoint(req.blocks, req.num_computed, keep_free)
 
     def _release(self, req: Request, keep_in_cache: bool) -> None:
-        """Return a request's pages / slots (to the prefix cache when enabled)."""
-        if req.prefix_lock is not None:
-            self.prefix.lock(req.prefix_lock, -1)
-            req.prefix_lock = None
-        if self.prefix is not None and keep_in_cache:
-            self._checkpoint(req, keep_free=0)
-            self.prefix.insert(req.all_ids[:req.num_computed], req.pages, req.snapshots)
-        else:
-            self.kv.pages.free(req.pages[req.num_shared_pages:])
-            for _, slot in req.snapshots:
-                self.states.free(slot)
-        req.pages, req.snapshots, req.num_computed, req.num_shared_pages = [], [], 0, 0
-        if req.state_slot is not None:
-            self.states.free(req.state_slot)
-            req.state_slot = None
+        """Return a request's pages / slots (its computed tokens to the prefix cache when kept)."""
+        if req.blocks is not None:
+            self.cache.release(req.blocks, req.all_ids[:req.num_computed] if keep_in_cache else None)
+        req.blocks, req.num_computed = None, 0
 
     # --- sampling and finishing -----------------------------------------------------------
     def _sample(self, ready: list[tuple[Request, torch.Tensor]]) -> list[TokenEvent]:

@@ -35,11 +35,7 @@ class Server:
 
 
 def worker_spec(cfg: ServeConfig, factory: str | None = None) -> WorkerSpec:
-    extra = {"factory": factory} if factory else {}
-    return WorkerSpec(model_dir=cfg.model_dir, device=cfg.device, dtype=cfg.dtype, num_pages=cfg.num_pages,
-                      page_size=cfg.page_size, num_state_slots=cfg.num_state_slots,
-                      max_running_requests=cfg.max_running_requests, max_extend_tokens=cfg.max_extend_tokens,
-                      max_seq_len=cfg.max_seq_len, prefix_cache=cfg.prefix_cache, **extra)
+    return WorkerSpec(cfg.engine, factory) if factory else WorkerSpec(cfg.engine)
 
 
 def _on_ready(ready: Ready) -> None:

@@ -36,5 +36,6 @@ async def stats(request: Request) -> dict:
     out["kv"] = {"tokens_used": worker.pop("kv_tokens_used", None), "tokens_total": worker.pop("kv_tokens_total", None)}
     out["state_slots"] = {"used": worker.pop("state_slots_used", None),
                           "total": worker.pop("state_slots_total", None)}
+    out["experts"] = worker.pop("experts", None)  # expert backend: cache hits / misses / bytes fetched
     out["scheduler"] = worker  # running, waiting, preemptions, prefix_cache_hit_tokens, ...
     return out

@@ -69,11 +69,16 @@ class Frontend:
                  default_max_tokens: int | None, sampling_defaults: dict, stats: ServerStats):
         self.supervisor = supervisor
         self.tokenizer = tokenizer
-        self.max_seq_len = max_seq_len
+        self._flag_max_seq_len = max_seq_len  # what the flags imply; the worker's Ready has the resolved one
         self.vocab_size = vocab_size
         self.default_max_tokens = default_max_tokens
         self.defaults = sampling_defaults
         self.stats = stats
+
+    @property
+    def max_seq_len(self) -> int:
+        ready = getattr(self.supervisor, "ready", None)
+        return ready.max_seq_len if ready is not None else self._flag_max_seq_len
 
     # ------------------------------------------------------------ parameters
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moeferry.engine.config import EngineConfig, EngineSizes
 from moeferry.scheduler.request import Request, TokenEvent
 
 
@@ -30,16 +31,7 @@ class Shutdown:
 @dataclass(frozen=True)
 class WorkerSpec:
     """What a worker builds; picklable, so it crosses the spawn boundary."""
-    model_dir: str
-    device: str
-    dtype: str
-    num_pages: int
-    page_size: int
-    num_state_slots: int
-    max_running_requests: int
-    max_extend_tokens: int
-    max_seq_len: int
-    prefix_cache: bool
+    engine: EngineConfig
     # "module:function" returning the scheduler to drive; tests point it at a fake engine.
     factory: str = "moeferry.server.worker:build_scheduler"
 
@@ -52,11 +44,16 @@ class Progress:
 
 @dataclass(frozen=True)
 class Ready:
+    """The engine is built: what it resolved (the frontend takes its limits from here)."""
     pid: int
     vocab_size: int
-    max_seq_len: int
+    sizes: EngineSizes
     eos_token_ids: tuple[int, ...]
-    details: dict = field(default_factory=dict)  # printed in the boot table
+    details: dict = field(default_factory=dict)  # printed in the boot log
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.sizes.max_seq_len
 
 
 @dataclass(frozen=True)

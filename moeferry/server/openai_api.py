@@ -38,8 +38,10 @@ def _server(request: Request):
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
-    cfg = _server(request).cfg
-    return ModelList(data=[ModelCard(id=cfg.served_model_name, max_model_len=cfg.max_seq_len, root=cfg.model_dir)])
+    server = _server(request)
+    cfg = server.cfg
+    return ModelList(data=[ModelCard(id=cfg.served_model_name, max_model_len=server.frontend.max_seq_len,
+                                     root=cfg.model_dir)])
 
 
 def _check_request(server, body: SamplingFields) -> None:

@@ -34,22 +34,17 @@ MAX_EMPTY_FAILURES = 3  # step() failures in a row with no request left to blame
 
 
 def build_scheduler(spec: WorkerSpec, progress):
-    """The real factory: load the checkpoint onto the device and wrap it in a Scheduler."""
-    from moeferry.engine.engine import DTYPES, Engine, PoolSizes
-    from moeferry.scheduler.scheduler import Scheduler, SchedulerConfig
+    """The real factory: build the engine from the spec's EngineConfig and wrap it in a Scheduler."""
+    from moeferry.engine.engine import Engine
+    from moeferry.scheduler.scheduler import Scheduler
 
-    progress("loading weights", 0.05)
-    engine = Engine(spec.model_dir, spec.device, DTYPES[spec.dtype],
-                    PoolSizes(spec.num_pages, spec.page_size, spec.num_state_slots), progress=True)
-    progress("starting the scheduler", 0.95)
-    scheduler = Scheduler(engine, SchedulerConfig(
-        max_running_requests=spec.max_running_requests, max_extend_tokens=spec.max_extend_tokens,
-        max_seq_len=spec.max_seq_len, enable_prefix_cache=spec.prefix_cache))
-    info = dict(vocab_size=engine.spec.vocab_size, max_seq_len=spec.max_seq_len,
-                eos_token_ids=tuple(engine.spec.eos_token_ids),
+    engine = Engine.build(spec.engine, progress=progress)
+    progress("starting the scheduler", 0.98)
+    info = dict(vocab_size=engine.spec.vocab_size, sizes=engine.sizes, eos_token_ids=tuple(engine.spec.eos_token_ids),
                 details={"architecture": engine.spec.architecture, "layers": engine.spec.num_layers,
-                         "experts": f"{engine.spec.num_experts} (top {engine.spec.top_k})"})
-    return scheduler, info
+                         "experts": f"{engine.spec.num_experts} (top {engine.spec.top_k})",
+                         "engine": engine.describe()})
+    return Scheduler(engine), info
 
 
 def _load_factory(path: str):

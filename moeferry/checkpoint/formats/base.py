@@ -82,7 +82,9 @@ class QuantFormat:
     `tensor_suffixes` lists every tensor the format may read for a module prefix
     (`f"{prefix}.{suffix}"`); `optional_suffixes` the subset that may be absent.
     `suffix_aliases` maps other names found in the wild to the canonical suffix.
-    `kernels` is the slot a GPU backend fills in (None: CPU reference only).
+    `device_form` names the layout its weights take in an expert slot and the kernels that read
+    it (`moeferry.ops.triton.moe_formats`): `moe_kernel()` returns that kernel, looked up on use
+    (nothing is registered at import).
     """
 
     name: ClassVar[str]
@@ -90,9 +92,13 @@ class QuantFormat:
     optional_suffixes: ClassVar[tuple[str, ...]] = ()
     suffix_aliases: ClassVar[Mapping[str, str]] = {}
     default_params: ClassVar[QuantParams] = QuantParams()
+    device_form: ClassVar[str]  # dense, fp8_row, fp8_block, fp4 or int4
 
-    def __init__(self) -> None:
-        self.kernels: Any = None
+    def moe_kernel(self):
+        """The fused-MoE kernel (and slot layout) of this format's device form."""
+        from moeferry.ops.triton.moe_formats import KERNELS
+
+        return KERNELS[self.device_form]
 
     def __repr__(self) -> str:
         return f"<QuantFormat {self.name}>"

@@ -133,6 +133,7 @@ class Nvfp4Format(_Nvfp4Base):
     """ModelOpt NVFP4QTensor math."""
 
     name = "nvfp4"
+    device_form = "fp4"
     tensor_suffixes = ("weight", "weight_scale", "weight_scale_2", "input_scale")
     optional_suffixes = ("input_scale",)
     packed_name, global_name, input_name = "weight", "weight_scale_2", "input_scale"
@@ -160,6 +161,7 @@ class Nvfp4CtFormat(_Nvfp4Base):
     """compressed-tensors NVFP4 (llm-compressor tensor_group strategy) math."""
 
     name = "nvfp4_ct"
+    device_form = "fp4"
     tensor_suffixes = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
     optional_suffixes = ("input_global_scale",)
     packed_name, global_name, input_name = "weight_packed", "weight_global_scale", "input_global_scale"

@@ -8,8 +8,8 @@ that adds `a [BM, BK] @ W[slot, n0:n0+BN, k0:k0+BK]^T` (dequantized inside the k
 the fp32 accumulator `acc` ([BM, BN], or its transpose [BN, BM] with SWAP). The GEMM kernels in `moe_gemm.py` take the step as a
 constexpr argument, so they hold no format switch. `MoEKernel` (one per device form of the
 registry in `moeferry.checkpoint.formats`) couples the step with the code that stacks the
-registry's `PackedWeight`s into slot tensors; `register_moe_kernels(FORMATS)` fills in each
-registry entry's `kernels`.
+registry's `PackedWeight`s into slot tensors; a registry entry finds its kernel through
+`QuantFormat.moe_kernel()` (`KERNELS[entry.device_form]`).
 
 Slot layouts of one matrix `[N, K]` (rows = output features), leading dim = slot:
 
@@ -24,6 +24,10 @@ Slot layouts of one matrix `[N, K]` (rows = output features), leading dim = slot
 
 Group-scaled formats (fp8_block, int4) need BK to divide the group G: the scale is then one
 value per output column for the whole k-step and multiplies the dot product, not the tile.
+
+Each `MoEKernel` also carries `dequant`, the CPU reference of its step: plain PyTorch that
+turns slots back into dense [N, K] weights (`SlotMatrix.dense` / `dense_slots`), equal to
+the registry's `PackedWeight.dequantize` of what was packed into the slot.
 """
 from __future__ import annotations
 
@@ -31,8 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from moeferry.checkpoint.formats.fp4 import E2M1_VALUES, unpack_nibbles
 
 
 # -- steps ----------------------------------------------------------------------------------
@@ -184,6 +191,24 @@ class SlotMatrix:
         for name, t in parts.items():
             getattr(self, name)[slot].copy_(t, non_blocking=True)
 
+    def read(self, slot: int) -> dict[str, torch.Tensor]:
+        """A copy of one slot's tensors, in `MoEKernel.pack`'s form (the inverse of `write`)."""
+        return {name: t[slot].clone() for name, t in self.tensors().items()}
+
+    def dense_slots(self, slots, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Slots `slots` (ints or an index tensor) dequantized to [len(slots), N, K] in `dtype`,
+        by the kernel's CPU reference (`MoEKernel.dequant`)."""
+        if self.kernel.dequant is None:
+            raise ValueError(f"MoE kernel {self.kernel.name} has no CPU reference dequantizer")
+        idx = torch.as_tensor(slots, dtype=torch.long, device=self.w.device).reshape(-1)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_slots):
+            raise IndexError(f"slots {idx.tolist()} out of range for {self.num_slots} slots")
+        return self.kernel.dequant(self, idx, dtype)
+
+    def dense(self, slot: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """One slot's matrix dequantized to [N, K] in `dtype` (see `dense_slots`)."""
+        return self.dense_slots([slot], dtype)[0]
+
     def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w, s, z, rs) as the kernels take them (fp8 as uint8; absent ones: any tensor)."""
         def arg(t):
@@ -205,6 +230,8 @@ class MoEKernel:
     packed_k: bool = False          # k packed two per byte: K % BK == 0 required
     max_bk: int = 256               # larger k-steps spill registers in the dequantizing steps
     meta: Mapping[str, Any] = field(default_factory=dict)
+    # the CPU reference of `step`: (matrix, slot index tensor, dtype) -> dense [len, N, K]
+    dequant: Callable[[SlotMatrix, torch.Tensor, torch.dtype], torch.Tensor] | None = None
 
     def __repr__(self) -> str:
         return f"<MoEKernel {self.name}>"
@@ -264,21 +291,73 @@ def _pack_int4(ws):
     return t, {"group": g}
 
 
-DENSE = MoEKernel("dense", dense_step, _pack_dense)
-FP8_ROW = MoEKernel("fp8_row", fp8_row_step, _pack_fp8_row, has_row_scale=True)
-FP8_BLOCK = MoEKernel("fp8_block", fp8_block_step, _pack_fp8_block, group_scaled=True, max_bk=128)
-FP4 = MoEKernel("fp4", fp4_step, _pack_fp4, has_row_scale=True, packed_k=True, max_bk=128)
-INT4 = MoEKernel("int4", int4_step, _pack_int4, group_scaled=True, packed_k=True, max_bk=128)
-
-# registry format name -> kernel of its device form (`QuantFormat.packed(...)`)
-KERNELS_BY_FORMAT: dict[str, MoEKernel] = {
-    "bf16": DENSE, "fp8_tensor": FP8_ROW, "fp8_block": FP8_BLOCK,
-    "nvfp4": FP4, "nvfp4_ct": FP4, "int4_awq": INT4, "int4_ct": INT4,
-}
+# -- CPU references of the steps ------------------------------------------------------------
+# `<form>_dequant(m, slots, dtype)` -> [len(slots), N, K]: the weights the matching step
+# reconstructs tile by tile inside the kernel (row scales included), as whole-tensor PyTorch
+# ops over the slot layout. They are the kernels' CPU references: experts on a CPU "device"
+# and the `cpu` MoE backend are computed from slot form with them. The arithmetic is fp32
+# in the order of the registry's `PackedWeight.dequantize` (so equal to it), then cast.
+def _e4m3(t: torch.Tensor) -> torch.Tensor:
+    """fp8 held as float8_e4m3fn or as its raw uint8 bytes, as float8_e4m3fn."""
+    return t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 else t
 
 
-def register_moe_kernels(formats: Mapping[str, Any]) -> None:
-    """Point each registry entry's `kernels` at its MoE kernel (unknown entries: untouched)."""
-    for name, fmt in formats.items():
-        if name in KERNELS_BY_FORMAT:
-            fmt.kernels = KERNELS_BY_FORMAT[name]
+def _grouped(v: torch.Tensor, g: int) -> torch.Tensor:
+    """[..., K] -> [..., ceil(K/g), g] (a view when g divides K, else zero-padded)."""
+    pad = -v.shape[-1] % g
+    return F.pad(v, (0, pad)).unflatten(-1, (-1, g)) if pad else v.unflatten(-1, (-1, g))
+
+
+def _ungrouped(v: torch.Tensor, k: int) -> torch.Tensor:
+    """Inverse of `_grouped`: [..., ceil(K/g), g] -> [..., K]."""
+    return v.flatten(-2)[..., :k]
+
+
+# E2M1 value of both nibbles of every byte: _E2M1_PAIRS[b] = (value(b & 15), value(b >> 4))
+_E2M1_PAIRS = E2M1_VALUES[unpack_nibbles(torch.arange(256, dtype=torch.uint8)).long()].view(256, 2)
+
+
+def dense_dequant(m: SlotMatrix, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return m.w[slots].to(dtype)
+
+
+def fp8_row_dequant(m: SlotMatrix, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (_e4m3(m.w[slots]).float() * m.rs[slots].float()[..., None]).to(dtype)
+
+
+def _block_rows(m: SlotMatrix) -> torch.Tensor:
+    """[N] row of `s` holding each weight row's block scales: parts stacked, ceil(PART/GN) rows each."""
+    n = torch.arange(m.n, device=m.s.device)
+    return (n // m.part) * -(-m.part // m.group_n) + (n % m.part) // m.group_n
+
+
+def fp8_block_dequant(m: SlotMatrix, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    w = _e4m3(m.w[slots]).float()
+    s = m.s[slots][:, _block_rows(m)].float()  # [L, N, ceil(K/G)]
+    return _ungrouped(_grouped(w, m.group) * s[..., None], m.k).to(dtype)
+
+
+def fp4_dequant(m: SlotMatrix, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    p = m.w[slots]
+    v = torch.index_select(_E2M1_PAIRS.to(p.device), 0, p.reshape(-1).int()).view(*p.shape[:-1], -1)  # [L, N, K]
+    s = _e4m3(m.s[slots]).float() * m.rs[slots].float()[..., None]  # [L, N, K/16]
+    return _ungrouped(_grouped(v, m.group) * s[..., None], m.k).to(dtype)
+
+
+def int4_dequant(m: SlotMatrix, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    u = _grouped(unpack_nibbles(m.w[slots]).float(), m.group)  # [L, N, ceil(K/G), G]
+    z = m.z[slots].float()[..., None] if m.z is not None else 8.0
+    s = m.s[slots].float()[..., None]
+    return _ungrouped((u - z) * s, m.k).to(dtype)
+
+
+DENSE = MoEKernel("dense", dense_step, _pack_dense, dequant=dense_dequant)
+FP8_ROW = MoEKernel("fp8_row", fp8_row_step, _pack_fp8_row, has_row_scale=True, dequant=fp8_row_dequant)
+FP8_BLOCK = MoEKernel("fp8_block", fp8_block_step, _pack_fp8_block, group_scaled=True, max_bk=128,
+                      dequant=fp8_block_dequant)
+FP4 = MoEKernel("fp4", fp4_step, _pack_fp4, has_row_scale=True, packed_k=True, max_bk=128, dequant=fp4_dequant)
+INT4 = MoEKernel("int4", int4_step, _pack_int4, group_scaled=True, packed_k=True, max_bk=128,
+                 dequant=int4_dequant)
+
+# device form (`QuantFormat.device_form`) -> its kernel
+KERNELS: dict[str, MoEKernel] = {k.name: k for k in (DENSE, FP8_ROW, FP8_BLOCK, FP4, INT4)}

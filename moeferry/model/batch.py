@@ -39,10 +39,6 @@ class ForwardBatch:
     max_q_len: int = 0
 
     @property
-    def num_seqs(self) -> int:
-        return len(self.q_lens)
-
-    @property
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.q_lens)
 

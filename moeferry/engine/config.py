@@ -1,0 +1,120 @@
+"""EngineConfig: every parameter of the engine, in one frozen object.
+
+`ServeConfig` (the `serve` flags) resolves into it, `WorkerSpec` carries it across the spawn
+boundary and `LLM(...)` builds it from keyword arguments. Sizes the engine can only know once
+the checkpoint is read (state slots, context limit, KV tokens) come from one function,
+`derive_sizes`; the memory plan (`moeferry.memory.plan`) may then change them, and the engine
+reports what it resolved in `Engine.sizes`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MOE_BACKENDS = ("resident", "offload", "cpu", "hybrid")
+EXPERT_LOADS = ("auto", "serial", "parallel")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str
+    device: str = "cpu"                 # resolved: cpu, cuda or cuda:N
+    dtype: str = "float32"              # resolved: float32, bfloat16 or float16
+    # experts
+    moe_backend: str = "resident"       # one of MOE_BACKENDS
+    moe_cache_size: int | None = None   # device expert slots (offload backends)
+    moe_cache_rate: float | None = None  # ... or a fraction of all routed experts
+    moe_cache_auto: bool = False        # ... or what the memory plan leaves
+    moe_cache_policy: str = "lru"
+    moe_prefill_overlap: bool = True    # stream layer l+1's experts while layer l computes
+    moe_cpu_threads: int | None = None  # None: the physical cores
+    moe_cpu_layers: int = 0             # cpu backend: the first N MoE layers compute every expert on the CPU
+    moe_hybrid_max_fetch: int | None = None  # hybrid: most PCIe fetches per layer and step
+    expert_load: str = "auto"           # auto, serial or parallel
+    # memory budget (the plan's inputs)
+    memory_ratio: float | None = None
+    gpu_memory_limit: int | None = None  # bytes
+    kv_reserve_tokens: int | None = None
+    num_tokens: int | None = None       # explicit KV capacity; None = planned (default: one full context)
+    num_state_slots: int | None = None  # explicit; None = derived from max_running_requests
+    page_size: int = 1
+    # scheduling
+    max_seq_len: int | None = None      # None = the model's max_position_embeddings
+    max_running_requests: int = 8
+    max_extend_tokens: int = 8192
+    prefix_cache: bool = True
+    # CUDA graphs
+    cuda_graphs: bool = True
+    progress: bool = False              # progress bars while loading
+
+    def __post_init__(self):
+        if self.moe_backend not in MOE_BACKENDS:
+            raise ValueError(f"moe_backend must be one of {', '.join(MOE_BACKENDS)}, got {self.moe_backend!r}")
+        if self.expert_load not in EXPERT_LOADS:
+            raise ValueError(f"expert_load must be one of {', '.join(EXPERT_LOADS)}, got {self.expert_load!r}")
+        if sum(x is not None and x is not False for x in
+               (self.moe_cache_size, self.moe_cache_rate, self.moe_cache_auto or None)) > 1:
+            raise ValueError("give at most one of moe_cache_size, moe_cache_rate, moe_cache_auto")
+        if self.moe_backend == "resident" and (self.moe_cache_size or self.moe_cache_rate or self.moe_cache_auto):
+            raise ValueError("an expert cache size needs moe_backend offload, cpu or hybrid (resident keeps "
+                             "every expert on the device)")
+        if self.moe_cache_rate is not None and not 0 < self.moe_cache_rate <= 1:
+            raise ValueError(f"moe_cache_rate must be in (0, 1], got {self.moe_cache_rate}")
+        for name in ("moe_cache_size", "num_tokens", "num_state_slots", "page_size", "max_seq_len",
+                     "max_running_requests", "max_extend_tokens", "kv_reserve_tokens", "moe_cpu_threads",
+                     "moe_hybrid_max_fetch"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.moe_cache_policy not in CACHE_POLICIES:
+            raise ValueError(f"moe_cache_policy must be one of {', '.join(CACHE_POLICIES)}")
+
+    @property
+    def offloads_experts(self) -> bool:
+        return self.moe_backend != "resident"
+
+    @property
+    def plans_memory(self) -> bool:
+        """Whether pool sizes come from the measured memory plan rather than the given sizes."""
+        return (self.moe_cache_auto or self.kv_reserve_tokens is not None or self.memory_ratio is not None
+                or self.gpu_memory_limit is not None)
+
+
+CACHE_POLICIES = ("lru",)
+
+
+@dataclass(frozen=True)
+class EngineSizes:
+    """What the engine resolved: reported in `Ready` and used by the scheduler and the frontend."""
+    num_pages: int
+    page_size: int
+    num_state_slots: int
+    max_seq_len: int      # context limit: prompt + output
+    expert_slots: int     # device expert slots (every expert when resident)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+
+def state_slots_for(cfg: EngineConfig) -> int:
+    """One recurrent-state slot per running sequence, plus room for the prefix cache's GDN
+    checkpoints."""
+    if cfg.num_state_slots is not None:
+        return cfg.num_state_slots
+    n = cfg.max_running_requests
+    return 2 * n + 8 if cfg.prefix_cache else n
+
+
+def context_limit(cfg: EngineConfig, model_max_positions: int) -> int:
+    return cfg.max_seq_len or model_max_positions
+
+
+def derive_sizes(cfg: EngineConfig, model_max_positions: int, kv_tokens: int | None = None,
+                 expert_slots: int = 0) -> EngineSizes:
+    """The pool sizes for `cfg` (KV tokens: as given, else the explicit flag, else one full
+    context); a sequence can never outgrow the KV pool, so the pool bounds the context too."""
+    context = context_limit(cfg, model_max_positions)
+    tokens = kv_tokens or cfg.num_tokens or context
+    pages = -(-tokens // cfg.page_size)
+    return EngineSizes(pages, cfg.page_size, state_slots_for(cfg), min(context, pages * cfg.page_size),
+                       expert_slots)
