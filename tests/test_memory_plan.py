@@ -155,8 +155,8 @@ def check_refusal(err: PlanRefused, inp: PlanInputs, req: PlanRequest):
     for n in ("usable",) + FIXED:  # every term's numbers
         assert str(getattr(inp, n).bytes) in msg and human_bytes(getattr(inp, n).bytes) in msg
     assert str(inp.state_slots * inp.state_bytes_per_slot) in msg
-    if room >= 0:
-        assert str(kv_bytes) in msg
+    assert str(kv_bytes) in msg and str(expert_bytes) in msg  # the pools as asked
+    assert str(fixed_bytes(inp) + kv_bytes + expert_bytes) in msg  # and the total they come to
     if err.largest_expert_slots is not None:
         assert f"--moe-cache-size {err.largest_expert_slots} " in msg
         assert slots is not None
@@ -179,7 +179,7 @@ def check_refusal(err: PlanRefused, inp: PlanInputs, req: PlanRequest):
         assert ("no pool size fits" if room < 0 else "no one pool can shrink enough") in msg
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1000, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_plan_invariant_over_random_inputs(scenario):
     inp, req = scenario
@@ -208,7 +208,7 @@ def test_plan_invariant_over_random_inputs(scenario):
             plan.shrink_experts(inp.min_expert_slots - 1)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, database=None)
 @given(scenarios(), st.integers(0, 64 * MiB))
 def test_slots_freeing_covers_the_deficit(scenario, deficit):
     inp, req = scenario
@@ -321,6 +321,8 @@ def test_explicit_sizes_are_exact():
     assert big.expert_slots == 50 and "capped at the model's 50" in big.experts.source
     assert make_plan(inputs(experts_total=10240, expert_slot_bytes=1, usable=20_000),
                      PlanRequest(expert_rate=0.1)).expert_slots == 1024
+    assert make_plan(inputs(experts_total=100, expert_slot_bytes=1),
+                     PlanRequest(expert_rate=0.07)).expert_slots == 7  # 0.07 x 100 is 7.000000000000001
     assert make_plan(inputs(), PlanRequest(expert_rate=0.0001)).expert_slots == 1
 
 
@@ -334,7 +336,7 @@ def test_shrink_and_slots_freeing():
     assert plan.slots_freeing(1) == 1 and plan.slots_freeing(100) == 1 and plan.slots_freeing(101) == 2
     shrunk = plan.shrink_experts(plan.expert_slots - plan.slots_freeing(250), reason="boot self-test")
     assert shrunk.expert_slots == 5 and shrunk.free == plan.free + 300
-    assert "shrunk from 8 to 5 of 50 slots, boot self-test" in shrunk.experts.source
+    assert shrunk.experts.source == "derived: shrunk from 8 to 5 of 50 slots x 100 B (boot self-test)"
     assert plan.expert_slots == 8  # frozen: the old plan is unchanged
     with pytest.raises(ValueError, match="cannot shrink"):
         plan.shrink_experts(9)  # a shrink never grows the cache

@@ -269,14 +269,13 @@ class MemoryPlan:
         if not self.min_expert_slots <= slots <= self.expert_slots:
             raise ValueError(f"cannot shrink the expert cache from {self.expert_slots} to {slots} slots "
                              f"(the backend needs at least {self.min_expert_slots})")
-        why = f", {reason}" if reason else ""
-        source = (f"derived: shrunk from {self.expert_slots} to {slots} of {self.experts_total} slots{why}"
-                  f" x {human_bytes(self.expert_slot_bytes)}")
+        source = (f"derived: shrunk from {self.expert_slots} to {slots} of {self.experts_total} slots"
+                  f" x {human_bytes(self.expert_slot_bytes)}" + (f" ({reason})" if reason else ""))
         return replace(self, expert_slots=slots, experts=Term(slots * self.expert_slot_bytes, source))
 
     def table(self) -> str:
         """The boot table: each term, its bytes and where it came from."""
-        lines = [_rows(self.terms(), self.usable, free=self.free)]
+        lines = [_rows(self.terms(), self.usable, free=self.free, header=True)]
         if self.context_limit < self.context_tokens:
             lines.append(f"  context limited to {self.context_limit} tokens by the KV pool "
                          f"(asked {self.context_tokens})")
@@ -301,8 +300,9 @@ def make_plan(inputs: PlanInputs, request: PlanRequest) -> MemoryPlan:
         _check_cache_inputs(inputs)
     slots = 0 if request.resident_experts or request.auto_experts else _explicit_slots(inputs, request)
     if room < 0:
-        raise PlanRefused(_refusal(inputs, fixed, {}, f"the fixed terms alone need "
-                                   f"{_bytes(inputs.usable.bytes - room)}, more than the usable memory"))
+        raise PlanRefused(_refusal(inputs, fixed, _pool_terms(inputs, request, slots, kv_pages),
+                                   f"the fixed terms alone need {_bytes(inputs.usable.bytes - room)}, "
+                                   "more than the usable memory"))
     if request.auto_experts:
         slots = _auto_slots(inputs, request, fixed, room, kv_pages)
     expert_bytes = slots * inputs.expert_slot_bytes
@@ -337,7 +337,7 @@ def _explicit_slots(inputs: PlanInputs, request: PlanRequest) -> int:
     if request.expert_slots is not None:
         slots, flag = min(request.expert_slots, inputs.experts_total), f"--moe-cache-size {request.expert_slots}"
     else:
-        # round() first: 0.1 x 10240 is 1024.0000000000001 in floating point, and means 1024
+        # round() first: 0.07 x 100 is 7.000000000000001 in floating point, and means 7
         slots = max(1, math.ceil(round(request.expert_rate * inputs.experts_total, 6)))
         flag = f"--moe-cache-rate {request.expert_rate:g} ({slots} slots)"
     if slots < inputs.min_expert_slots:
@@ -352,11 +352,9 @@ def _auto_slots(inputs: PlanInputs, request: PlanRequest, fixed: dict[str, Term]
     slots = min(inputs.experts_total, max(left, 0) // inputs.expert_slot_bytes)
     if slots >= inputs.min_expert_slots:
         return slots
-    need = inputs.min_expert_slots * inputs.expert_slot_bytes
-    kv_fit = _fitting_kv_tokens(inputs, room - need)
-    pages = kv_pages * inputs.page_bytes
+    kv_fit = _fitting_kv_tokens(inputs, room - inputs.min_expert_slots * inputs.expert_slot_bytes)
     raise PlanRefused(
-        _refusal(inputs, fixed, {"kv": Term(pages, _kv_source(inputs, request, kv_pages))},
+        _refusal(inputs, fixed, _pool_terms(inputs, request, inputs.min_expert_slots, kv_pages),
                  f"after the fixed terms and the KV pool, {_bytes(max(left, 0))} is left: room for {slots} "
                  f"expert slots of {human_bytes(inputs.expert_slot_bytes)}, fewer than the "
                  f"{inputs.min_expert_slots} the backend needs",
@@ -373,12 +371,9 @@ def _refuse_pools(inputs: PlanInputs, request: PlanRequest, fixed: dict[str, Ter
     if not request.resident_experts and room - kv_bytes >= 0:
         fit = min(inputs.experts_total, (room - kv_bytes) // inputs.expert_slot_bytes)
         slots_fit = fit if fit >= inputs.min_expert_slots else None
-    pools = {"kv": Term(kv_bytes, _kv_source(inputs, request, kv_pages))}
-    if not request.resident_experts:
-        pools["experts"] = _expert_term(inputs, request, slots)
     raise PlanRefused(
-        _refusal(inputs, fixed, pools, f"the pools need {_bytes(kv_bytes + expert_bytes)}; "
-                 f"{_bytes(room)} is left after the fixed terms",
+        _refusal(inputs, fixed, _pool_terms(inputs, request, slots, kv_pages),
+                 f"the pools need {_bytes(kv_bytes + expert_bytes)}; {_bytes(room)} is left after the fixed terms",
                  largest_kv=(kv_fit, request, "the resident experts" if request.resident_experts
                              else f"{slots} expert slots"),
                  largest_slots=(slots_fit, f"the KV pool at {kv_pages * inputs.page_size} tokens")),
@@ -404,6 +399,18 @@ def _check_cache_inputs(inputs: PlanInputs):
 
 
 # ---------------------------------------------------------------- terms and text
+
+
+def _pool_terms(inputs: PlanInputs, request: PlanRequest, slots: int, kv_pages: int) -> dict[str, Term]:
+    """The pools as asked, for a refusal (auto: the fewest slots the backend needs)."""
+    kv = {"kv": Term(kv_pages * inputs.page_bytes, _kv_source(inputs, request, kv_pages))}
+    if request.resident_experts:
+        return kv
+    if request.auto_experts:
+        slots = inputs.min_expert_slots
+        return {"experts": Term(slots * inputs.expert_slot_bytes, f"the fewest the backend needs: {slots} slots"
+                                f" x {human_bytes(inputs.expert_slot_bytes)}"), **kv}
+    return {"experts": _expert_term(inputs, request, slots), **kv}
 
 
 def _expert_term(inputs: PlanInputs, request: PlanRequest, slots: int) -> Term:
@@ -446,7 +453,7 @@ def _bytes(n: int) -> str:
     return f"{human_bytes(n)} ({n} bytes)"
 
 
-def _rows(terms: dict[str, Term], usable: Term, free: int | None = None) -> str:
+def _rows(terms: dict[str, Term], usable: Term, free: int | None = None, header: bool = False) -> str:
     total = sum(t.bytes for t in terms.values())
     rows = [("usable", usable.bytes, usable.source)] + [(k, t.bytes, t.source) for k, t in terms.items()]
     rows.append(("total", total, "sum of the terms" + ("" if total <= usable.bytes
@@ -454,14 +461,17 @@ def _rows(terms: dict[str, Term], usable: Term, free: int | None = None) -> str:
     if free is not None:
         rows.append(("free", free, "what is left"))
     width = max(len(str(b)) for _, b, _ in rows)
-    return "\n".join(f"  {name:<9} {human_bytes(b):>10}  {b:>{width}}  {src}" for name, b, src in rows)
+    lines = [f"  {name:<9} {human_bytes(b):>10}  {b:>{width}}  {src}" for name, b, src in rows]
+    if header:
+        lines.insert(0, f"  {'term':<9} {'size':>10}  {'bytes':>{width}}  source")
+    return "\n".join(lines)
 
 
 def _refusal(inputs: PlanInputs, fixed: dict[str, Term], pools: dict[str, Term], reason: str,
              largest_kv=None, largest_slots=None) -> str:
     """The refusal text: the reason, every term, and the largest sizes that fit."""
-    terms = {**{k: fixed[k] for k in ("weights", "staging")}, **pools,
-             **{k: fixed[k] for k in ("states", "transient", "graphs", "margin")}}
+    terms = {k: {**fixed, **pools}[k] for k in _TERMS if k in fixed or k in pools}
+    over_fixed = sum(t.bytes for t in fixed.values()) > inputs.usable.bytes
     lines = [f"memory plan refused: {reason}", _rows(terms, inputs.usable)]
     fits = []
     if largest_slots is not None and largest_slots[0] is not None:
@@ -473,7 +483,7 @@ def _refusal(inputs: PlanInputs, fixed: dict[str, Term], pools: dict[str, Term],
                     f"{min(tokens, inputs.context_tokens)} tokens)")
     if fits:
         lines.append("largest sizes that fit: " + "; or ".join(fits))
-    elif pools:
+    elif not over_fixed:
         lines.append("no one pool can shrink enough to fit beside the other: lower both, lower a fixed term "
                      "or give more usable memory")
     else:

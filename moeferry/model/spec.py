@@ -12,7 +12,6 @@ LINEAR_ATTENTION = "linear_attention"
 @dataclass(frozen=True)
 class ModelSpec:
     architecture: str
-    family: str  # "qwen3_moe" | "qwen3_5_moe"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -98,7 +97,7 @@ def parse_qwen3_moe(arch: str, cfg: dict, generation: dict) -> ModelSpec:
     mlp_only = set(cfg.get("mlp_only_layers") or [])
     dense = tuple(i for i in range(n) if i in mlp_only or cfg["num_experts"] == 0 or (i + 1) % step != 0)
     return ModelSpec(
-        architecture=arch, family="qwen3_moe", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
         num_layers=n, layer_types=(FULL_ATTENTION,) * n, num_heads=cfg["num_attention_heads"],
         num_kv_heads=cfg["num_key_value_heads"], head_dim=head_dim, attn_output_gate=False,
         rotary_dim=rotary_dim, rope_theta=theta, rms_norm_eps=cfg["rms_norm_eps"], zero_centered_norm=False,
@@ -123,7 +122,7 @@ def parse_qwen3_5_moe(arch: str, cfg: dict, generation: dict) -> ModelSpec:
     if len(types) != n or not set(types) <= {FULL_ATTENTION, LINEAR_ATTENTION}:
         raise CheckpointError(f"layer_types must list {n} of {FULL_ATTENTION}/{LINEAR_ATTENTION}, got {types}")
     return ModelSpec(
-        architecture=arch, family="qwen3_5_moe", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
         num_layers=n, layer_types=tuple(types), num_heads=cfg["num_attention_heads"],
         num_kv_heads=cfg["num_key_value_heads"], head_dim=head_dim, attn_output_gate=True,
         rotary_dim=rotary_dim, rope_theta=theta, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),

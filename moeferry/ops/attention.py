@@ -45,7 +45,6 @@ def paged_attention(
     page_size: int,
     scale: float,
     max_q_len: int | None = None,
-    workspace: tuple | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, H_q, D] against each sequence's cached prefix and itself.
 
@@ -53,13 +52,13 @@ def paged_attention(
     max_q_len: the longest query chunk (saves a device sync on the Triton path).
     Triton path (`moeferry.ops.triton.attention`): a split-K decode kernel when every sequence
     has one query row, else a flash-attention prefill kernel. Workspace: decode only,
-    B * H_q * num_splits * (D + 2) * 4 bytes (`triton.attention.decode_workspace`); made here
-    when not given. Prefill needs none.
+    B * H_q * num_splits * (D + 2) * 4 bytes (`triton.attention.decode_workspace`), made per call.
+    Prefill needs none.
     """
     if use_triton(q):
         from moeferry.ops.triton import attention as ta
         return ta.paged_attention(q, k_cache, v_cache, cu_seqlens, kv_lens, page_table, page_size, scale,
-                                  max_q_len, workspace)
+                                  max_q_len)
     return paged_attention_ref(q, k_cache, v_cache, _host(cu_seqlens), _host(kv_lens), page_table, page_size, scale)
 
 

@@ -63,18 +63,17 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: to
     return -a_log.float().exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
 
 
-def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, max_q_len: int | None = None,
-                workspace: tuple | None = None) -> torch.Tensor:
+def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, max_q_len: int | None = None) -> torch.Tensor:
     """Chunked gated delta rule for sequences of any lengths.
 
     q, k [T, Hk, K]; v [T, Hv, V]; g, beta [T, Hv]; state_pool [S, Hv, K, V] fp32 (in/out).
     cu_seqlens [B+1], state_slots [B]: host lists or int tensors. Returns o [T, Hv, V] in v's dtype.
     Triton path: chunk 64, UT form (`moeferry.ops.triton.gdn`). Workspace (fp32 W, U, G):
-    T * Hv * (K + V + 1) * 4 bytes (`triton.gdn.prefill_workspace`), made here when not given.
+    T * Hv * (K + V + 1) * 4 bytes (`triton.gdn.prefill_workspace`), made per call.
     """
     if use_triton(v):
         from moeferry.ops.triton import gdn as tg
-        return tg.gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, max_q_len, workspace)
+        return tg.gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, max_q_len)
     return gdn_prefill_ref(q, k, v, g, beta, state_pool, _host(cu_seqlens), _host(state_slots))
 
 

@@ -24,7 +24,7 @@ class SamplingBatch:
     output_counts: torch.Tensor  # [B, V] counts of generated tokens
     seen: torch.Tensor  # [B, V] bool: token in prompt or output
     banned: torch.Tensor  # [B, V] bool: masked this step (min_tokens)
-    generators: list[torch.Generator]
+    generators: list[torch.Generator | None]  # on the logits' device; None for greedy rows
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -58,8 +58,11 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     logits = apply_penalties(logits.float(), b)
     greedy = logits.argmax(-1)
     filtered = filter_logits(logits, b)
-    noise = torch.stack([torch.empty(logits.shape[-1]).exponential_(generator=g) for g in b.generators])
-    drawn = (filtered.softmax(-1) / noise.to(logits.device)).argmax(-1)
+    noise = torch.ones_like(filtered)
+    for i, g in enumerate(b.generators):  # drawn on the logits' device; greedy rows need none
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    drawn = (filtered.softmax(-1) / noise).argmax(-1)
     return torch.where(b.temperature > 0, drawn, greedy)
 
 

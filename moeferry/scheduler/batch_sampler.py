@@ -30,7 +30,7 @@ def build_sampling_batch(reqs: list[Request], vocab: int, eos_ids: set[int], dev
         top_p=vec([p.top_p for p in ps]), min_p=vec([p.min_p for p in ps]),
         presence=vec([p.presence_penalty for p in ps]), frequency=vec([p.frequency_penalty for p in ps]),
         repetition=vec([p.repetition_penalty for p in ps]), output_counts=counts, seen=seen, banned=banned,
-        generators=[r.generator for r in reqs])
+        generators=[r.generator(device) if r.params.temperature > 0 else None for r in reqs])
 
 
 def sample_requests(reqs: list[Request], logits: torch.Tensor, eos_ids: set[int]

@@ -55,9 +55,15 @@ class Request:
         self.num_computed = 0  # tokens whose KV / state is in the pools
         self.cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_preemptions = 0
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self._generator: torch.Generator | None = None
         self.arrival: int = 0
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The request's random stream on the sampling device (made on first use from its seed)."""
+        if self._generator is None or self._generator.device != torch.device(device):
+            self._generator = torch.Generator(device).manual_seed(self.seed)
+        return self._generator
 
     @property
     def all_ids(self) -> list[int]:
