@@ -17,7 +17,7 @@ Interface
     PlanInputs                       measured / given sizes (see the class)
     PlanRequest                      what the user asked for (see the class)
     MemoryPlan                       the plan; `total()`, `free`, `table()`, `to_dict()`,
-                                     `shrink_experts(slots)`, `slots_freeing(nbytes)`
+                                     `shrink_experts(slots, reason="")`, `slots_freeing(nbytes)`
     PlanRefused(ValueError)          the sizes asked for do not fit; `.largest_expert_slots`,
                                      `.largest_kv_tokens` (None when no such value fits)
     make_plan(inputs, request)       -> MemoryPlan, or raises PlanRefused (sizes do not fit)
