@@ -66,7 +66,7 @@ class Engine:
         report("planning memory", 0.85)
         sizes = derive_sizes(cfg, spec.max_position_embeddings)                  # 3. plan
         report("allocating pools", 0.9)
-        experts.finish()                                                         # 4. allocate
+        experts.finish(experts.requested_slots())                                # 4. allocate
         cache = CacheManager.build(spec, sizes.num_pages, sizes.page_size, sizes.num_state_slots, cfg.prefix_cache,
                                    dtype, device)
         sizes = EngineSizes(sizes.num_pages, sizes.page_size, sizes.num_state_slots, sizes.max_seq_len,

@@ -1,10 +1,13 @@
 """Build a CausalLM from a checkpoint, one layer at a time."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 from tqdm import tqdm
 
 from moeferry.checkpoint.experts import read_experts
+from moeferry.checkpoint.formats import BF16, FORMATS
 from moeferry.checkpoint.reader import CheckpointError, CheckpointReader
 from moeferry.model.linear import Linear
 from moeferry.model.layers import DecoderLayer, DenseMLP, FullAttention, GatedDeltaNet, SparseMoE
@@ -39,7 +42,7 @@ def _mlp(w: WeightLoader, p: str, hidden: int, inter: int) -> DenseMLP:
                     w.linear(p + "down_proj", hidden, inter))
 
 
-def _layer_experts(w: WeightLoader, spec: ModelSpec, p: str) -> LayerExperts:
+def _layer_experts(w: WeightLoader, spec: ModelSpec, p: str, threads: int = 1) -> LayerExperts:
     """A layer's routed experts on the host, read once (packed as stored, or stacked dense)."""
     h, e, i = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
     if not w.is_quantized(p + "experts.0.gate_proj"):
@@ -47,8 +50,16 @@ def _layer_experts(w: WeightLoader, spec: ModelSpec, p: str) -> LayerExperts:
         return LayerExperts.from_stacked(gate_up.to(dtype=w.dtype), down.to(dtype=w.dtype))
     # quantized checkpoints store experts one by one
     fmt = w.format_for(p + "experts.0.gate_proj")
-    experts = [(w.packed(f"{p}experts.{x}.gate_proj", i, h), w.packed(f"{p}experts.{x}.up_proj", i, h),
-                w.packed(f"{p}experts.{x}.down_proj", h, i)) for x in range(e)]
+
+    def read(x: int):
+        return (w.packed(f"{p}experts.{x}.gate_proj", i, h), w.packed(f"{p}experts.{x}.up_proj", i, h),
+                w.packed(f"{p}experts.{x}.down_proj", h, i))
+
+    if threads > 1:
+        with ThreadPoolExecutor(threads) as pool:
+            experts = list(pool.map(read, range(e)))
+    else:
+        experts = [read(x) for x in range(e)]
     mixed = {w.format_for(f"{p}experts.{x}.{m}") for x in range(e) for m in ("gate_proj", "up_proj", "down_proj")}
     if len(mixed) > 1:
         raise CheckpointError(f"{p}experts mix formats {sorted(mixed)} within one layer; one format per layer "
@@ -58,7 +69,7 @@ def _layer_experts(w: WeightLoader, spec: ModelSpec, p: str) -> LayerExperts:
 
 def _moe(w: WeightLoader, spec: ModelSpec, p: str, layer: int, experts_backend) -> SparseMoE:
     h = spec.hidden_size
-    experts = experts_backend.add_layer(layer, _layer_experts(w, spec, p))
+    experts = experts_backend.add_layer(layer, _layer_experts(w, spec, p, experts_backend.load_threads))
     shared = shared_gate = None
     if spec.shared_expert_intermediate_size:
         shared = _mlp(w, p + "shared_expert.", h, spec.shared_expert_intermediate_size)
@@ -66,11 +77,30 @@ def _moe(w: WeightLoader, spec: ModelSpec, p: str, layer: int, experts_backend) 
     return SparseMoE(spec, w.linear(p + "gate", spec.num_experts, h), experts, shared, shared_gate)
 
 
+def expert_bytes(w: WeightLoader, spec: ModelSpec) -> tuple[int, int]:
+    """(all routed experts, the largest layer's) in bytes, from the format registry's sizes."""
+    h, e, i = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
+    per_layer = []
+    for layer in range(spec.num_layers):
+        if not spec.is_moe_layer(layer):
+            continue
+        module = f"model.layers.{layer}.mlp.experts.0.gate_proj"
+        fmt_name = w.format_for(module)
+        if fmt_name == BF16.format:
+            per_expert = 3 * h * i * w.dtype.itemsize
+        else:
+            fmt, params = FORMATS[fmt_name], w.scheme.params_for(module)
+            per_expert = 2 * fmt.bytes_for(i, h, params) + fmt.bytes_for(h, i, params)
+        per_layer.append(per_expert * e)
+    return sum(per_layer), max(per_layer, default=0)
+
+
 def load_model(reader: CheckpointReader, spec: ModelSpec, dtype: torch.dtype, device, experts_backend,
                progress: bool = True) -> CausalLM:
     """Dense weights go to `device`; each MoE layer's experts go to `experts_backend` (which
     returns the layer's executor)."""
     w = WeightLoader(reader, dtype, device)
+    experts_backend.prepare(*expert_bytes(w, spec))
     h = spec.hidden_size
     layers, kv_index, state_index = [], 0, 0
     for i in tqdm(range(spec.num_layers), desc="loading layers", unit="layer", disable=not progress):

@@ -8,14 +8,23 @@ offload backends' device slot cache). `device_bytes` is what the backend holds o
 `stats()` its counters for /v1/stats.
 
     resident   every expert on the device (Triton kernels on CUDA, CPU references elsewhere)
+    offload    experts in pinned host banks, an LRU cache of device slots, misses fetched
+    cpu        ... misses computed on the CPU from the banks
+    hybrid     ... misses split between fetches and CPU compute (`moeferry.moe.offload`)
 """
 from __future__ import annotations
 
+from functools import partial
+
 from moeferry.moe.layer_experts import LayerExperts
+from moeferry.moe.offload import OffloadBackend
 from moeferry.moe.resident import ResidentBackend
 
 EXPERT_BACKENDS = {
     "resident": ResidentBackend,
+    "offload": partial(OffloadBackend, name="offload"),
+    "cpu": partial(OffloadBackend, name="cpu"),
+    "hybrid": partial(OffloadBackend, name="hybrid"),
 }
 
 

@@ -65,6 +65,10 @@ class ResidentBackend:
         self.device, self.dtype = device, dtype
         self.layers: dict[int, object] = {}
         self.expert_slots = 0  # every expert has a slot
+        self.load_threads = 1
+
+    def prepare(self, bank_bytes: int, layer_bytes: int) -> None:
+        """Before the first layer (resident experts need no host banks)."""
 
     def add_layer(self, layer: int, experts: LayerExperts):
         if use_kernels(self.device):
@@ -84,8 +88,18 @@ class ResidentBackend:
         self.expert_slots += experts.num_experts
         return ex
 
-    def finish(self, plan=None) -> None:
+    def finish(self, expert_slots: int | None = None) -> None:
         """All layers are added (resident needs nothing more)."""
+
+    def requested_slots(self) -> int:
+        return self.expert_slots
+
+    @property
+    def experts_total(self) -> int:
+        return self.expert_slots
+
+    staging_bytes = 0  # no staging area, no cache of slots: the experts are part of the weights
+    slot_bytes = 0
 
     @property
     def device_bytes(self) -> int:

@@ -8,6 +8,7 @@ slot, identity table) and the offload cache (a few slots, an LRU table) share th
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -46,12 +47,22 @@ class SlotBuffer:
                    SlotMatrix(DENSE, down.shape[1], down.shape[2], down.shape[1], down.contiguous()))
 
     @classmethod
-    def allocate(cls, fmt, num_slots: int, example: ExpertWeights, device) -> "SlotBuffer":
-        """Uninitialised slots shaped like `example` (one expert's packed gate, up, down)."""
+    def allocate(cls, fmt, num_slots: int, example: ExpertWeights, device, pin: bool = False) -> "SlotBuffer":
+        """Uninitialised slots shaped like `example` (one expert's packed gate, up, down);
+        `pin`: page-locked host memory."""
         kern = kernel_for(fmt)
         gate, up, down = example
-        return cls(kern.empty_matrix(num_slots, [gate, up], device, part=gate.out_features),
-                   kern.empty_matrix(num_slots, [down], device))
+        return cls(kern.empty_matrix(num_slots, [gate, up], device, part=gate.out_features, pin=pin),
+                   kern.empty_matrix(num_slots, [down], device, pin=pin))
+
+    @classmethod
+    def allocate_like(cls, other: "SlotBuffer", num_slots: int, device=None, pin: bool = False) -> "SlotBuffer":
+        """Uninitialised slots of `other`'s layout (on `device`, default other's)."""
+        def like(m: SlotMatrix) -> SlotMatrix:
+            return dataclasses.replace(m, **{
+                k: torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype, device=device or t.device, pin_memory=pin)
+                for k, t in m.tensors().items()})
+        return cls(like(other.gate_up), like(other.down))
 
     @classmethod
     def from_experts(cls, fmt, experts: Sequence[ExpertWeights], device, num_slots: int | None = None) -> "SlotBuffer":
@@ -97,6 +108,10 @@ class SlotBuffer:
 
     def write(self, slot: int, expert: ExpertWeights) -> None:
         self.write_packed(slot, self.pack(expert))
+
+    def copy_slots(self, dst: list[int], src: "SlotBuffer", src_slots: list[int]) -> int:
+        """Copy experts from `src` (e.g. a host bank) into slots `dst`; returns bytes copied."""
+        return self.gate_up.copy_slots(dst, src.gate_up, src_slots) + self.down.copy_slots(dst, src.down, src_slots)
 
     def read_slot(self, slot: int) -> tuple[dict, dict]:
         """A copy of one slot's contents in `pack`'s form (the inverse of `write_packed`)."""

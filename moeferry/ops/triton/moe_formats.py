@@ -186,6 +186,17 @@ class SlotMatrix:
     def bytes_per_slot(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in self.tensors().values())
 
+    def copy_slots(self, dst: list[int], src: "SlotMatrix", src_slots: list[int]) -> int:
+        """Copy slots `src_slots` of `src` (same layout, e.g. a pinned host bank) into slots `dst`
+        of this matrix, asynchronously on the current stream; returns the bytes copied."""
+        moved = 0
+        for name, t in self.tensors().items():
+            s = getattr(src, name)
+            for d, j in zip(dst, src_slots):
+                t[d].copy_(s[j], non_blocking=True)
+            moved += t[0].numel() * t.element_size() * len(dst)
+        return moved
+
     def write(self, slot: int, parts: dict[str, torch.Tensor]) -> None:
         """Copy one expert's tensors (as made by `MoEKernel.pack`) into `slot`."""
         for name, t in parts.items():
@@ -246,11 +257,14 @@ class MoEKernel:
         k = per_slot[0][0].in_features
         return SlotMatrix(self, n, k, part or n, **stacked, **meta)
 
-    def empty_matrix(self, num_slots: int, example: list, device, part: int | None = None) -> SlotMatrix:
-        """An uninitialised matrix of `num_slots` slots shaped like `example` (one slot's weights)."""
+    def empty_matrix(self, num_slots: int, example: list, device, part: int | None = None,
+                     pin: bool = False) -> SlotMatrix:
+        """An uninitialised matrix of `num_slots` slots shaped like `example` (one slot's weights);
+        `pin`: in page-locked host memory (host expert banks that the device copies from)."""
         tensors, meta = self.pack(example)
         n = sum(w.out_features for w in example)
-        stacked = {k: torch.empty((num_slots, *t.shape), dtype=t.dtype, device=device) for k, t in tensors.items()}
+        stacked = {k: torch.empty((num_slots, *t.shape), dtype=t.dtype, device=device, pin_memory=pin)
+                   for k, t in tensors.items()}
         return SlotMatrix(self, n, example[0].in_features, part or n, **stacked, **meta)
 
 

@@ -1,0 +1,90 @@
+"""The two lanes a miss can take, measured: pinned host->device copies of an expert slot, and
+an expert computed on the CPU from its bank. `moeferry bench bw` prints them; the hybrid
+backend splits each step's misses with them (`MissSplit`)."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from moeferry.moe.slots import SlotBuffer
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fetch(bank: SlotBuffer, device: torch.device, experts: int = 8, repeats: int = 3) -> float:
+    """Seconds to copy one expert bank -> device slot (median over `repeats` batches of `experts`)."""
+    n = min(experts, bank.num_slots)
+    dst = SlotBuffer.allocate_like(bank, n, device=device)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        dst.copy_slots(list(range(n)), bank, list(range(n)))
+        _sync(device)
+        times.append((time.perf_counter() - t) / n)
+    del dst
+    return sorted(times)[len(times) // 2]
+
+
+def time_cpu_expert(bank: SlotBuffer, tokens: int = 1, repeats: int = 3) -> float:
+    """Seconds to compute one expert for `tokens` tokens on the CPU from its bank (fp32)."""
+    x = torch.randn(tokens, bank.hidden)
+    ids = torch.zeros(tokens, 1, dtype=torch.long)
+    w = torch.ones(tokens, 1)
+    row = torch.full((bank.num_slots,), -1, dtype=torch.int32)
+    row[0] = 0
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        bank.run_reference(x, ids, w, row)
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+@dataclass(frozen=True)
+class MissSplit:
+    """Fetch n of a step's M misses and compute the rest on the CPU, with n chosen so both
+    lanes finish together: n * fetch_s ~ (M - n) * cpu_s (the experts with most tokens are
+    fetched first: they cost the CPU most)."""
+    fetch_s: float       # one expert over PCIe
+    cpu_s: float         # one expert for one token on the CPU
+    max_fetch: int | None = None
+
+    @classmethod
+    def measure(cls, backend, max_fetch: int | None) -> "MissSplit":
+        bank = next(iter(backend.banks.values()))
+        return cls(time_fetch(bank, backend.device), time_cpu_expert(bank), max_fetch)
+
+    def fetch_count(self, cpu_costs: list[float]) -> int:
+        """How many of the misses (CPU cost of each, most expensive first) to fetch."""
+        m = len(cpu_costs)
+        best_n, best_t = m, m * self.fetch_s
+        rest = sum(cpu_costs)
+        for n in range(m + 1):
+            t = max(n * self.fetch_s, rest)
+            if t < best_t:
+                best_n, best_t = n, t
+            if n < m:
+                rest -= cpu_costs[n]
+        if self.max_fetch is not None:
+            best_n = min(best_n, self.max_fetch)
+        return best_n
+
+    def divide(self, misses: list[int], ids: torch.Tensor) -> tuple[list[int], list[int]]:
+        """(experts to fetch, experts for the CPU)."""
+        counts = torch.bincount(ids.reshape(-1).cpu(), minlength=max(misses) + 1)
+        order = sorted(misses, key=lambda e: -int(counts[e]))
+        n = self.fetch_count([self.cpu_s * max(1, int(counts[e])) for e in order])
+        return order[:n], order[n:]
+
+    def describe(self) -> str:
+        ratio = self.fetch_s / self.cpu_s if self.cpu_s else math.inf
+        cap = f", at most {self.max_fetch} fetches per layer" if self.max_fetch is not None else ""
+        return (f"fetch {self.fetch_s * 1e6:.0f} us/expert, CPU {self.cpu_s * 1e6:.0f} us/expert/token "
+                f"(a fetch costs {ratio:.2f} CPU experts){cap}")

@@ -1,0 +1,195 @@
+"""The device cache of expert slots: which (layer, expert) sits in which slot, and what to evict.
+
+One cache spans every MoE layer of one slot layout (a checkpoint with several expert formats
+gets one cache per format). The host keeps the mapping; the device `SlotTable` [layers,
+experts] mirrors it and is all the MoE kernels read. A replacement policy is one class:
+`LRUPolicy` (the default) orders slots by last use and never evicts an expert the current
+step needs.
+
+Counters per layer: hits, misses (experts a step needed and the cache lacked) and bytes
+fetched into slots.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from moeferry.moe.slots import SlotBuffer, SlotTable
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class LRUPolicy:
+    """Least recently used first."""
+
+    name = "lru"
+
+    def __init__(self):
+        self.order: OrderedDict[Key, None] = OrderedDict()
+
+    def insert(self, key: Key) -> None:
+        self.order[key] = None
+
+    def remove(self, key: Key) -> None:
+        del self.order[key]
+
+    def touch(self, keys: list[Key]) -> None:
+        for k in keys:
+            self.order.move_to_end(k)
+
+    def victims(self, n: int, keep: set[Key]) -> list[Key]:
+        """Up to n cached keys to evict, none of them in `keep`."""
+        out = []
+        for k in self.order:
+            if len(out) == n:
+                break
+            if k not in keep:
+                out.append(k)
+        return out
+
+
+POLICIES = {"lru": LRUPolicy}
+
+
+class LayerCounters:
+    __slots__ = ("hits", "misses", "bytes_fetched")
+
+    def __init__(self):
+        self.hits = self.misses = self.bytes_fetched = 0
+
+    def as_dict(self) -> dict:
+        total = self.hits + self.misses
+        return {"hits": self.hits, "misses": self.misses, "bytes_fetched": self.bytes_fetched,
+                "hit_rate": round(self.hits / total, 4) if total else None}
+
+
+class ExpertCache:
+    """`buffer.num_slots` device slots over the experts of `layers` (layer ids, each with
+    `num_experts` experts)."""
+
+    def __init__(self, buffer: SlotBuffer, layers: list[int], num_experts: int, policy: str = "lru"):
+        self.buffer, self.layers, self.num_experts = buffer, list(layers), num_experts
+        device = buffer.gate_up.w.device
+        self.row_of = {layer: i for i, layer in enumerate(self.layers)}
+        self.table = SlotTable(len(self.layers), num_experts, device)
+        self.host_table = torch.full((len(self.layers), num_experts), -1, dtype=torch.int32,
+                                     pin_memory=device.type == "cuda")
+        self.owner: list[Key | None] = [None] * buffer.num_slots
+        self.free_slots = list(range(buffer.num_slots - 1, -1, -1))
+        self.policy = POLICIES[policy]()
+        self.counters = {layer: LayerCounters() for layer in self.layers}
+
+    @property
+    def num_slots(self) -> int:
+        return self.buffer.num_slots
+
+    def row(self, layer: int) -> torch.Tensor:
+        """The device table row the kernels read for `layer`."""
+        return self.table.row(self.row_of[layer])
+
+    def slot_of(self, layer: int, expert: int) -> int:
+        return int(self.host_table[self.row_of[layer], expert])
+
+    def cached(self, layer: int, experts: list[int]) -> tuple[list[int], list[int]]:
+        """(hits, misses) among `experts` of `layer`."""
+        row = self.host_table[self.row_of[layer]]
+        hits = [e for e in experts if row[e] >= 0]
+        return hits, [e for e in experts if row[e] < 0]
+
+    def record(self, layer: int, hits: list[int], misses: list[int]) -> None:
+        c = self.counters[layer]
+        c.hits += len(hits)
+        c.misses += len(misses)
+        self.policy.touch([(layer, e) for e in hits])
+
+    def fetch(self, layer: int, experts: list[int], bank: SlotBuffer, keep: set[int]) -> list[int]:
+        """Copy `experts` of `layer` from their host `bank` into slots, evicting least recently
+        used experts outside `keep` (experts of this layer the step needs). Returns the experts
+        that got a slot (a prefix of `experts`: fewer when the cache is smaller than the step's
+        working set). Copies are enqueued on the current stream; the device table row is updated
+        after them, in order."""
+        r = self.row_of[layer]
+        protected = {(layer, e) for e in keep}
+        need = len(experts) - len(self.free_slots)
+        for key in self.policy.victims(max(need, 0), protected):
+            self._evict(key)
+        n = min(len(experts), len(self.free_slots))
+        placed, slots = experts[:n], [self.free_slots.pop() for _ in range(n)]
+        if not placed:
+            return []
+        moved = self.buffer.copy_slots(slots, bank, placed)
+        for e, s in zip(placed, slots):
+            self.host_table[r, e] = s
+            self.owner[s] = (layer, e)
+            self.policy.insert((layer, e))
+        self.counters[layer].bytes_fetched += moved
+        self._sync_row(r)
+        return placed
+
+    def _evict(self, key: Key) -> None:
+        layer, e = key
+        r = self.row_of[layer]
+        s = int(self.host_table[r, e])
+        self.host_table[r, e] = -1
+        self.owner[s] = None
+        self.free_slots.append(s)
+        self.policy.remove(key)
+        self._sync_row(r)
+
+    def _sync_row(self, r: int) -> None:
+        self.table.table[r].copy_(self.host_table[r], non_blocking=True)
+
+    def fill(self, banks: dict[int, SlotBuffer]) -> None:
+        """Initial contents: slots spread evenly over the layers (experts 0, 1, ... of each)."""
+        per, extra = divmod(self.num_slots, len(self.layers))
+        for i, layer in enumerate(self.layers):
+            n = min(per + (i < extra), self.num_experts)
+            self.fetch(layer, list(range(n)), banks[layer], keep=set())
+            self.counters[layer].bytes_fetched = 0  # boot fill is not traffic
+
+    def shrink(self, num_slots: int) -> int:
+        """Keep `num_slots` slots (evicting least recently used experts, freeing device memory);
+        returns the bytes freed."""
+        if num_slots >= self.num_slots:
+            return 0
+        keep_keys = list(self.policy.order)[-num_slots:] if num_slots else []
+        survivors = [(k, int(self.host_table[self.row_of[k[0]], k[1]])) for k in keep_keys]
+        before = self.buffer.nbytes
+        new = SlotBuffer.allocate_like(self.buffer, num_slots)
+        for i, (_, s) in enumerate(survivors):
+            new.copy_slots([i], self.buffer, [s])
+        self.buffer = new
+        self.host_table.fill_(-1)
+        self.owner = [None] * num_slots
+        self.policy = POLICIES[self.policy.name]()
+        for i, (key, _) in enumerate(survivors):
+            self.host_table[self.row_of[key[0]], key[1]] = i
+            self.owner[i] = key
+            self.policy.insert(key)
+        self.free_slots = list(range(num_slots - 1, len(survivors) - 1, -1))
+        self.table.table.copy_(self.host_table)
+        return before - new.nbytes
+
+    def stats(self) -> dict:
+        total = LayerCounters()
+        for c in self.counters.values():
+            total.hits += c.hits
+            total.misses += c.misses
+            total.bytes_fetched += c.bytes_fetched
+        return {"slots": self.num_slots, "slot_bytes": self.buffer.bytes_per_slot, **total.as_dict(),
+                "layers": {str(layer): c.as_dict() for layer, c in self.counters.items()}}
+
+    def check(self) -> None:
+        """Integrity (tests): host table, owners, free list and device table agree."""
+        seen = set()
+        for r, layer in enumerate(self.layers):
+            for e in range(self.num_experts):
+                s = int(self.host_table[r, e])
+                if s >= 0:
+                    assert self.owner[s] == (layer, e), (layer, e, s, self.owner[s])
+                    assert s not in seen
+                    seen.add(s)
+        assert seen.isdisjoint(self.free_slots) and len(seen) + len(self.free_slots) == self.num_slots
+        assert set(self.policy.order) == {self.owner[s] for s in seen}
+        assert torch.equal(self.table.table.cpu(), self.host_table)

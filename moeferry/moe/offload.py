@@ -1,0 +1,259 @@
+"""Offloaded experts: pinned host banks, a device cache of expert slots, and three ways to
+serve a miss.
+
+    offload   copy the miss host -> slot (LRU eviction); big prefill chunks stream the layer's
+              non-cached experts through a double-buffered staging area instead, so prefill
+              never flushes the decode cache
+    cpu       compute the miss on the CPU from its bank (the cache holds what the boot fill put there)
+    hybrid    per step, fetch some misses and compute the rest on the CPU, split so both lanes
+              finish together (bandwidths measured at boot, `moeferry.moe.bandwidth`)
+
+Per layer and step: the router's expert ids come to the host (one sync: the cache is managed
+on the host), hits run from their slots in place, misses go to their lane, and the layer's MoE
+kernel waits only for its own copies. On a CPU-only machine the "device" is the CPU too:
+copies are memcpy and the kernels are the CPU references, so CI runs the same cache logic.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from moeferry.moe.bank import build_bank, pinnable, plan_loading
+from moeferry.moe.expert_cache import ExpertCache
+from moeferry.moe.layer_experts import LayerExperts
+from moeferry.moe.resident import use_kernels
+from moeferry.moe.slots import SlotBuffer
+
+log = logging.getLogger("moeferry.moe")
+
+STAGING_SLOTS = 32  # slots per staging half (prefill streams a layer's misses in chunks of this)
+
+
+class OffloadBackend:
+    """Expert backends `offload`, `cpu` and `hybrid` (the `name` says which lane misses take)."""
+
+    def __init__(self, cfg, spec, device: torch.device, dtype: torch.dtype, name: str = "offload"):
+        self.cfg, self.spec, self.device, self.dtype, self.name = cfg, spec, device, dtype, name
+        self.kernels = use_kernels(device)
+        self.banks: dict[int, SlotBuffer] = {}
+        self.groups: dict[tuple, list[int]] = {}      # slot layout -> layers
+        self.caches: dict[int, ExpertCache] = {}      # layer -> its group's cache
+        self.staging: dict[tuple, SlotBuffer] = {}
+        self.executors: dict[int, OffloadExperts] = {}
+        self.load_threads = 1
+        self.split = None                             # hybrid: MissSplit, measured in finish()
+        self.cpu_layers = set()
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if cfg.moe_cpu_threads:
+            torch.set_num_threads(cfg.moe_cpu_threads)
+
+    # -- loading ----------------------------------------------------------------------------
+    def prepare(self, bank_bytes: int, layer_bytes: int) -> None:
+        """Before the first layer: refuse if the banks cannot fit in host RAM; pick readers."""
+        self.load_threads = plan_loading(bank_bytes, layer_bytes, self.cfg.expert_load)
+
+    def add_layer(self, layer: int, experts: LayerExperts):
+        self.banks[layer] = build_bank(experts, pinnable(self.device), self.load_threads)
+        self.groups.setdefault(self._layout(self.banks[layer]), []).append(layer)
+        self.executors[layer] = OffloadExperts(self, layer)
+        return self.executors[layer]
+
+    @staticmethod
+    def _layout(buf: SlotBuffer) -> tuple:
+        return (buf.kernel.name,) + tuple((k, tuple(t.shape[1:]), t.dtype) for m in (buf.gate_up, buf.down)
+                                         for k, t in m.tensors().items())
+
+    # -- sizing -----------------------------------------------------------------------------
+    @property
+    def experts_total(self) -> int:
+        return sum(b.num_slots for b in self.banks.values())
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one device slot (the largest layout when formats are mixed)."""
+        return max(b.bytes_per_slot for b in self.banks.values())
+
+    @property
+    def staging_bytes(self) -> int:
+        if self.name == "cpu":
+            return 0
+        return sum(2 * STAGING_SLOTS * self.banks[layers[0]].bytes_per_slot for layers in self.groups.values())
+
+    def requested_slots(self) -> int | None:
+        """Slots the flags ask for (None: the memory plan decides, --moe-cache-auto)."""
+        if self.cfg.moe_cache_size is not None:
+            return min(self.cfg.moe_cache_size, self.experts_total)
+        if self.cfg.moe_cache_rate is not None:
+            return max(1, math.ceil(round(self.cfg.moe_cache_rate * self.experts_total, 6)))
+        return None
+
+    def finish(self, expert_slots: int | None = None) -> None:
+        """Allocate the device cache (`expert_slots` in all, split over layout groups by layer
+        count; the first `moe_cpu_layers` MoE layers of the cpu backend get none), the staging
+        area, fill the cache evenly, and (hybrid) measure the lanes."""
+        total = expert_slots if expert_slots is not None else self.requested_slots()
+        if total is None:
+            raise ValueError("the offload backend needs an expert slot count (--moe-cache-size / -rate / -auto)")
+        if self.name == "cpu" and self.cfg.moe_cpu_layers:
+            self.cpu_layers = set(sorted(self.banks)[: self.cfg.moe_cpu_layers])
+        cached_layers = {k: [x for x in v if x not in self.cpu_layers] for k, v in self.groups.items()}
+        n_layers = sum(len(v) for v in cached_layers.values()) or 1
+        for key, layers in cached_layers.items():
+            if not layers:
+                continue
+            first = self.banks[layers[0]]
+            slots = max(1, total * len(layers) // n_layers)
+            cache = ExpertCache(SlotBuffer.allocate_like(first, slots, device=self.device), layers,
+                                first.num_slots, self.cfg.moe_cache_policy)
+            cache.fill(self.banks)
+            for layer in layers:
+                self.caches[layer] = cache
+            if self.name != "cpu":
+                self.staging[key] = SlotBuffer.allocate_like(first, 2 * STAGING_SLOTS, device=self.device)
+        for layer, ex in self.executors.items():
+            ex.bind()
+        if self.name == "hybrid":
+            from moeferry.moe.bandwidth import MissSplit
+            self.split = MissSplit.measure(self, self.cfg.moe_hybrid_max_fetch)
+            log.info("hybrid lanes: %s", self.split.describe())
+
+    @property
+    def expert_slots(self) -> int:
+        return sum(c.num_slots for c in set(self.caches.values()))
+
+    @property
+    def device_bytes(self) -> int:
+        caches = sum(c.buffer.nbytes for c in set(self.caches.values()))
+        return caches + sum(b.nbytes for b in self.staging.values())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(b.nbytes for b in self.banks.values())
+
+    def shrink(self, num_slots: int) -> int:
+        """Elastic shrink (the OOM guard): keep `num_slots` slots in all; returns bytes freed."""
+        caches = list({id(c): c for c in self.caches.values()}.values())
+        have = sum(c.num_slots for c in caches)
+        freed = 0
+        for c in caches:
+            freed += c.shrink(max(1, num_slots * c.num_slots // max(have, 1)))
+        for ex in self.executors.values():
+            ex.bind()
+        return freed
+
+    def stats(self) -> dict:
+        caches = list({id(c): c for c in self.caches.values()}.values())
+        per = [c.stats() for c in caches]
+        hits, misses = sum(p["hits"] for p in per), sum(p["misses"] for p in per)
+        out = {"backend": self.name, "slots": self.expert_slots, "device_bytes": self.device_bytes,
+               "host_bytes": self.host_bytes, "hits": hits, "misses": misses,
+               "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
+               "bytes_fetched": sum(p["bytes_fetched"] for p in per),
+               "cpu_experts": sum(ex.cpu_experts for ex in self.executors.values()),
+               "layers": {k: v for p in per for k, v in p["layers"].items()}}
+        return out
+
+
+class OffloadExperts:
+    """One MoE layer's executor over the backend's bank, cache and staging area."""
+
+    def __init__(self, backend: OffloadBackend, layer: int):
+        self.b, self.layer = backend, layer
+        self.bank = backend.banks[layer]
+        self.cache: ExpertCache | None = None
+        self.staging: SlotBuffer | None = None
+        self.cpu_experts = 0  # experts computed on the CPU so far
+
+    def bind(self) -> None:
+        self.cache = self.b.caches.get(self.layer)
+        key = OffloadBackend._layout(self.bank)
+        self.staging = self.b.staging.get(key)
+
+    @property
+    def nbytes(self) -> int:
+        return self.bank.nbytes
+
+    # -- the step ---------------------------------------------------------------------------
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        needed = torch.unique(ids).tolist()  # the one host sync of the layer
+        if self.cache is None:  # a cpu-backend layer without device slots
+            self.cpu_experts += len(needed)
+            return self._on_cpu(x, ids, weights, needed)
+        hits, misses = self.cache.cached(self.layer, needed)
+        self.cache.record(self.layer, hits, misses)
+        if not misses:
+            return self._run(self.cache.buffer, x, ids, weights, self.cache.row(self.layer))
+        if self.b.name == "cpu":
+            fetch, on_cpu = [], misses
+        elif self.b.name == "hybrid":
+            fetch, on_cpu = self.b.split.divide(misses, ids)
+        else:
+            fetch, on_cpu = misses, []
+        streaming = self.staging is not None and len(fetch) > STAGING_SLOTS and x.shape[0] * ids.shape[1] > len(needed)
+        if streaming:  # a big prefill chunk: hits in place, misses through staging, the cache untouched
+            out = self._run(self.cache.buffer, x, ids, weights, self.cache.row(self.layer))
+            leftover = fetch
+            self.cache.counters[self.layer].bytes_fetched += len(fetch) * self.bank.bytes_per_slot
+        else:
+            placed = self.cache.fetch(self.layer, fetch, self.bank, keep=set(needed))
+            leftover = fetch[len(placed):]  # the cache is smaller than this step's working set
+            out = self._run(self.cache.buffer, x, ids, weights, self.cache.row(self.layer))
+            self.cache.counters[self.layer].bytes_fetched += len(leftover) * self.bank.bytes_per_slot
+        if leftover:
+            out = out + self._stream(x, ids, weights, leftover)
+        if on_cpu:
+            self.cpu_experts += len(on_cpu)
+            out = out + self._on_cpu(x, ids, weights, on_cpu)
+        return out
+
+    def _run(self, buf: SlotBuffer, x, ids, weights, row: torch.Tensor) -> torch.Tensor:
+        if self.b.kernels:
+            return buf.run(x, ids, weights, row)
+        return buf.run_reference(x, ids, weights, row)
+
+    def _row(self, mapping: dict[int, int]) -> torch.Tensor:
+        row = torch.full((self.bank.num_slots,), -1, dtype=torch.int32)
+        for e, s in mapping.items():
+            row[e] = s
+        return row.to(self.b.device)
+
+    def _stream(self, x, ids, weights, experts: list[int]) -> torch.Tensor:
+        """Experts that get no cache slot, in chunks through the two staging halves: the copy of
+        chunk i+1 (copy stream) overlaps the compute of chunk i."""
+        half = self.staging.num_slots // 2
+        chunks = [experts[i:i + half] for i in range(0, len(experts), half)]
+        out = None
+        stream = self.b.copy_stream if self.b.cfg.moe_prefill_overlap else None
+        freed = [None, None]  # per half: event after the last kernel that read it
+        ready = self._copy_chunk(chunks[0], 0, stream, freed)
+        for i, chunk in enumerate(chunks):
+            nxt = self._copy_chunk(chunks[i + 1], (i + 1) % 2, stream, freed) if i + 1 < len(chunks) else None
+            if ready is not None:
+                torch.cuda.current_stream().wait_event(ready)
+            base = (i % 2) * half
+            part = self._run(self.staging, x, ids, weights, self._row({e: base + j for j, e in enumerate(chunk)}))
+            out = part if out is None else out + part
+            if stream is not None:
+                freed[i % 2] = torch.cuda.current_stream().record_event()
+            ready = nxt
+        return out
+
+    def _copy_chunk(self, chunk: list[int], half: int, stream, freed):
+        base = half * (self.staging.num_slots // 2)
+        dst = list(range(base, base + len(chunk)))
+        if stream is None:
+            self.staging.copy_slots(dst, self.bank, chunk)
+            return None
+        with torch.cuda.stream(stream):
+            stream.wait_stream(torch.cuda.current_stream()) if freed[half] is None else stream.wait_event(freed[half])
+            self.staging.copy_slots(dst, self.bank, chunk)
+            return stream.record_event()
+
+    def _on_cpu(self, x, ids, weights, experts: list[int]) -> torch.Tensor:
+        """Experts computed on the CPU from the bank (fp32), added on x's device."""
+        row = torch.full((self.bank.num_slots,), -1, dtype=torch.int32)
+        row[experts] = torch.tensor(experts, dtype=torch.int32)
+        out = self.bank.run_reference(x.float().cpu(), ids.cpu(), weights.float().cpu(), row)
+        return out.to(device=x.device, dtype=x.dtype)
