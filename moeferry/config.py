@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from moeferry.engine.config import EngineConfig, EngineSizes, derive_sizes
+from moeferry.engine.config import CACHE_POLICIES, EXPERT_LOADS, MOE_BACKENDS, EngineConfig, EngineSizes, derive_sizes
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 1919
@@ -32,24 +32,9 @@ class NotBuilt:
     comes_with: str  # the issue that will build it, in words
 
 
-_OFFLOAD = "the expert-offload issue (experts in host RAM, a GPU cache of expert slots)"
-_PLANNER = "the memory-planner issue (measured memory plan, boot self-test, OOM guard)"
-
-# The one table of flags that parse but whose feature is not built yet.
-NOT_BUILT: tuple[NotBuilt, ...] = (
-    NotBuilt("--moe-backend offload", lambda a: a.moe_backend == "offload", _OFFLOAD),
-    NotBuilt("--moe-backend cpu", lambda a: a.moe_backend == "cpu",
-             "the CPU-expert issue (expert misses computed on the CPU from host banks)"),
-    NotBuilt("--moe-backend hybrid", lambda a: a.moe_backend == "hybrid",
-             "the hybrid-expert issue (misses split between PCIe fetches and CPU compute)"),
-    NotBuilt("--moe-cache-size", lambda a: a.moe_cache_size is not None, _OFFLOAD),
-    NotBuilt("--moe-cache-rate", lambda a: a.moe_cache_rate is not None, _OFFLOAD),
-    NotBuilt("--moe-cache-auto", lambda a: a.moe_cache_auto, _PLANNER),
-    NotBuilt("--kv-reserve-tokens", lambda a: a.kv_reserve_tokens is not None, _PLANNER),
-    NotBuilt("--memory-ratio", lambda a: a.memory_ratio is not None, _PLANNER),
-    NotBuilt("--gpu-memory-limit", lambda a: a.gpu_memory_limit is not None, _PLANNER),
-    NotBuilt("--expert-load parallel", lambda a: a.expert_load == "parallel", _OFFLOAD),
-)
+# The one table of flags that parse but whose feature is not built yet (none at the moment:
+# a new flag whose feature is not finished goes here, and is refused with the issue that adds it).
+NOT_BUILT: tuple[NotBuilt, ...] = ()
 
 
 def not_built_flags(args: argparse.Namespace) -> list[NotBuilt]:
@@ -79,6 +64,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
 
 
@@ -123,35 +118,56 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity (default: info)")
 
     g = p.add_argument_group("experts")
-    g.add_argument("--moe-backend", choices=("auto", "resident", "offload", "cpu", "hybrid"), default="auto",
-                   help="where experts run: resident = all experts on the device; offload = experts in host RAM "
-                   "with a device slot cache; cpu = misses computed on the CPU; hybrid = split between the two; "
-                   "auto = resident (the only backend built so far) (default: auto)")
+    g.add_argument("--moe-backend", choices=("auto",) + MOE_BACKENDS, default="auto",
+                   help="where experts run: resident = every expert on the device; offload = every expert in "
+                   "pinned host RAM with a device cache of expert slots, misses copied over PCIe; cpu = misses "
+                   "computed on the CPU; hybrid = each step's misses split between PCIe copies and the CPU; "
+                   "auto = resident when the checkpoint fits in free device memory with room to spare, else "
+                   "offload (default: auto)")
     cache = g.add_mutually_exclusive_group()
     cache.add_argument("--moe-cache-size", type=_positive_int, metavar="SLOTS",
                        help="expert slots in the device cache (offload backends)")
     cache.add_argument("--moe-cache-rate", type=_fraction, metavar="FRACTION",
-                       help="device expert cache as a fraction of all experts (offload backends)")
+                       help="device expert cache as a fraction of all routed experts (offload backends)")
     cache.add_argument("--moe-cache-auto", action="store_true",
-                       help="size the device expert cache from the measured memory plan")
-    g.add_argument("--expert-load", choices=("auto", "serial", "parallel"), default="auto",
-                   help="how expert weights are read at boot: serial = one layer after another; parallel = "
-                   "several reader threads into pinned host banks; auto = serial (default: auto)")
+                       help="size the device expert cache from the measured memory plan (the default of the "
+                       "offload backends when no size is given)")
+    g.add_argument("--moe-cache-policy", choices=CACHE_POLICIES, default="lru",
+                   help="which expert leaves the cache on a miss (default: lru)")
+    g.add_argument("--disable-moe-prefill-overlap", dest="moe_prefill_overlap", action="store_false",
+                   help="offload: copy the next staged experts of a prefill chunk only after the current ones "
+                   "are computed (default: overlapped on a copy stream)")
+    g.add_argument("--moe-cpu-threads", type=_positive_int, metavar="N",
+                   help="cpu/hybrid backends: threads computing experts on the CPU (default: torch's, the "
+                   "physical cores)")
+    g.add_argument("--moe-cpu-layers", type=_non_negative_int, default=0, metavar="N",
+                   help="cpu backend: the first N MoE layers keep no device slots and compute every expert "
+                   "on the CPU (default: 0)")
+    g.add_argument("--moe-hybrid-max-fetch", type=_positive_int, metavar="N",
+                   help="hybrid backend: at most N experts copied over PCIe per layer and step (default: no cap)")
+    g.add_argument("--expert-load", choices=EXPERT_LOADS, default="auto",
+                   help="how the host expert banks are filled at boot: serial = one expert after another; "
+                   "parallel = several reader threads; auto = parallel when free host RAM holds the banks "
+                   "plus every reader's layer, else serial (default: auto)")
 
     g = p.add_argument_group("memory")
     g.add_argument("--memory-ratio", type=_fraction, metavar="FRACTION",
-                   help="fraction of free device memory the memory plan may use")
+                   help="fraction of the device memory free at start that the memory plan may use "
+                   "(default: all of it; the plan keeps a measured margin)")
     g.add_argument("--gpu-memory-limit", type=parse_bytes, metavar="SIZE",
-                   help="hard device memory budget for the memory plan, e.g. 16GiB")
+                   help="hard device memory budget for the memory plan, e.g. 16GiB (also enforced on the "
+                   "allocator, so a big GPU behaves like a small one; on the CPU: the host memory budget)")
     g.add_argument("--kv-reserve-tokens", type=_positive_int, metavar="TOKENS",
-                   help="KV tokens the memory plan keeps before giving the rest to experts")
+                   help="KV tokens the memory plan keeps before giving the rest to expert slots")
     kv = g.add_mutually_exclusive_group()
     kv.add_argument("--num-tokens", type=_positive_int, metavar="TOKENS",
-                    help="KV cache capacity in tokens (default: the context length, so one full-length "
-                    "sequence always fits)")
+                    help="KV cache capacity in tokens (default: the memory plan's; without a plan the context "
+                    "length, so one full-length sequence always fits)")
     kv.add_argument("--num-pages", type=_positive_int, metavar="PAGES", help="KV cache capacity in pages")
     g.add_argument("--page-size", type=_positive_int, default=1, metavar="TOKENS",
                    help="tokens per KV page (default: 1)")
+    g.add_argument("--disable-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run every decode step eagerly (default: decode runs in CUDA graphs where it can)")
 
     g = p.add_argument_group("scheduling")
     g.add_argument("--max-seq-len-override", type=_positive_int, metavar="TOKENS",
@@ -253,12 +269,15 @@ class ServeConfig:
                                                     if self.is_demo else "")),
             ("device", e.device),
             ("dtype", e.dtype),
-            ("moe backend", f"{e.moe_backend} (all experts on the device)"),
+            ("moe backend", _backend_row(e)),
             ("expert load", e.expert_load),
             ("context", f"{z.max_seq_len} tokens" + ("" if z.max_seq_len == self.model_max_seq_len
                                                       else f" (model: {self.model_max_seq_len})")),
             ("vocabulary", str(self.vocab_size)),
-            ("kv pool", f"{z.kv_tokens} tokens = {z.num_pages} pages x {z.page_size}"),
+            ("kv pool", f"{z.kv_tokens} tokens = {z.num_pages} pages x {z.page_size}" if not e.plans_memory
+             and e.moe_backend in ("resident", "auto") and e.device == "cpu"
+             else "sized by the memory plan at load" + (f" (at least {e.kv_reserve_tokens} tokens)"
+                                                        if e.kv_reserve_tokens else "")),
             ("state slots", str(z.num_state_slots)),
             ("running requests", f"at most {e.max_running_requests}"),
             ("prefill chunk", f"{e.max_extend_tokens} tokens"),
@@ -272,6 +291,16 @@ class ServeConfig:
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
+def _backend_row(e: EngineConfig) -> str:
+    if e.moe_backend == "resident":
+        return "resident (every expert on the device)"
+    if e.moe_backend == "auto":
+        return "auto (resident if the checkpoint fits the device, else offload; decided at load)"
+    size = (f"{e.moe_cache_size} slots" if e.moe_cache_size else f"{e.moe_cache_rate:g} of the experts"
+            if e.moe_cache_rate else "sized by the memory plan")
+    return f"{e.moe_backend} (expert cache: {size}, policy {e.moe_cache_policy})"
+
+
 def _engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     """The engine's half of the flags (pool sizes as given; the engine resolves the rest)."""
     device = _resolve_device(args.device)
@@ -279,13 +308,27 @@ def _engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
 
     dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
     num_tokens = args.num_pages * args.page_size if args.num_pages is not None else args.num_tokens
-    return EngineConfig(
-        model_dir=model_dir, device=device, dtype=dtype,
-        moe_backend="resident" if args.moe_backend == "auto" else args.moe_backend,
-        expert_load="serial" if args.expert_load == "auto" else args.expert_load,
-        num_tokens=num_tokens, page_size=args.page_size, max_seq_len=args.max_seq_len_override,
-        max_running_requests=args.max_running_requests, max_extend_tokens=args.max_extend_tokens,
-        prefix_cache=args.prefix_cache, progress=True)
+    backend = args.moe_backend
+    if (args.moe_cache_size or args.moe_cache_rate or args.moe_cache_auto) and backend == "resident":
+        raise ConfigError("--moe-cache-size/-rate/-auto size the expert cache of the offload backends; "
+                          "--moe-backend resident keeps every expert on the device")
+    if args.kv_reserve_tokens is not None and num_tokens is not None:
+        raise ConfigError("--kv-reserve-tokens is a floor the memory plan keeps; --num-tokens/--num-pages fix "
+                          "the KV size exactly: give one")
+    try:
+        return EngineConfig(
+            model_dir=model_dir, device=device, dtype=dtype, moe_backend=backend,
+            moe_cache_size=args.moe_cache_size, moe_cache_rate=args.moe_cache_rate,
+            moe_cache_auto=args.moe_cache_auto, moe_cache_policy=args.moe_cache_policy,
+            moe_prefill_overlap=args.moe_prefill_overlap, moe_cpu_threads=args.moe_cpu_threads,
+            moe_cpu_layers=args.moe_cpu_layers, moe_hybrid_max_fetch=args.moe_hybrid_max_fetch,
+            expert_load=args.expert_load, memory_ratio=args.memory_ratio, gpu_memory_limit=args.gpu_memory_limit,
+            kv_reserve_tokens=args.kv_reserve_tokens, num_tokens=num_tokens, page_size=args.page_size,
+            max_seq_len=args.max_seq_len_override, max_running_requests=args.max_running_requests,
+            max_extend_tokens=args.max_extend_tokens, prefix_cache=args.prefix_cache, cuda_graphs=args.cuda_graphs,
+            progress=True)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _model_spec(path: Path):

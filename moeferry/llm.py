@@ -32,9 +32,10 @@ class GenerationOutput:
 class LLM:
     """The engine and a scheduler in this process. Keyword arguments are `EngineConfig` fields
     (`moeferry.engine.config`), e.g. `LLM(path, moe_backend="offload", moe_cache_size=64)`;
-    `num_tokens` is the KV capacity (default 8192), `dtype="auto"` is bf16 on CUDA, fp32 elsewhere."""
+    `num_tokens` is the KV capacity (default: one full context, or the memory plan's), `dtype="auto"`
+    is bf16 on CUDA, fp32 elsewhere."""
 
-    def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "auto", num_tokens: int | None = 8192,
+    def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "auto", num_tokens: int | None = None,
                  **engine_kwargs):
         dtype_name = str(resolve_dtype(dtype, device)).removeprefix("torch.")
         self.cfg = EngineConfig(model_dir=str(model_dir), device=device, dtype=dtype_name, num_tokens=num_tokens,

@@ -1,7 +1,7 @@
 """End to end: the real server (subprocess, loopback, tiny checkpoint, CPU) through the openai client.
 
-The module's server is started with our users' seed command line minus the flags whose
-feature is not built yet (test_server_config.py pins exactly which those are).
+The module's server is started with our users' seed command line (offload backend, expert cache
+sized by the memory plan, a 131072-token KV floor), on a free port instead of 1919.
 """
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ from moeferry.text.tokenizer import Tokenizer
 
 BOOT_TIMEOUT_S = 180.0
 NAME = "tiny-seed"
-SEED_LINE_BUILT = [  # the users' command line without --moe-backend offload --moe-cache-auto --kv-reserve-tokens
-    "--served-model-name", NAME, "--host", "127.0.0.1", "--max-seq-len-override", "131072",
+SEED_LINE_BUILT = [  # the users' command line (tests/test_cli.py: SEED_LINE)
+    "--served-model-name", NAME, "--host", "127.0.0.1", "--moe-backend", "offload", "--moe-cache-auto",
+    "--kv-reserve-tokens", "131072", "--max-seq-len-override", "131072",
     "--max-running-requests", "1", "--max-output-tokens", "4096", "--sampling-defaults", "model",
     "--enable-cache-report",
 ]
@@ -141,7 +142,8 @@ def test_models_lists_the_served_name(client, server):
     assert [m.id for m in models] == [NAME]
     assert models[0].model_extra["max_model_len"] == 131072
     log = server.log(tail=None)
-    assert "served as          tiny-seed" in log and "kv pool            131072 tokens" in log  # the boot table
+    assert "served as          tiny-seed" in log and "at least 131072 tokens" in log  # the boot table
+    assert "memory plan:" in log and "transient" in log and "measured" in log  # the plan table, once ready
 
 
 def test_chat_stream_equals_non_stream_and_usage(client, tokenizer):

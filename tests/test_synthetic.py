@@ -13,6 +13,7 @@ from moeferry.checkpoint.synthetic import (
     iter_tensor_groups,
     make_model,
     model_config,
+    router_gains,
 )
 from moeferry.text.demo_tokenizer import NON_SPECIAL_ADDED, SPECIAL_TOKENS, special_token_ids
 
@@ -398,3 +399,78 @@ def test_chat_template(tokenizers_, ckpts):
     path = ckpts["qwen3_5_moe-fused"]
     cfg = json.loads((path / "tokenizer_config.json").read_text())
     assert cfg["chat_template"] == (path / "chat_template.jinja").read_text()
+
+
+# --- router skew (`make-model --router-skew`) ------------------------------------------
+
+
+def _router_rows(cfg: dict, router_skew: float | None) -> dict[str, torch.Tensor]:
+    kw = {} if router_skew is None else {"router_skew": router_skew}
+    return {s.name: s.init() for _, specs in iter_tensor_groups(cfg, "per-expert", seed=0, **kw)
+            for s in specs if s.name.endswith("mlp.gate.weight")}
+
+
+def _top_share(gate: torch.Tensor, top_k: int, tokens: int = 4096) -> tuple[float, set[int]]:
+    """Share of the top-k picks over random hidden states that go to the 10% most picked
+    experts, and those experts."""
+    h = torch.randn(tokens, gate.shape[1], generator=torch.Generator().manual_seed(7))
+    picks = (h @ gate.T).softmax(-1).topk(top_k, dim=-1).indices.flatten()
+    counts = torch.bincount(picks, minlength=gate.shape[0])
+    top = counts.argsort(descending=True)[: math.ceil(0.1 * gate.shape[0])]
+    return counts[top].sum().item() / picks.numel(), set(top.tolist())
+
+
+def test_router_skew_concentrates_routing():
+    cfg = model_config("qwen3_5_moe", "qwen3.6-35b-a3b", num_layers=2)  # 256 experts, top-8
+    flat, skewed = _router_rows(cfg, None), _router_rows(cfg, 0.5)
+    name0, name1 = "model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"
+    share0, _ = _top_share(flat[name0], 8)
+    share, popular0 = _top_share(skewed[name0], 8)
+    _, popular1 = _top_share(skewed[name1], 8)
+    assert share0 < 0.15  # uniform routing: the top 10% get about 10%
+    assert share > 0.5 and share > 3.5 * share0, (share0, share)
+    assert len(popular0 & popular1) < len(popular0) // 2  # each layer has its own popular experts
+    # the skew is a per-row gain (r+1)^-S over the unskewed draw, rank from a seeded permutation
+    gains = skewed[name0][:, 0] / flat[name0][:, 0]
+    assert torch.equal(skewed[name0], flat[name0] * router_gains(256, 0.5, 0, name0)[:, None])
+    assert sorted(gains.tolist()) == pytest.approx(sorted(((torch.arange(256.0) + 1) ** -0.5).tolist()), rel=1e-5)
+
+
+def test_router_skew_touches_only_routers():
+    cfg = model_config("qwen3_5_moe", "tiny", multimodal=True)  # text, visual and mtp tensors
+
+    def values(**kw):
+        return {s.name: s.init() for _, specs in iter_tensor_groups(cfg, "fused", seed=0, **kw) for s in specs}
+
+    plain, zero, skewed = values(), values(router_skew=0.0), values(router_skew=1.0)
+    assert plain.keys() == zero.keys() == skewed.keys()
+    assert all(torch.equal(plain[k], zero[k]) for k in plain)  # S=0: bit for bit the unskewed model
+    changed = {k for k in plain if not torch.equal(plain[k], skewed[k])}
+    assert changed == {k for k in plain if k.endswith("mlp.gate.weight")} and len(changed) == 5  # 4 layers + mtp
+    with pytest.raises(ValueError, match="router_skew"):
+        values(router_skew=-0.5)
+
+
+def test_router_skew_in_quantized_checkpoints(tmp_path):
+    from safetensors import safe_open
+
+    from moeferry.checkpoint.formats import PRESETS, quantize_module
+    from moeferry.cli import main
+
+    w = torch.randn(8, 64, dtype=torch.bfloat16)
+    for preset in PRESETS:  # the router stays a plain weight in every preset, so the skew is exact
+        for gate in ("model.layers.0.mlp.gate", "model.language_model.layers.3.mlp.gate"):
+            out = quantize_module(preset, gate, w)
+            assert out.keys() == {gate + ".weight"} and out[gate + ".weight"] is w, preset
+    for arch, quant, mm in (("qwen3_5_moe", "mixed_nvfp4", True), ("qwen3_moe", "int4_awq", False)):
+        path = tmp_path / arch
+        args = ["make-model", "--arch", arch, "--quant", quant, "--router-skew", "1", "--out", str(path)]
+        assert main(args + (["--multimodal"] if mm else [])) == 0
+        cfg = json.loads((path / "config.json").read_text())
+        expected = _router_rows(cfg, 1.0)
+        assert len(expected) == (5 if mm else 4)
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            for name, value in expected.items():  # checkpoint names (model.language_model.*, mtp.*)
+                assert torch.equal(f.get_tensor(name), value), name
+    with pytest.raises(ValueError, match="router_skew"):
+        make_model(tmp_path / "bad", "qwen3_moe", "tiny", router_skew=float("nan"))

@@ -41,3 +41,12 @@ class StatePool:
         for conv, rec in zip(self.conv, self.recurrent):
             conv[dst].copy_(conv[src])
             rec[dst].copy_(rec[src])
+
+
+def state_bytes_per_slot(spec, dtype: torch.dtype) -> int:
+    """GDN conv + recurrent state of one sequence slot over every linear-attention layer."""
+    if not spec.linear_layers:
+        return 0
+    conv = spec.conv_dim * (spec.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
+    recurrent = spec.linear_num_v_heads * spec.linear_k_head_dim * spec.linear_v_head_dim * 4
+    return len(spec.linear_layers) * (conv + recurrent)

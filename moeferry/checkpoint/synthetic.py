@@ -24,6 +24,18 @@ Streaming. Tensors are generated one at a time and handed to a `ShardWriter` tha
 shard whenever the next tensor would overflow `max_shard_bytes`; at most one shard plus one
 tensor are held in memory (5-7 GB peak RSS measured for the 35B preset in bf16).
 
+Router skew. Random routers send tokens almost uniformly over the experts, which trained
+models do not. ``router_skew=S > 0`` gives every router a Zipf-like expert popularity: in
+each MoE layer a seeded random permutation assigns the experts popularity ranks r = 0..E-1,
+and row e of ``mlp.gate.weight`` is multiplied by ``(r_e + 1) ** -S`` (a per-expert bias of
+``-S * log(r + 1)`` on the log-scale of its logits). The routers have no bias tensor (the
+Qwen MoE gates are bias-free, and the loaders reject extra keys), and hidden states are
+sign-symmetric, so popularity has to come from the spread of the logits: an expert whose
+logits spread wider wins the top-k more often (over isotropic hidden states, top-8 of 256:
+the top 10% of experts get ~11% of the picks at S=0, ~40% at S=0.25, ~65% at S=0.5). The
+gate is unquantized in every preset, so the skew is stored exactly. S=0 draws nothing
+extra: the checkpoint is bit for bit what it was without the option.
+
 Quantization hook. Every tensor passes through `Emitter.emit(name, fp32_tensor)`, and
 `Emitter.end_group(group)` is called after each group (``embed``, ``layers.{i}``, ``final``,
 ``visual``, ``mtp``); `Emitter.config_patch()` is merged into the model config and
@@ -69,6 +81,7 @@ __all__ = [
     "QuantEmitter",
     "ShardWriter",
     "make_model",
+    "router_gains",
     "model_config",
     "iter_tensor_groups",
 ]
@@ -398,7 +411,21 @@ class _Draw:
         return dt + torch.log(-torch.expm1(-dt))  # inverse softplus
 
 
-def _text_layer_specs(cfg: dict, arch: str, i: int, prefix: str, layout: str, d: _Draw) -> list[TensorSpec]:
+def _check_router_skew(skew: float) -> None:
+    if not (math.isfinite(skew) and skew >= 0):
+        raise ValueError(f"router_skew must be a finite number >= 0, got {skew}")
+
+
+def router_gains(num_experts: int, skew: float, seed: int, gate_name: str) -> torch.Tensor:
+    """Row gains [E] of one router for `router_skew` (see the module docstring): a seeded
+    per-layer permutation gives expert e the popularity rank r_e; its gain is (r_e + 1)^-skew."""
+    _check_router_skew(skew)
+    rank = torch.randperm(num_experts, generator=_gen(seed, _canonical(gate_name) + "/router-skew"))
+    return (rank.double() + 1.0).pow(-skew).float()
+
+
+def _text_layer_specs(cfg: dict, arch: str, i: int, prefix: str, layout: str, d: _Draw,
+                      router_skew: float = 0.0) -> list[TensorSpec]:
     H = cfg["hidden_size"]
     hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     E, I = cfg["num_experts"], cfg["moe_intermediate_size"]
@@ -447,7 +474,12 @@ def _text_layer_specs(cfg: dict, arch: str, i: int, prefix: str, layout: str, d:
     norm(p + "post_attention_layernorm.weight", H)
 
     m = p + "mlp."
-    linear(m + "gate.weight", E, H)  # router logits ~ N(0, 1): tokens spread over experts
+    gate = m + "gate.weight"
+    if router_skew:  # Zipf-like expert popularity (module docstring)
+        add(gate, (E, H), lambda: d.normal(gate, (E, H), 1.0 / math.sqrt(H))
+            * router_gains(E, router_skew, d.seed, gate)[:, None])
+    else:
+        linear(gate, E, H)  # router logits ~ N(0, 1): tokens spread over experts
     ex = m + "experts."
     if layout == "per-expert":
         for e in range(E):
@@ -525,7 +557,7 @@ def _vision_specs(vcfg: dict, d: _Draw) -> list[TensorSpec]:
     return specs
 
 
-def _mtp_specs(tcfg: dict, layout: str, d: _Draw) -> list[TensorSpec]:
+def _mtp_specs(tcfg: dict, layout: str, d: _Draw, router_skew: float = 0.0) -> list[TensorSpec]:
     """The multi-token-prediction head of Qwen3.5/3.6 releases: one full-attention layer."""
     H = tcfg["hidden_size"]
     specs = [
@@ -534,20 +566,23 @@ def _mtp_specs(tcfg: dict, layout: str, d: _Draw) -> list[TensorSpec]:
     for n in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"):
         specs.append(TensorSpec(n, (H,), lambda n=n: d.near(n, (H,), 0.0)))
     mtp_cfg = dict(tcfg, layer_types=["full_attention"])
-    specs += _text_layer_specs(mtp_cfg, "qwen3_5_moe", 0, "mtp.", layout, d)
+    specs += _text_layer_specs(mtp_cfg, "qwen3_5_moe", 0, "mtp.", layout, d, router_skew)
     return specs
 
 
 def iter_tensor_groups(
-    config: dict, expert_layout: str = "per-expert", seed: int = 0, pool: ThreadPoolExecutor | None = None
+    config: dict, expert_layout: str = "per-expert", seed: int = 0, pool: ThreadPoolExecutor | None = None,
+    router_skew: float = 0.0,
 ) -> Iterator[tuple[str, list[TensorSpec]]]:
     """(group, specs) for every tensor of the checkpoint described by `config`, in write order.
 
     Groups: ``embed``, ``layers.{i}``, ``final``, then ``visual`` and ``mtp`` for the
     multimodal layout. Values are only drawn when a spec's `init()` is called.
+    `router_skew` > 0 skews each router's expert popularity (module docstring).
     """
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}")
+    _check_router_skew(router_skew)
     mt = config["model_type"]
     multimodal = mt == "qwen3_5_moe"
     tcfg = config["text_config"] if multimodal else config
@@ -560,7 +595,7 @@ def iter_tensor_groups(
     emb = prefix + "embed_tokens.weight"
     yield "embed", [TensorSpec(emb, (V, H), lambda: d.normal(emb, (V, H), 1.0))]
     for i in range(tcfg["num_hidden_layers"]):
-        yield f"layers.{i}", _text_layer_specs(tcfg, arch, i, prefix, expert_layout, d)
+        yield f"layers.{i}", _text_layer_specs(tcfg, arch, i, prefix, expert_layout, d, router_skew)
     norm = prefix + "norm.weight"
     final = [TensorSpec(norm, (H,), lambda: d.near(norm, (H,), final_center))]
     if not tcfg["tie_word_embeddings"]:
@@ -571,7 +606,7 @@ def iter_tensor_groups(
     if multimodal:
         yield "visual", _vision_specs(config["vision_config"], d)
         if tcfg.get("mtp_num_hidden_layers", 0):
-            yield "mtp", _mtp_specs(tcfg, expert_layout, d)
+            yield "mtp", _mtp_specs(tcfg, expert_layout, d, router_skew)
 
 
 # ---------------------------------------------------------------------------------------
@@ -796,19 +831,23 @@ def make_model(
     *,
     quant: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    router_skew: float = 0.0,
 ) -> Path:
     """Write a complete random Hugging Face checkpoint directory and return its path.
 
     `arch` in ARCHS, `size` in SIZES (see PRESETS for the valid pairs), `num_layers`
     overrides the preset's layer count, `max_shard_bytes` caps a safetensors shard (tests
     use a small value to get an index and several shards). `quant` writes a quantized
-    checkpoint (per-expert layout only). Same arguments, same bytes.
+    checkpoint (per-expert layout only). `router_skew` > 0 gives the routers a Zipf-like
+    expert popularity (module docstring; 0 leaves every byte as without it). Same arguments,
+    same bytes.
     """
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}")
     if quant is not None and expert_layout != "per-expert":
         raise ValueError(f"quant={quant!r} needs expert_layout='per-expert': quantized checkpoints "
                          "(ModelOpt, compressed-tensors, AWQ, fine-grained FP8) store experts one by one")
+    _check_router_skew(router_skew)
     config = model_config(arch, size, multimodal=multimodal, num_layers=num_layers, dtype=dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -821,7 +860,7 @@ def make_model(
     emitter = _make_emitter(quant, writer, DTYPES[dtype])
     workers = max(1, min(32, os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        for group, specs in iter_tensor_groups(config, expert_layout, seed, pool):
+        for group, specs in iter_tensor_groups(config, expert_layout, seed, pool, router_skew):
             for items in _draw(specs, pool, emitter.convert):
                 emitter.write(items)
             emitter.end_group(group)

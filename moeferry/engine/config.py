@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MOE_BACKENDS = ("resident", "offload", "cpu", "hybrid")
+MOE_BACKENDS = ("resident", "offload", "cpu", "hybrid")  # plus "auto": decided at load (Engine.build)
 EXPERT_LOADS = ("auto", "serial", "parallel")
 
 
@@ -47,7 +47,7 @@ class EngineConfig:
     progress: bool = False              # progress bars while loading
 
     def __post_init__(self):
-        if self.moe_backend not in MOE_BACKENDS:
+        if self.moe_backend not in MOE_BACKENDS + ("auto",):
             raise ValueError(f"moe_backend must be one of {', '.join(MOE_BACKENDS)}, got {self.moe_backend!r}")
         if self.expert_load not in EXPERT_LOADS:
             raise ValueError(f"expert_load must be one of {', '.join(EXPERT_LOADS)}, got {self.expert_load!r}")
@@ -59,6 +59,10 @@ class EngineConfig:
                              "every expert on the device)")
         if self.moe_cache_rate is not None and not 0 < self.moe_cache_rate <= 1:
             raise ValueError(f"moe_cache_rate must be in (0, 1], got {self.moe_cache_rate}")
+        if self.moe_cpu_layers < 0:
+            raise ValueError(f"moe_cpu_layers must be at least 0, got {self.moe_cpu_layers}")
+        if self.memory_ratio is not None and not 0 < self.memory_ratio <= 1:
+            raise ValueError(f"memory_ratio must be in (0, 1], got {self.memory_ratio}")
         for name in ("moe_cache_size", "num_tokens", "num_state_slots", "page_size", "max_seq_len",
                      "max_running_requests", "max_extend_tokens", "kv_reserve_tokens", "moe_cpu_threads",
                      "moe_hybrid_max_fetch"):
@@ -70,7 +74,7 @@ class EngineConfig:
 
     @property
     def offloads_experts(self) -> bool:
-        return self.moe_backend != "resident"
+        return self.moe_backend not in ("resident", "auto")
 
     @property
     def plans_memory(self) -> bool:

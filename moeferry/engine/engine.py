@@ -5,17 +5,23 @@
     1. resolve    the checkpoint's ModelSpec
     2. place      dense weights to the device; each MoE layer's experts, read once on the
                   host, to the configured expert backend (`moeferry.moe`)
-    3. plan       pool sizes: the given sizes (`derive_sizes`), or the measured memory plan
-                  when the configuration asks for one (`moeferry.memory`)
+    3. plan       on CUDA (and when a flag asks for it on the CPU): probe the worst steps, then
+                  the memory plan (`moeferry.memory`, `engine/planning.py`); else the given sizes
     4. allocate   KV pages, GDN state slots, prefix cache (`CacheManager`), the expert
-                  backend's device cache
-    5. warm up    one prefill and the decode CUDA graphs, so the first request is not the slow one
-    6. report     `Engine.sizes` (pages, state slots, context limit, expert slots), sent in `Ready`
+                  backend's device cache and staging area
+    5. warm up    one prefill and the decode CUDA graphs, so the first request is not the slow one;
+                  with a plan, the boot self-test runs the worst step through the real pools
+    6. report     `Engine.sizes` (pages, state slots, context limit, expert slots) and the plan,
+                  sent in `Ready`
+
+Every step runs under the OOM guard (`moeferry.memory.guard`): an out-of-memory error shrinks
+the expert cache and retries the step.
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -24,6 +30,10 @@ from moeferry.cache.manager import CacheManager
 from moeferry.checkpoint.reader import CheckpointReader
 from moeferry.engine.config import EngineConfig, EngineSizes, derive_sizes
 from moeferry.engine.cuda_graph import DecodeGraphs
+from moeferry.engine.planning import (choose_backend, describe_plan, free_memory, make_engine_plan, needs_plan,
+                                      self_test)
+from moeferry.memory.guard import OomGuard
+from moeferry.memory.plan import MemoryPlan
 from moeferry.model.batch import ForwardBatch, SeqChunk
 from moeferry.model.loader import load_model
 from moeferry.model.registry import resolve_spec
@@ -46,10 +56,11 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 class Engine:
     def __init__(self, cfg: EngineConfig, spec, model, experts, cache: CacheManager, sizes: EngineSizes,
-                 graphs: DecodeGraphs | None):
+                 graphs: DecodeGraphs | None, plan: MemoryPlan | None = None, guard_bytes: int = 0):
         self.cfg, self.spec, self.model, self.experts, self.cache = cfg, spec, model, experts, cache
-        self.sizes, self.graphs = sizes, graphs
+        self.sizes, self.graphs, self.plan = sizes, graphs, plan
         self.device = model.device
+        self.guard = OomGuard(self, guard_bytes)
 
     @classmethod
     def build(cls, cfg: EngineConfig, reader: CheckpointReader | None = None,
@@ -57,28 +68,46 @@ class Engine:
         """Build an engine from `cfg` (`reader`: an already opened checkpoint, e.g. in memory)."""
         report = progress or (lambda phase, fraction: None)
         t0 = time.perf_counter()
+        device, dtype = torch.device(cfg.device), resolve_dtype(cfg.dtype, cfg.device)
+        free_at_start = free_memory(device)
         reader = reader or CheckpointReader(cfg.model_dir)
         spec = resolve_spec(reader)                                              # 1. resolve
-        device, dtype = torch.device(cfg.device), resolve_dtype(cfg.dtype, cfg.device)
+        cfg = choose_backend(cfg, reader, device, free_at_start)
         report("loading weights", 0.05)
         experts = make_backend(cfg, spec, device, dtype)                         # 2. place
         model = load_model(reader, spec, dtype, device, experts, progress=cfg.progress)
-        report("planning memory", 0.85)
-        sizes = derive_sizes(cfg, spec.max_position_embeddings)                  # 3. plan
+        report("planning memory", 0.8)
+        plan, guard_bytes = None, 0                                              # 3. plan
+        if needs_plan(cfg, device, experts.requested_slots()):
+            experts.finish(experts.probe_slots())  # offload: a small cache to probe with
+            plan, transients = make_engine_plan(cfg, spec, model, experts, device, dtype, free_at_start)
+            log.info(describe_plan(plan))
+            sizes = EngineSizes(plan.kv_pages, plan.page_size, plan.state_slots, plan.context_limit,
+                                plan.expert_slots)
+            guard_bytes = transients.worst
+        else:
+            sizes = derive_sizes(cfg, spec.max_position_embeddings)
         report("allocating pools", 0.9)
-        experts.finish(experts.requested_slots())                                # 4. allocate
+        experts.finish(plan.expert_slots if plan is not None and cfg.offloads_experts   # 4. allocate
+                       else experts.requested_slots())
+        if device.type == "cuda" and cfg.gpu_memory_limit is not None:  # a big GPU behaves like a small one
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.gpu_memory_limit / total), device)
         cache = CacheManager.build(spec, sizes.num_pages, sizes.page_size, sizes.num_state_slots, cfg.prefix_cache,
                                    dtype, device)
         sizes = EngineSizes(sizes.num_pages, sizes.page_size, sizes.num_state_slots, sizes.max_seq_len,
                             experts.expert_slots)
         graphs = None
-        if cfg.cuda_graphs and device.type == "cuda":
+        if cfg.cuda_graphs and device.type == "cuda" and not cfg.offloads_experts:
             max_pages = min(sizes.num_pages, -(-sizes.max_seq_len // sizes.page_size))
             graphs = DecodeGraphs(model, cache.kv, cache.states, sizes.num_state_slots, max_pages, sizes.page_size,
                                   device)
-        engine = cls(cfg, spec, model, experts, cache, sizes, graphs)
+        engine = cls(cfg, spec, model, experts, cache, sizes, graphs, plan, guard_bytes)
         report("warming up", 0.95)
         engine.warm_up()                                                         # 5. warm up
+        if plan is not None:
+            report("boot self-test", 0.97)
+            self_test(engine)
         log.info("engine built in %.1f s: %s", time.perf_counter() - t0, engine.describe())
         return engine                                                            # 6. report: engine.sizes
 
@@ -89,7 +118,13 @@ class Engine:
 
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """fp32 logits: one row per chunk (its last token), or one per token for all_logits chunks."""
+        """fp32 logits: one row per chunk (its last token), or one per token for all_logits chunks.
+        An out-of-memory error shrinks the expert cache and retries (`moeferry.memory.guard`)."""
+        return self.guard.run(lambda: self.run_batch(chunks))
+
+    @torch.inference_mode()
+    def run_batch(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """One step, unguarded."""
         if self.graphs is not None:
             logits = self.graphs.run(chunks)  # None: not an all-decode batch the graphs can serve
             if logits is not None:
@@ -115,8 +150,17 @@ class Engine:
                  else f" (CUDA graphs off: {self.graphs.disabled})")
 
     # -- reporting --------------------------------------------------------------------------
+    def on_expert_cache_resized(self, slots: int) -> None:
+        """After the guard shrank the expert cache: the plan and the reported sizes follow, and
+        CUDA graphs (which hold pointers) are recaptured on use."""
+        if self.plan is not None and self.plan.expert_slots > slots >= self.plan.min_expert_slots:
+            self.plan = self.plan.shrink_experts(slots, "out-of-memory guard")
+        self.sizes = replace(self.sizes, expert_slots=slots)
+        if self.graphs is not None:
+            self.graphs.invalidate()
+
     def stats(self) -> dict:
-        return {"experts": self.experts.stats()}
+        return {"experts": self.experts.stats(), "memory": self.guard.stats()}
 
     def describe(self) -> str:
         s = self.sizes

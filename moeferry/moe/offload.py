@@ -89,6 +89,10 @@ class OffloadBackend:
             return max(1, math.ceil(round(self.cfg.moe_cache_rate * self.experts_total, 6)))
         return None
 
+    def probe_slots(self) -> int:
+        """A small cache (one slot per layer) for the memory probe, before the plan sizes it."""
+        return len(self.banks)
+
     def finish(self, expert_slots: int | None = None) -> None:
         """Allocate the device cache (`expert_slots` in all, split over layout groups by layer
         count; the first `moe_cpu_layers` MoE layers of the cpu backend get none), the staging
@@ -96,6 +100,7 @@ class OffloadBackend:
         total = expert_slots if expert_slots is not None else self.requested_slots()
         if total is None:
             raise ValueError("the offload backend needs an expert slot count (--moe-cache-size / -rate / -auto)")
+        self._release_device()
         if self.name == "cpu" and self.cfg.moe_cpu_layers:
             self.cpu_layers = set(sorted(self.banks)[: self.cfg.moe_cpu_layers])
         cached_layers = {k: [x for x in v if x not in self.cpu_layers] for k, v in self.groups.items()}
@@ -118,6 +123,17 @@ class OffloadBackend:
             from moeferry.moe.bandwidth import MissSplit
             self.split = MissSplit.measure(self, self.cfg.moe_hybrid_max_fetch)
             log.info("hybrid lanes: %s", self.split.describe())
+
+    def _release_device(self) -> None:
+        """Drop an earlier cache and staging area (finish() called again, e.g. after the probe)."""
+        if not self.caches and not self.staging:
+            return
+        self.caches.clear()
+        self.staging.clear()
+        for ex in self.executors.values():
+            ex.cache = ex.staging = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @property
     def expert_slots(self) -> int:

@@ -94,6 +94,9 @@ class ResidentBackend:
     def requested_slots(self) -> int:
         return self.expert_slots
 
+    def probe_slots(self) -> None:
+        return None
+
     @property
     def experts_total(self) -> int:
         return self.expert_slots

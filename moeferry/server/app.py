@@ -41,6 +41,8 @@ def worker_spec(cfg: ServeConfig, factory: str | None = None) -> WorkerSpec:
 def _on_ready(ready: Ready) -> None:
     details = ", ".join(f"{k} {v}" for k, v in ready.details.items())
     log.info("serving: engine worker pid %d ready (%s)", ready.pid, details or "no details")
+    if ready.plan_table:
+        log.info("memory plan:\n%s", ready.plan_table)
 
 
 def build_server(cfg: ServeConfig, tokenizer=None, factory: str | None = None, **supervisor_kwargs) -> Server:

@@ -50,6 +50,8 @@ class Ready:
     sizes: EngineSizes
     eos_token_ids: tuple[int, ...]
     details: dict = field(default_factory=dict)  # printed in the boot log
+    plan: dict | None = None  # the memory plan (MemoryPlan.to_dict()), served at /v1/cache/status
+    plan_table: str | None = None  # ... and as the boot table
 
     @property
     def max_seq_len(self) -> int:

@@ -353,7 +353,8 @@ def fp8_block_dequant(m: SlotMatrix, slots: torch.Tensor, dtype: torch.dtype) ->
 
 def fp4_dequant(m: SlotMatrix, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     p = m.w[slots]
-    v = torch.index_select(_E2M1_PAIRS.to(p.device), 0, p.reshape(-1).int()).view(*p.shape[:-1], -1)  # [L, N, K]
+    pairs = torch.index_select(_E2M1_PAIRS.to(p.device), 0, p.reshape(-1).int())
+    v = pairs.view(*p.shape[:-1], 2 * p.shape[-1])  # [L, N, K] (explicit K: L may be 0)
     s = _e4m3(m.s[slots]).float() * m.rs[slots].float()[..., None]  # [L, N, K/16]
     return _ungrouped(_grouped(v, m.group) * s[..., None], m.k).to(dtype)
 

@@ -1,0 +1,582 @@
+"""Shared pieces of the serving benchmarks (`offload.py`, `seed_scenario.py`).
+
+- Engines: moeferry (`python -m moeferry.cli serve`) and FreeToken 0.1.2 (`python -m
+  freetoken.cli serve`, which is `ft serve`), started with the same flags. FreeToken 0.1.2 names
+  the chunk flag `--max-prefill-length` (ours takes both names) and has no `--gpu-memory-limit`
+  (a run that needs it is skipped for FreeToken, with that reason).
+- Processes: every server and the GPU ballast (`ballast.py`) run in their own process group
+  (a new session) with their output in a log file; they are stopped by their PID (SIGTERM to
+  the group, SIGKILL after 20 s). Every wait here has a deadline.
+- Client: the standard library only (http.client), so nothing beyond the image is needed on
+  the GPU machine. Prompts are token-id lists of an exact length sent to /v1/completions (both
+  engines accept `prompt: [int, ...]` and `ignore_eos`), drawn from the checkpoint tokenizer's
+  ordinary (non-special) ids with a different seed per prompt, so no prefix is shared.
+- Measurements: time to first token of an N-token prompt (prefill), steady-state decode rate
+  of B concurrent streams, and the expert-cache counters of moeferry's /v1/stats around the
+  decode window (hits, misses, bytes fetched), from which the PCIe bound follows.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 2**30
+T0 = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------- engines
+
+ENGINES = ("moeferry", "freetoken")
+FT_RENAMED = {"--max-extend-tokens": "--max-prefill-length"}  # FreeToken 0.1.2's names
+FT_MISSING = ("--gpu-memory-limit",)  # flags FreeToken 0.1.2 does not have
+
+
+class Unsupported(Exception):
+    """This engine cannot run these flags (the reason is the message)."""
+
+
+def freetoken_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("freetoken") is not None
+
+
+def engine_argv(engine: str, flags: list[str], extra: list[str] = ()) -> list[str]:
+    """The command line of `engine` serve with `flags` (ours' names) plus engine-only `extra`."""
+    if engine == "moeferry":
+        return [sys.executable, "-m", "moeferry.cli", "serve", *flags, *extra]
+    if engine != "freetoken":
+        raise ValueError(f"unknown engine {engine!r}")
+    if not freetoken_installed():
+        raise Unsupported("freetoken is not installed here")
+    missing = [f for f in FT_MISSING if any(a == f or a.startswith(f + "=") for a in flags)]
+    if missing:
+        raise Unsupported(f"FreeToken 0.1.2 has no {', '.join(missing)}")
+    renamed = [FT_RENAMED.get(a.split("=")[0], a.split("=")[0]) + a[len(a.split("=")[0]):] for a in flags]
+    return [sys.executable, "-m", "freetoken.cli", "serve", *renamed, *extra]
+
+
+def flag_value(flags: list[str], name: str, default: str | None = None) -> str | None:
+    for i, a in enumerate(flags):
+        if a == name and i + 1 < len(flags):
+            return flags[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return default
+
+
+def split_args(text: str | None) -> list[str]:
+    return shlex.split(text or "")
+
+
+# -------------------------------------------------------------------------------- processes
+
+
+class Managed:
+    """A child process in its own session (process group = its PID), output to a log file."""
+
+    def __init__(self, argv: list[str], log_path: Path, cwd: Path | str = REPO, env: dict | None = None):
+        self.argv, self.log_path = argv, Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w") as f:
+            f.write("$ " + shlex.join(argv) + "\n")
+        self._log = open(self.log_path, "a")
+        env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+        self.started = time.time()
+        self.proc = subprocess.Popen(argv, cwd=str(cwd), stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        self.pid = self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, grace_s: float = 20.0):
+        """SIGTERM to the process group, SIGKILL after `grace_s`; the exit code (None if
+        it would not die)."""
+        if self.alive():
+            for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(self.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        else:  # the leader is gone; children of its group may still hold the GPU
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._log.close()
+        return self.proc.poll()
+
+
+class Ballast(Managed):
+    """`ballast.py`: holds all but `leave_gib` GiB of the GPU (and measures pinned H2D first)."""
+
+    def __init__(self, leave_gib: float | None, log_path: Path, h2d: bool = True, timeout_s: float = 90.0):
+        argv = [sys.executable, str(REPO / "benchmarks" / "ballast.py")]
+        argv += [] if leave_gib is None else ["--leave-gib", str(leave_gib)]
+        super().__init__(argv + (["--h2d"] if h2d else []), log_path)
+        self.info = self._wait_report(timeout_s)
+
+    def _wait_report(self, timeout_s: float) -> dict:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            m = re.search(r"^BALLAST (\{.*\})$", self.log_text(), re.M)
+            if m:
+                return json.loads(m.group(1))
+            if not self.alive():
+                return {"error": f"ballast exited {self.proc.returncode} without a report"}
+            time.sleep(0.2)
+        return {"error": f"no report within {timeout_s:.0f} s"}
+
+
+def gpu_free_gib() -> float | None:
+    """Free device memory as nvidia-smi reports it (no CUDA context in this process)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+        return int(out.stdout.split()[0]) * 2**20 / GIB if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+
+
+def wait_gpu_free(min_gib: float, timeout_s: float = 40.0) -> float | None:
+    """Wait until at least `min_gib` GiB are free (a stopped server's memory is back)."""
+    deadline = time.time() + timeout_s
+    free = gpu_free_gib()
+    while free is not None and free < min_gib and time.time() < deadline:
+        time.sleep(0.5)
+        free = gpu_free_gib()
+    return free
+
+
+# ------------------------------------------------------------------------------ HTTP client
+
+
+def http_json(method: str, url: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int, object]:
+    """(status, parsed JSON or text); status 0 with the error text when nothing answered."""
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        conn.request(method, u.path + (f"?{u.query}" if u.query else ""), body=data,
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        text = resp.read().decode(errors="replace")
+        try:
+            return resp.status, json.loads(text)
+        except ValueError:
+            return resp.status, text
+    except (OSError, http.client.HTTPException) as e:
+        return 0, f"{type(e).__name__}: {e}"
+    finally:
+        conn.close()
+
+
+@dataclass
+class Stream:
+    """One streamed /v1/completions request, timed on this side."""
+    ok: bool = False
+    error: str | None = None
+    t_send: float = 0.0
+    t_first: float | None = None
+    t_last: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.t_first is None else self.t_first - self.t_send
+
+    def tokens_after(self, t: float) -> float:
+        """Tokens that arrived after time `t` (chunks scaled to the reported token count)."""
+        n = len(self.chunk_times)
+        per_chunk = (self.completion_tokens or n) / n if n else 0.0
+        return per_chunk * sum(1 for c in self.chunk_times if c > t)
+
+    def summary(self) -> dict:
+        return {"ok": self.ok, "error": self.error, "ttft_s": _r(self.ttft_s),
+                "total_s": _r(None if self.t_last is None else self.t_last - self.t_send),
+                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+
+
+def _r(x, nd=3):
+    return None if x is None else round(x, nd)
+
+
+def stream_completion(base: str, body: dict, timeout: float, on_first=None) -> Stream:
+    """POST a streaming /v1/completions; `timeout` bounds every wait for bytes."""
+    s = Stream()
+    u = urlsplit(base)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    body = dict(body, stream=True, stream_options={"include_usage": True})
+    s.t_send = time.time()
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            s.error = f"HTTP {resp.status}: {resp.read().decode(errors='replace')[:500]}"
+            return s
+        while True:
+            line = resp.readline()
+            if not line:
+                s.error = s.error or "stream ended without [DONE]"
+                return s
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                s.ok = s.error is None
+                return s
+            event = json.loads(data)
+            if "error" in event:
+                s.error = json.dumps(event["error"])[:500]
+                continue
+            now = time.time()
+            if event.get("choices"):
+                if s.t_first is None:
+                    s.t_first = now
+                    if on_first is not None:
+                        on_first()
+                s.t_last = now
+                s.chunk_times.append(now)
+            usage = event.get("usage")
+            if usage:
+                s.completion_tokens = usage.get("completion_tokens")
+                s.prompt_tokens = usage.get("prompt_tokens")
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        s.error = f"{type(e).__name__}: {e}"
+        return s
+    finally:
+        conn.close()
+
+
+class Prompts:
+    """Token-id prompts of an exact length from the checkpoint tokenizer's ordinary ids."""
+
+    def __init__(self, model_dir: str | Path):
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        self.vocab = tok.get_vocab_size(with_added_tokens=False)
+        self.special = set(tok.get_added_tokens_decoder())  # ids of added (special) tokens
+
+    def ids(self, n: int, seed: int) -> list[int]:
+        import random
+
+        rng = random.Random(seed)
+        out = []
+        while len(out) < n:
+            i = rng.randrange(self.vocab)
+            if i not in self.special:
+                out.append(i)
+        return out
+
+
+# ------------------------------------------------------------------------------- servers
+
+
+class Server(Managed):
+    """A serving engine under test, its base URL, health and the JSON of its endpoints."""
+
+    def __init__(self, engine: str, flags: list[str], log_path: Path, extra: list[str] = ()):
+        self.engine = engine
+        self.port = int(flag_value(flags, "--port", "1919"))
+        self.base = f"http://127.0.0.1:{self.port}"
+        cwd = REPO if engine == "moeferry" else "/tmp"  # FreeToken: nothing of ours in its cwd
+        super().__init__(engine_argv(engine, flags, list(extra)), log_path, cwd=cwd)
+        self.model_name: str | None = None
+
+    def health(self, timeout: float = 5.0) -> tuple[int, object]:
+        return http_json("GET", self.base + "/health", timeout=timeout)
+
+    def get(self, path: str, timeout: float = 10.0):
+        status, body = http_json("GET", self.base + path, timeout=timeout)
+        return body if status == 200 else {"http_status": status, "body": body}
+
+    def wait_ready(self, timeout_s: float) -> dict:
+        """Poll /health until status ok: boot_s from the process start, or why it did not."""
+        deadline = self.started + timeout_s
+        last = None
+        while time.time() < deadline:
+            if not self.alive():
+                return {"booted": False, "reason": f"exited with code {self.proc.returncode}",
+                        "boot_s": _r(time.time() - self.started, 1), "last_health": last}
+            status, body = self.health(timeout=3.0)
+            if status:
+                last = body
+                state = body.get("status") if isinstance(body, dict) else None
+                if state == "ok":
+                    boot = time.time() - self.started
+                    models = self.get("/v1/models")
+                    data = models.get("data") if isinstance(models, dict) else None
+                    self.model_name = data[0]["id"] if data else None
+                    return {"booted": True, "boot_s": _r(boot, 1), "model_name": self.model_name}
+                if state == "error":
+                    return {"booted": False, "reason": f"health error: {body}", "boot_s": _r(time.time() - self.started, 1)}
+            time.sleep(0.5)
+        return {"booted": False, "reason": f"not ready within {timeout_s:.0f} s", "last_health": last}
+
+    def healthy(self) -> dict:
+        """Alive, /health status and restarts counter (moeferry) right now."""
+        status, body = self.health(timeout=5.0)
+        out = {"alive": self.alive(), "http": status}
+        if isinstance(body, dict):
+            out.update(status=body.get("status"), restarts=body.get("restarts"), worker_pid=body.get("worker_pid"))
+        else:
+            out["status"] = None
+        return out
+
+    def body(self, prompt: list[int], max_tokens: int) -> dict:
+        return {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+
+    def snapshot(self) -> dict:
+        """Health, /v1/stats and /v1/cache/status at this moment."""
+        return {"health": self.healthy(), "stats": self.get("/v1/stats"), "cache_status": self.get("/v1/cache/status")}
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+def expert_counters(stats) -> dict | None:
+    """hits, misses, bytes_fetched (totals) and slots from moeferry's /v1/stats `experts`;
+    None when the server reports none (resident experts, or another engine)."""
+    ex = stats.get("experts") if isinstance(stats, dict) else None
+    if not isinstance(ex, dict):
+        return None
+    tot = ex.get("total") if isinstance(ex.get("total"), dict) else ex
+    if tot.get("hits") is None:
+        return None
+    return {k: tot.get(k) for k in ("hits", "misses", "bytes_fetched")} | {"slots": ex.get("slots")}
+
+
+def counter_delta(a: dict | None, b: dict | None) -> dict | None:
+    if not a or not b:
+        return None
+    d = {k: (b[k] or 0) - (a[k] or 0) for k in ("hits", "misses", "bytes_fetched")}
+    looked = d["hits"] + d["misses"]
+    d["hit_rate"] = _r(d["hits"] / looked, 4) if looked else None
+    return d
+
+
+def prefill(server: Server, prompts: Prompts, n: int, seed: int, timeout: float) -> dict:
+    """Time to first token of one prompt of exactly `n` tokens (max_tokens 1)."""
+    s = stream_completion(server.base, server.body(prompts.ids(n, seed), 1), timeout)
+    out = s.summary()
+    if s.ok and s.prompt_tokens not in (None, n):
+        out["error"] = f"server counted {s.prompt_tokens} prompt tokens, sent {n}"
+    return out
+
+
+def decode(server: Server, prompts: Prompts, batch: int, out_tokens: int, seed: int, timeout: float,
+           prompt_len: int = 64) -> dict:
+    """Steady-state decode of `batch` concurrent streams of `out_tokens` (ignore_eos).
+
+    The window opens when every stream has its first token (moeferry's expert counters are
+    read then) and closes when the last stream ends (read again): rate = tokens that arrived in
+    the window / its length; bytes per token = bytes fetched in the window / those tokens."""
+    all_first = threading.Event()
+    lock = threading.Lock()
+    firsts = [0]
+
+    def first():
+        with lock:
+            firsts[0] += 1
+            if firsts[0] == batch:
+                all_first.set()
+
+    results: list[Stream | None] = [None] * batch
+
+    def run(i):
+        results[i] = stream_completion(server.base, server.body(prompts.ids(prompt_len, seed + i), out_tokens),
+                                       timeout, on_first=first)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(batch)]
+    for t in threads:
+        t.start()
+    opened = all_first.wait(timeout)
+    t0 = time.time()
+    c0 = expert_counters(server.get("/v1/stats")) if opened else None
+    deadline = time.time() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.time()))
+    c1 = expert_counters(server.get("/v1/stats"))
+    streams = [r for r in results if r is not None]
+    out = {"batch": batch, "out_tokens": out_tokens, "streams": [s.summary() for s in streams]}
+    if len(streams) < batch or not all(s.ok for s in streams) or not opened:
+        out["error"] = next((s.error for s in streams if s.error), None) or "streams did not finish in time"
+        return out
+    t_end = max(s.t_last for s in streams)
+    tokens = sum(s.tokens_after(t0) for s in streams)
+    out["window_s"] = _r(t_end - t0)
+    out["tok_s"] = _r(tokens / (t_end - t0), 2) if t_end > t0 and tokens else None
+    delta = counter_delta(c0, c1)
+    if delta is not None:
+        out["experts"] = delta
+        out["bytes_per_token"] = round(delta["bytes_fetched"] / tokens) if tokens else None
+    return out
+
+
+def pcie_bound(bytes_per_token: float | None, h2d_bytes_per_s: float | None) -> float | None:
+    """Decode tok/s if the fetched expert bytes were the only cost (PCIe at the measured rate)."""
+    if bytes_per_token is None or not h2d_bytes_per_s:
+        return None
+    return float("inf") if bytes_per_token == 0 else h2d_bytes_per_s / bytes_per_token
+
+
+def freetoken_slots(log_text: str, cache_status) -> int | None:
+    """FreeToken's expert slots: /v1/cache/status geometry, else its '--moe-cache-auto resolved' log line."""
+    geo = cache_status.get("geometry") if isinstance(cache_status, dict) else None
+    if isinstance(geo, dict) and geo.get("moe_cache_size"):
+        return int(geo["moe_cache_size"])
+    found = re.findall(r"moe_cache_size=(\d+)", log_text)
+    return int(found[-1]) if found else None
+
+
+def moeferry_slots(cache_status, stats) -> int | None:
+    """moeferry's expert slots: the plan in /v1/cache/status, else /v1/stats experts.slots."""
+    for doc in (cache_status, cache_status.get("plan") if isinstance(cache_status, dict) else None):
+        if isinstance(doc, dict) and isinstance(doc.get("expert_slots"), int):
+            return doc["expert_slots"]
+    counters = expert_counters(stats)
+    return counters.get("slots") if counters else None
+
+
+def run_engine(engine: str, flags: list[str], extra: list[str], out_dir: Path, tag: str, boot_timeout: float,
+               scenario, min_free_gib: float | None = None) -> dict:
+    """Boot `engine` with `flags`, run `scenario(server) -> dict` if it booted, snapshot its
+    endpoints, stop it. Never raises for the engine's own failures: they are the result."""
+    res: dict = {"engine": engine, "flags": shlex.join(flags), "extra": shlex.join(extra)}
+    if min_free_gib is not None:
+        res["gpu_free_gib_at_start"] = _r(wait_gpu_free(min_free_gib), 2)
+    try:
+        server = Server(engine, flags, out_dir / f"{tag}.{engine}.log", extra)
+    except Unsupported as e:
+        res["skipped"] = str(e)
+        log(f"{engine}: skipped ({e})")
+        return res
+    log(f"{engine}: started pid {server.pid}: {shlex.join(server.argv)}")
+    try:
+        res.update(server.wait_ready(boot_timeout))
+        log(f"{engine}: booted={res['booted']} in {res.get('boot_s')} s {res.get('reason', '')}")
+        if res["booted"]:
+            try:
+                res.update(scenario(server))
+            except Exception as e:  # a client-side bug must not leave the server running
+                res["scenario_error"] = f"{type(e).__name__}: {e}"
+                log(f"{engine}: scenario error {res['scenario_error']}")
+        res["final"] = server.snapshot() if server.alive() else {"health": {"alive": False}}
+        text = server.log_text()
+        if engine == "freetoken":
+            res["expert_slots"] = freetoken_slots(text, res["final"].get("cache_status"))
+        else:
+            res["expert_slots"] = moeferry_slots(res["final"].get("cache_status"), res["final"].get("stats"))
+        res["oom_in_log"] = bool(re.search(r"out of memory|OutOfMemoryError", text, re.I))
+    finally:
+        res["alive_at_end"] = server.alive()
+        res["exit_code"] = server.stop()
+        log(f"{engine}: stopped (alive at end: {res['alive_at_end']}, exit {res['exit_code']})")
+    return res
+
+
+# -------------------------------------------------------------------------------- results
+
+
+def md_table(headers: list[str], rows: list[list]) -> str:
+    def cell(x):
+        if x is None:
+            return "-"
+        if isinstance(x, float):
+            return "inf" if x == float("inf") else f"{x:,.2f}" if abs(x) < 100 else f"{x:,.0f}"
+        return str(x)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def ratio(a, b) -> float | None:
+    return None if a is None or not b or a == float("inf") or b == float("inf") else a / b
+
+
+def save(out_dir: Path, name: str, result: dict, table: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (out_dir / f"{name}.md").write_text(table)
+
+
+def common_arguments(ap) -> None:
+    """Flags both benchmark scripts take."""
+    ap.add_argument("--model", required=True, help="checkpoint directory")
+    ap.add_argument("--out", required=True, help="results and logs go here")
+    ap.add_argument("--leave-gib", type=float, default=None,
+                    help="start a ballast leaving this much GPU memory free (omit: no ballast)")
+    ap.add_argument("--engines", default="moeferry,freetoken", help="comma-separated (default: both)")
+    ap.add_argument("--ours-args", default="", help="extra flags for moeferry only (one string)")
+    ap.add_argument("--ft-args", default="", help="extra flags for FreeToken only (one string)")
+    ap.add_argument("--boot-timeout", type=float, default=240.0, help="seconds for a server to be ready")
+    ap.add_argument("--request-timeout", type=float, default=120.0, help="seconds any one request may wait")
+    ap.add_argument("--engine-budget", type=float, default=180.0,
+                    help="seconds of measurements per engine after boot; later ones are skipped")
+
+
+class Budget:
+    """A deadline for one engine's measurements: `left()` seconds, `over()` when spent."""
+
+    def __init__(self, seconds: float):
+        self.end = time.time() + seconds
+
+    def left(self) -> float:
+        return max(0.0, self.end - time.time())
+
+    def over(self) -> bool:
+        return time.time() >= self.end
+
+
+def start_ballast(leave_gib: float | None, out_dir: Path, h2d: bool) -> tuple[Ballast | None, dict]:
+    """The ballast (or only the H2D measurement when no ballast is asked); ({}, None) without CUDA."""
+    if leave_gib is None and not h2d:
+        return None, {}
+    b = Ballast(leave_gib, out_dir / "ballast.log", h2d=h2d)
+    info = b.info
+    log(f"ballast: {info}")
+    if leave_gib is None or "error" in info:
+        b.stop()
+        return None, info
+    return b, info
+
+
+def engines_to_run(text: str) -> list[str]:
+    names = [e for e in text.split(",") if e]
+    bad = [e for e in names if e not in ENGINES]
+    if bad:
+        raise SystemExit(f"unknown engine(s) {bad}; choose from {ENGINES}")
+    return names

@@ -1,0 +1,86 @@
+"""The runtime OOM guard: an out-of-memory error in a step shrinks the expert cache and retries.
+
+`OomGuard.run(step)` runs one engine step. On `torch.OutOfMemoryError` it releases what the
+failed step left (garbage, the allocator's cached blocks), shrinks the expert cache elastically
+(slots freed, slot table updated, no restart) by the measured transient of the worst step, and
+retries. When nothing can shrink any more (a resident backend, or the cache at its minimum),
+the error goes to the step's requests (`StepOutOfMemory`) and the server keeps serving.
+Every shrink is logged with its numbers and counted.
+
+Test hook: `MOEFERRY_FAULT_OOM_STEPS="3,7"` (read once when the guard is made) raises an
+out-of-memory error at the start of those steps (1-based), as a real one would be raised.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+
+import torch
+
+from moeferry.memory.plan import human_bytes
+
+log = logging.getLogger("moeferry.memory")
+
+MAX_RETRIES = 4
+
+
+class StepOutOfMemory(RuntimeError):
+    """A step ran out of memory and shrinking the expert cache could not help."""
+
+
+class OomGuard:
+    def __init__(self, engine, shrink_bytes: int, min_slots: int = 1):
+        self.engine = engine
+        self.shrink_bytes = shrink_bytes  # how much one shrink frees (the measured worst transient)
+        self.min_slots = min_slots
+        self.steps = 0
+        self.caught = 0
+        self.shrinks: list[dict] = []
+        faults = os.environ.get("MOEFERRY_FAULT_OOM_STEPS", "")
+        self.fault_steps = {int(s) for s in faults.split(",") if s.strip()}
+
+    def run(self, step):
+        self.steps += 1
+        for attempt in range(MAX_RETRIES + 1):
+            try:
+                if attempt == 0 and self.steps in self.fault_steps:
+                    raise torch.OutOfMemoryError(f"injected out-of-memory error in step {self.steps} "
+                                                 "(MOEFERRY_FAULT_OOM_STEPS)")
+                return step()
+            except torch.OutOfMemoryError as e:
+                self.caught += 1
+                self._release()
+                if attempt == MAX_RETRIES or not self._shrink(str(e).splitlines()[0]):
+                    raise StepOutOfMemory(f"out of device memory in step {self.steps} and the expert cache cannot "
+                                          f"shrink further: {str(e).splitlines()[0]}") from None
+        raise AssertionError("unreachable")
+
+    def _release(self) -> None:
+        gc.collect()
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
+            torch.cuda.empty_cache()
+
+    def _shrink(self, why: str) -> bool:
+        experts = self.engine.experts
+        have = experts.expert_slots
+        slot_bytes = getattr(experts, "slot_bytes", 0)
+        if not slot_bytes or have <= self.min_slots:
+            log.error("out of memory (%s); the %s backend has no expert cache to shrink", why, experts.name)
+            return False
+        drop = max(1, -(-self.shrink_bytes // slot_bytes), have // 10)
+        target = max(self.min_slots, have - drop)
+        freed = experts.shrink(target)
+        self._release()
+        self.engine.on_expert_cache_resized(target)
+        record = {"step": self.steps, "slots_before": have, "slots_after": experts.expert_slots,
+                  "bytes_freed": freed, "reason": why}
+        self.shrinks.append(record)
+        log.warning("out of memory in step %d (%s): expert cache shrunk %d -> %d slots, %s freed; retrying",
+                    self.steps, why, have, experts.expert_slots, human_bytes(freed))
+        return True
+
+    def stats(self) -> dict:
+        return {"oom_caught": self.caught, "cache_shrinks": len(self.shrinks),
+                "last_shrink": self.shrinks[-1] if self.shrinks else None}

@@ -1,0 +1,499 @@
+"""Offloaded experts on the CPU (fp32): the `offload`, `cpu` and `hybrid` backends against
+`resident`, and the expert cache against a brute-force LRU simulation.
+
+On a CPU-only machine the "device" is the CPU: slot copies are memcpy and the MoE runs through
+`SlotBuffer.run_reference`, so these tests exercise the real cache logic (fill, hits, misses,
+LRU eviction, the staging area, the CPU lane, the hybrid split, shrink). The reference for
+every output is the resident backend on the same checkpoint; the reference for the cache's
+bookkeeping is a plain-Python LRU replaying the routing trace the executors received.
+"""
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+
+import pytest
+import torch
+
+import moeferry.moe.offload as offload_mod
+from moeferry import LLM
+from moeferry.moe.bandwidth import MissSplit
+from moeferry.moe.bank import HostRamError, plan_loading
+from moeferry.moe.offload import OffloadExperts
+from moeferry.scheduler.sampling import SamplingParams
+from tests.conftest import rel_err
+from tests.test_quant_models import quant_checkpoint  # noqa: F401  (session fixture)
+from tests.test_slot_reference import CASES as SLOT_CASES, _buffer
+
+TOL = 1e-5
+ARCHS = ["qwen3_5_moe", "qwen3_moe"]
+COMMON = dict(dtype="float32", num_tokens=256, max_running_requests=3, max_extend_tokens=8, prefix_cache=False)
+VARIANTS = {
+    "offload-1": dict(moe_backend="offload", moe_cache_size=1),
+    "offload-25%": dict(moe_backend="offload", moe_cache_rate=0.25),
+    "offload-100%": dict(moe_backend="offload", moe_cache_rate=1.0),
+    "cpu": dict(moe_backend="cpu", moe_cache_rate=0.25),
+    "hybrid": dict(moe_backend="hybrid", moe_cache_rate=0.25),
+    "hybrid-max1": dict(moe_backend="hybrid", moe_cache_size=1, moe_hybrid_max_fetch=1),  # both lanes every step
+}
+CHUNKS = [9, 5, 1]  # two prefill chunks, then decode-sized steps
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 4000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPT = _prompt(20, 3)
+BATCH = [_prompt(13, 4), _prompt(6, 5), _prompt(17, 6)]
+
+
+@pytest.fixture(scope="module")
+def ckpt(checkpoint, quant_checkpoint):  # noqa: F811
+    """ckpt(arch, preset) -> checkpoint path (bf16 = the plain fp32 tiny checkpoint)."""
+    return lambda arch, preset: checkpoint(arch) if preset == "bf16" else quant_checkpoint(arch, preset)
+
+
+@pytest.fixture(scope="module")
+def resident(ckpt):
+    """resident(arch, preset) -> the resident LLM of that checkpoint (built once)."""
+    return functools.cache(lambda arch, preset: LLM(str(ckpt(arch, preset)), **COMMON))
+
+
+@pytest.fixture(scope="module")
+def ref_logits(resident):
+    """ref_logits(arch, preset, prompts, chunks) -> resident logits_batch (cached)."""
+    @functools.cache
+    def run(arch, preset, prompts, chunks):
+        return resident(arch, preset).logits_batch([list(p) for p in prompts], list(chunks))
+    return lambda arch, preset, prompts, chunks: run(arch, preset, tuple(map(tuple, prompts)), tuple(chunks))
+
+
+def build(ckpt, arch, preset, variant, **extra) -> LLM:
+    return LLM(str(ckpt(arch, preset)), **COMMON, **{**VARIANTS[variant], **extra})
+
+
+def caches(llm: LLM) -> list:
+    return list({id(c): c for c in llm.engine.experts.caches.values()}.values())
+
+
+def check_all(llm: LLM) -> None:
+    for c in caches(llm):
+        c.check()
+
+
+def contents(llm: LLM) -> list:
+    """Every cache's (owner list, host table), to compare before/after."""
+    return [(list(c.owner), c.host_table.clone()) for c in caches(llm)]
+
+
+def assert_same_contents(a, b) -> None:
+    assert len(a) == len(b)
+    for (owner_a, table_a), (owner_b, table_b) in zip(a, b):
+        assert owner_a == owner_b
+        assert torch.equal(table_a, table_b)
+
+
+@pytest.fixture
+def trace(monkeypatch):
+    """Records (layer, needed experts, tokens) of every offload executor call, in order, and
+    checks every cache's integrity after each call."""
+    calls = []
+    orig = OffloadExperts.__call__
+
+    def call(self, x, ids, weights):
+        calls.append((self.layer, torch.unique(ids).tolist(), x.shape[0]))
+        out = orig(self, x, ids, weights)
+        for c in {id(c): c for c in self.b.caches.values()}.values():
+            c.check()
+        return out
+
+    monkeypatch.setattr(OffloadExperts, "__call__", call)
+    return calls
+
+
+# -- 1. logits equal resident's, through chunked prefill and decode -----------------------------
+QUANT_CASES = [
+    ("qwen3_5_moe", "mixed_nvfp4", "offload-1"), ("qwen3_5_moe", "mixed_nvfp4", "cpu"),
+    ("qwen3_5_moe", "mixed_nvfp4", "hybrid-max1"), ("qwen3_moe", "mixed_nvfp4", "offload-25%"),
+    ("qwen3_moe", "mixed_nvfp4", "offload-100%"), ("qwen3_moe", "mixed_nvfp4", "hybrid"),
+    ("qwen3_5_moe", "int4_awq", "offload-25%"), ("qwen3_5_moe", "int4_awq", "hybrid"),
+    ("qwen3_5_moe", "int4_awq", "offload-100%"), ("qwen3_moe", "int4_awq", "offload-1"),
+    ("qwen3_moe", "int4_awq", "cpu"), ("qwen3_moe", "int4_awq", "hybrid-max1"),
+    ("qwen3_5_moe", "fp8_block", "offload-1"), ("qwen3_5_moe", "fp8_block", "cpu"),
+    ("qwen3_5_moe", "fp8_block", "offload-100%"), ("qwen3_moe", "fp8_block", "offload-25%"),
+    ("qwen3_moe", "fp8_block", "hybrid-max1"), ("qwen3_moe", "fp8_block", "hybrid"),
+]
+LOGIT_CASES = [(a, "bf16", v) for a in ARCHS for v in VARIANTS] + QUANT_CASES
+
+
+@pytest.mark.parametrize("arch,preset,variant", LOGIT_CASES, ids=["-".join(c) for c in LOGIT_CASES])
+def test_logits_equal_resident(arch, preset, variant, ckpt, ref_logits, trace):
+    llm = build(ckpt, arch, preset, variant)
+    got = llm.logits(PROMPT, chunk_size=CHUNKS)
+    want = ref_logits(arch, preset, [PROMPT], CHUNKS)[0]
+    assert got.shape == want.shape
+    assert rel_err(got, want) <= TOL
+    assert trace and max(t for _, _, t in trace) == CHUNKS[0] and min(t for _, _, t in trace) == 1
+    s = llm.engine.stats()["experts"]
+    assert s["backend"] == VARIANTS[variant]["moe_backend"]
+    assert s["hits"] + s["misses"] == sum(len(n) for _, n, _ in trace)
+    if variant == "offload-100%":
+        assert s["misses"] == 0 and s["bytes_fetched"] == 0 and s["hit_rate"] == 1.0
+    elif variant.startswith("offload"):
+        assert s["misses"] > 0 and s["cpu_experts"] == 0
+    if variant == "cpu":
+        assert s["bytes_fetched"] == 0 and s["cpu_experts"] == s["misses"] > 0
+    if variant == "hybrid-max1":  # one fetch per layer and step at most, the rest on the CPU
+        assert 0 < s["cpu_experts"] < s["misses"]
+
+
+# -- 2. greedy generation identical to resident's, batched and alone -----------------------------
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+GEN_CASES = [("qwen3_5_moe", "bf16", "offload-1"), ("qwen3_moe", "bf16", "offload-25%"),
+             ("qwen3_moe", "bf16", "cpu"), ("qwen3_5_moe", "bf16", "hybrid-max1"),
+             ("qwen3_5_moe", "mixed_nvfp4", "cpu"), ("qwen3_moe", "int4_awq", "offload-1")]
+
+
+@pytest.fixture(scope="module")
+def ref_generate(resident):
+    @functools.cache
+    def run(arch, preset):
+        llm = resident(arch, preset)
+        return [o.token_ids for o in llm.generate(BATCH, GREEDY)], llm.generate([BATCH[2]], GREEDY)[0].token_ids
+    return run
+
+
+@pytest.mark.parametrize("arch,preset,variant", GEN_CASES, ids=["-".join(c) for c in GEN_CASES])
+def test_greedy_generate_equals_resident(arch, preset, variant, ckpt, ref_generate):
+    batched, alone = ref_generate(arch, preset)
+    llm = build(ckpt, arch, preset, variant)
+    outs = llm.generate(BATCH, GREEDY)  # 3 running at once, prompts prefilled in chunks of 8
+    assert [o.token_ids for o in outs] == batched
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in outs)
+    assert llm.generate([BATCH[2]], GREEDY)[0].token_ids == alone
+    check_all(llm)
+
+
+# -- 3. LRU order and counters against a brute-force simulation ----------------------------------
+class BruteForceLRU:
+    """A global LRU over (layer, expert): every key stamped with its last use; a miss takes a
+    free slot or evicts the oldest key the step does not need, and when every cached key is
+    needed the remaining misses get no slot (they are streamed)."""
+
+    def __init__(self, num_slots: int, cached: list):
+        """`cached`: the keys in the cache, least recently used first."""
+        self.num_slots, self.clock, self.last_use = num_slots, 0, {}
+        self.hits, self.misses = defaultdict(int), defaultdict(int)
+        for key in cached:
+            self._use(key)
+
+    @classmethod
+    def booted(cls, num_slots: int, layers: list[int], num_experts: int) -> "BruteForceLRU":
+        """After the boot fill: slots spread evenly over the layers, experts 0..n-1 of each."""
+        per, extra = divmod(num_slots, len(layers))
+        return cls(num_slots, [(layer, e) for i, layer in enumerate(layers)
+                               for e in range(min(per + (i < extra), num_experts))])
+
+    def _use(self, key) -> None:
+        self.clock += 1
+        self.last_use[key] = self.clock
+
+    def step(self, layer: int, needed: list[int]) -> None:
+        hits = [e for e in needed if (layer, e) in self.last_use]
+        misses = [e for e in needed if (layer, e) not in self.last_use]
+        self.hits[layer] += len(hits)
+        self.misses[layer] += len(misses)
+        for e in hits:
+            self._use((layer, e))
+        for e in misses:
+            if len(self.last_use) == self.num_slots:
+                evictable = [k for k in self.last_use if k[0] != layer or k[1] not in needed]
+                if not evictable:
+                    break
+                del self.last_use[min(evictable, key=self.last_use.__getitem__)]
+            self._use((layer, e))
+
+    def order(self) -> list:
+        return sorted(self.last_use, key=self.last_use.__getitem__)
+
+
+def replay(llm: LLM, trace) -> BruteForceLRU:
+    (cache,) = caches(llm)
+    sim = BruteForceLRU.booted(cache.num_slots, cache.layers, cache.num_experts)
+    for layer, needed, _ in trace:
+        sim.step(layer, needed)
+    return sim
+
+
+def assert_matches_simulation(llm: LLM, trace) -> None:
+    sim = replay(llm, trace)
+    (cache,) = caches(llm)
+    stats = llm.engine.stats()["experts"]
+    for layer in cache.layers:
+        c = cache.counters[layer]
+        assert (c.hits, c.misses) == (sim.hits[layer], sim.misses[layer]), layer
+        assert stats["layers"][str(layer)]["hits"] == sim.hits[layer]
+    assert list(cache.policy.order) == sim.order()  # LRU order, oldest first
+    assert {k for k in cache.owner if k is not None} == set(sim.last_use)
+    for (layer, e) in sim.last_use:
+        s = cache.slot_of(layer, e)
+        assert s >= 0 and cache.owner[s] == (layer, e)
+    assert int((cache.host_table >= 0).sum()) == len(sim.last_use)
+
+
+@pytest.mark.parametrize("arch,slots", [("qwen3_5_moe", 6), ("qwen3_moe", 3), ("qwen3_5_moe", 1)])
+def test_lru_and_counters_match_brute_force(arch, slots, ckpt, ref_logits, trace):
+    llm = build(ckpt, arch, "bf16", "offload-1", moe_cache_size=slots)
+    (cache,) = caches(llm)
+    assert cache.num_slots == slots
+    got = llm.logits_batch(BATCH, [5, 3, 1])
+    for g, w in zip(got, ref_logits(arch, "bf16", BATCH, [5, 3, 1])):
+        assert rel_err(g, w) <= TOL
+    assert_matches_simulation(llm, trace)
+    first = len(trace)
+    llm.logits(PROMPT, chunk_size=CHUNKS)  # the cache carries over from the previous sequences
+    assert len(trace) > first
+    assert_matches_simulation(llm, trace)
+
+
+# -- 4. a cache smaller than one step's working set ---------------------------------------------
+@pytest.mark.parametrize("arch,preset", [("qwen3_moe", "bf16"), ("qwen3_5_moe", "fp8_block")])
+def test_cache_smaller_than_the_working_set(arch, preset, ckpt, ref_logits, trace):
+    llm = build(ckpt, arch, preset, "offload-1")
+    prompts = BATCH + [_prompt(9, 7)]
+    got = llm.logits_batch(prompts, [4, 1])
+    for g, w in zip(got, ref_logits(arch, preset, prompts, [4, 1])):
+        assert rel_err(g, w) <= TOL
+    assert max(len(n) for _, n, _ in trace) > 1  # steps needed more experts than the one slot
+    decode = [n for _, n, t in trace if t == len(prompts)]
+    assert decode and max(map(len, decode)) > 1  # ... decode steps of the batch too
+    assert_matches_simulation(llm, trace)
+    s = llm.engine.stats()["experts"]
+    assert s["bytes_fetched"] == s["misses"] * llm.engine.experts.slot_bytes
+
+
+# -- 5. prefill streaming through the staging area ----------------------------------------------
+@pytest.mark.parametrize("preset,overlap", [("bf16", True), ("bf16", False), ("mixed_nvfp4", True)])
+def test_prefill_streams_without_touching_the_cache(preset, overlap, ckpt, ref_logits, monkeypatch, trace):
+    arch = "qwen3_5_moe"
+    monkeypatch.setattr(offload_mod, "STAGING_SLOTS", 2)  # 2 slots per staging half: a tiny layer streams
+    streamed = []
+    orig_stream = OffloadExperts._stream
+    monkeypatch.setattr(OffloadExperts, "_stream", lambda self, x, ids, w, experts: (
+        streamed.append((self.layer, list(experts), x.shape[0])), orig_stream(self, x, ids, w, experts))[1])
+    llm = build(ckpt, arch, preset, "offload-25%", moe_prefill_overlap=overlap)
+    backend = llm.engine.experts
+    assert backend.staging_bytes == 2 * 2 * backend.slot_bytes  # one layout group, 2 halves of 2 slots
+    assert backend.device_bytes == backend.expert_slots * backend.slot_bytes + backend.staging_bytes
+
+    before = contents(llm)
+    prompt = _prompt(24, 8)
+    got = llm.logits(prompt)  # one 24-token prefill chunk
+    assert rel_err(got, ref_logits(arch, preset, [prompt], [24])[0]) <= TOL
+    assert streamed and all(t == 24 for _, _, t in streamed)
+    assert max(len(e) for _, e, _ in streamed) > 2  # more misses than a staging half: several chunks
+    assert_same_contents(before, contents(llm))  # prefill did not flush the decode cache
+    s = llm.engine.stats()["experts"]
+    assert s["misses"] > 0 and s["bytes_fetched"] == s["misses"] * backend.slot_bytes
+
+    got = llm.logits(PROMPT, chunk_size=[16, 1])  # a streamed prefill, then the decode path
+    assert rel_err(got, ref_logits(arch, preset, [PROMPT], [16, 1])[0]) <= TOL
+    decode_changed = any(o1 != o2 for (o1, _), (o2, _) in zip(before, contents(llm)))
+    assert decode_changed  # decode steps fetched misses into the cache
+    check_all(llm)
+
+
+# -- 6. cpu backend, first layer entirely on the CPU ---------------------------------------------
+@pytest.mark.parametrize("arch,preset", [("qwen3_moe", "bf16"), ("qwen3_5_moe", "mixed_nvfp4")])
+def test_cpu_layers(arch, preset, ckpt, ref_logits, trace):
+    llm = build(ckpt, arch, preset, "cpu", moe_cpu_layers=1, moe_cache_rate=None, moe_cache_size=6)
+    backend = llm.engine.experts
+    first = min(backend.banks)
+    assert backend.cpu_layers == {first}
+    assert first not in backend.caches and backend.executors[first].cache is None
+    assert all(first not in c.layers for c in caches(llm))
+    assert backend.expert_slots == 6
+    got = llm.logits(PROMPT, chunk_size=CHUNKS)
+    assert rel_err(got, ref_logits(arch, preset, [PROMPT], CHUNKS)[0]) <= TOL
+    s = llm.engine.stats()["experts"]
+    assert str(first) not in s["layers"] and s["bytes_fetched"] == 0
+    on_first = sum(len(n) for layer, n, _ in trace if layer == first)
+    assert backend.executors[first].cpu_experts == on_first > 0
+    assert s["cpu_experts"] == on_first + s["misses"]
+
+
+def test_negative_cpu_layers_is_refused(ckpt):
+    with pytest.raises(ValueError, match="moe_cpu_layers"):  # sorted(banks)[:-1] would be every layer but one
+        LLM(str(ckpt("qwen3_moe", "bf16")), **COMMON, moe_backend="cpu", moe_cache_size=4, moe_cpu_layers=-1)
+
+
+# -- 7. hybrid: the split ------------------------------------------------------------------------
+def _brute_fetch_count(fetch_s: float, costs: list[float], cap: int | None) -> int:
+    """The smallest n minimising max(n * fetch_s, cost of the misses left to the CPU)."""
+    times = [(max(n * fetch_s, sum(costs[n:])), n) for n in range(len(costs) + 1)]
+    best = min(times)[1]
+    return best if cap is None else min(best, cap)
+
+
+def test_miss_split_fetch_count_is_the_brute_force_optimum():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        m = int(torch.randint(0, 12, (1,), generator=gen))
+        costs = sorted(torch.randint(1, 40, (m,), generator=gen).float().tolist(), reverse=True)
+        fetch_s = float(torch.randint(1, 60, (1,), generator=gen))  # integers: exact float sums
+        cap = None if trial % 3 else int(torch.randint(0, 5, (1,), generator=gen))
+        split = MissSplit(fetch_s, 1.0, cap)
+        assert split.fetch_count(costs) == _brute_fetch_count(fetch_s, costs, cap), (fetch_s, costs, cap)
+    # the extremes: free fetches take everything, free CPU takes nothing
+    assert MissSplit(1e-9, 1.0).fetch_count([1.0] * 5) == 5
+    assert MissSplit(1e9, 1.0).fetch_count([1.0] * 5) == 0
+
+
+def test_miss_split_divide_fetches_the_busiest_experts():
+    split = MissSplit(fetch_s=2.0, cpu_s=1.0)
+    ids = torch.tensor([[1, 4], [4, 6], [4, 1], [6, 4], [3, 4]])  # 4: 5 tokens, 1: 2, 6: 2, 3: 1
+    fetch, on_cpu = split.divide([1, 3, 4, 6], ids)
+    assert sorted(fetch + on_cpu) == [1, 3, 4, 6] and not set(fetch) & set(on_cpu)
+    assert fetch[0] == 4 and set(on_cpu) <= {1, 3, 6}
+    assert len(fetch) == _brute_fetch_count(2.0, [5.0, 2.0, 2.0, 1.0], None)
+    capped = MissSplit(fetch_s=1e-9, cpu_s=1.0, max_fetch=2)
+    fetch, on_cpu = capped.divide([1, 3, 4, 6], ids)
+    assert len(fetch) == 2 and fetch[0] == 4 and len(on_cpu) == 2
+
+
+def test_hybrid_max_fetch_caps_fetches(ckpt, ref_logits, monkeypatch):
+    arch = "qwen3_moe"
+    fetched = []
+    orig = MissSplit.divide
+    monkeypatch.setattr(MissSplit, "divide", lambda self, misses, ids: (
+        lambda r: (fetched.append((len(misses), len(r[0]))), r)[1])(orig(self, misses, ids)))
+    llm = build(ckpt, arch, "bf16", "hybrid", moe_cache_size=2, moe_hybrid_max_fetch=1)
+    backend = llm.engine.experts
+    assert backend.split.max_fetch == 1 and backend.split.fetch_s > 0 and backend.split.cpu_s > 0
+    got = llm.logits_batch(BATCH, [5, 1])
+    for g, w in zip(got, ref_logits(arch, "bf16", BATCH, [5, 1])):
+        assert rel_err(g, w) <= TOL
+    assert fetched and all(n <= 1 for _, n in fetched)
+    assert any(m > 1 for m, _ in fetched)  # the cap bound: more misses than fetches
+    s = llm.engine.stats()["experts"]
+    assert s["cpu_experts"] == sum(m - n for m, n in fetched) > 0
+    assert s["bytes_fetched"] == sum(n for _, n in fetched) * backend.slot_bytes
+    check_all(llm)
+
+    # an even split (a fetch costs one CPU expert-token) uses both lanes within a step
+    monkeypatch.setattr(backend, "split", MissSplit(fetch_s=1.0, cpu_s=1.0))
+    fetched.clear()
+    got = llm.logits(PROMPT, chunk_size=CHUNKS)
+    assert rel_err(got, ref_logits(arch, "bf16", [PROMPT], CHUNKS)[0]) <= TOL
+    assert any(0 < n < m for m, n in fetched)
+    check_all(llm)
+
+
+# -- 8. counters and Engine.stats() ----------------------------------------------------------------
+def test_counters_and_stats(ckpt, resident):
+    llm = build(ckpt, "qwen3_5_moe", "bf16", "offload-25%")
+    backend = llm.engine.experts
+    s = llm.engine.stats()["experts"]
+    assert set(s) == {"backend", "slots", "device_bytes", "host_bytes", "hits", "misses", "hit_rate",
+                      "bytes_fetched", "cpu_experts", "layers"}
+    assert (s["hits"], s["misses"], s["hit_rate"], s["bytes_fetched"]) == (0, 0, None, 0)  # boot fill is no traffic
+    total = llm.spec.num_layers * llm.spec.num_experts
+    assert s["slots"] == total // 4 and backend.experts_total == total
+    assert s["host_bytes"] == total * backend.slot_bytes
+    assert s["device_bytes"] == s["slots"] * backend.slot_bytes + backend.staging_bytes
+    llm.logits_batch(BATCH, [5, 1])
+    s = llm.engine.stats()["experts"]
+    layers = s["layers"]
+    assert set(layers) == {str(i) for i in range(llm.spec.num_layers)}
+    assert s["hits"] == sum(v["hits"] for v in layers.values()) > 0
+    assert s["misses"] == sum(v["misses"] for v in layers.values()) > 0
+    assert s["hit_rate"] == round(s["hits"] / (s["hits"] + s["misses"]), 4)
+    for v in layers.values():
+        assert set(v) == {"hits", "misses", "bytes_fetched", "hit_rate"}
+        assert v["bytes_fetched"] == v["misses"] * backend.slot_bytes  # decode path: every miss one slot copy
+        assert v["hit_rate"] == round(v["hits"] / (v["hits"] + v["misses"]), 4)
+    assert s["bytes_fetched"] == s["misses"] * backend.slot_bytes
+    res = resident("qwen3_5_moe", "bf16").engine.stats()["experts"]
+    assert res["backend"] == "resident" and res["device_bytes"] > 0
+
+
+# -- 9. host RAM and the bank loading mode -------------------------------------------------------------
+def test_plan_loading(monkeypatch):
+    gib = 2 ** 30
+    monkeypatch.setattr("moeferry.moe.bank.os.cpu_count", lambda: 4)
+    with pytest.raises(HostRamError) as e:
+        plan_loading(10 * gib, gib, "auto", available=5 * gib)
+    msg = str(e.value)
+    assert "10.00 GiB" in msg and "1.00 GiB" in msg and "5.00 GiB" in msg
+    for mode in ("serial", "parallel"):
+        with pytest.raises(HostRamError):
+            plan_loading(10 * gib, gib, mode, available=11 * gib - 1)
+    assert plan_loading(10 * gib, gib, "serial", available=100 * gib) == 1
+    assert plan_loading(10 * gib, gib, "parallel", available=100 * gib) == 4
+    assert plan_loading(10 * gib, gib, "parallel", available=12 * gib) == 4  # asked for: read anyway (warned)
+    assert plan_loading(10 * gib, gib, "auto", available=14 * gib) == 4  # banks + 4 layers in flight fit
+    assert plan_loading(10 * gib, gib, "auto", available=14 * gib - 1) == 1
+    assert plan_loading(10 * gib, gib, "auto", available=100 * gib, max_threads=1) == 1
+
+
+def test_parallel_load_builds_identical_banks(ckpt, monkeypatch):
+    monkeypatch.setattr("moeferry.moe.bank.os.cpu_count", lambda: 4)
+    path = str(ckpt("qwen3_5_moe", "int4_awq"))
+    serial = LLM(path, **COMMON, moe_backend="offload", moe_cache_size=4, expert_load="serial")
+    parallel = LLM(path, **COMMON, moe_backend="offload", moe_cache_size=4, expert_load="parallel")
+    assert serial.engine.experts.load_threads == 1 and parallel.engine.experts.load_threads == 4
+    for layer, bank in serial.engine.experts.banks.items():
+        other = parallel.engine.experts.banks[layer]
+        for mine, theirs in ((bank.gate_up, other.gate_up), (bank.down, other.down)):
+            a, b = mine.tensors(), theirs.tensors()
+            assert a.keys() == b.keys()
+            for k in a:
+                assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), (layer, k)
+    assert torch.equal(serial.logits(PROMPT, chunk_size=[9, 1]), parallel.logits(PROMPT, chunk_size=[9, 1]))
+
+    monkeypatch.setattr("moeferry.moe.bank.available_host_ram", lambda: 1000)
+    with pytest.raises(HostRamError, match="not enough host RAM"):
+        LLM(path, **COMMON, moe_backend="offload", moe_cache_size=4)
+
+
+# -- 10. elastic shrink ----------------------------------------------------------------------------------
+def test_shrink_keeps_the_most_recently_used(ckpt, ref_logits, trace):
+    arch = "qwen3_moe"
+    llm = build(ckpt, arch, "bf16", "offload-100%")
+    backend = llm.engine.experts
+    (cache,) = caches(llm)
+    llm.logits_batch(BATCH, [5, 1])  # all hits: the LRU order is the order of use
+    order = list(cache.policy.order)
+    before = backend.device_bytes
+    freed = backend.shrink(5)
+    assert freed == (32 - 5) * backend.slot_bytes == before - backend.device_bytes
+    assert cache.num_slots == backend.expert_slots == 5
+    cache.check()
+    assert list(cache.policy.order) == order[-5:]  # the five most recently used, in LRU order
+    for slot, key in enumerate(cache.owner):  # the kept slots still hold their experts
+        bank = backend.banks[key[0]]
+        for m, src in ((cache.buffer.gate_up, bank.gate_up), (cache.buffer.down, bank.down)):
+            for name, t in m.tensors().items():
+                assert torch.equal(t[slot], src.tensors()[name][key[1]])
+    assert backend.shrink(5) == 0
+    trace.clear()
+    sim_start = list(cache.policy.order)
+    got = llm.logits(PROMPT, chunk_size=CHUNKS)
+    assert rel_err(got, ref_logits(arch, "bf16", [PROMPT], CHUNKS)[0]) <= TOL
+    # the shrunk cache continues as an LRU of 5 slots from the kept order
+    lru = BruteForceLRU(5, sim_start)
+    for layer, needed, _ in trace:
+        lru.step(layer, needed)
+    assert list(cache.policy.order) == lru.order()
+    assert {k for k in cache.owner if k is not None} == set(lru.last_use)
+
+
+# -- the CPU reference over an empty set of slots (a cpu-backend step with no cache hits) ------------
+@pytest.mark.parametrize("case", sorted(SLOT_CASES))
+def test_dense_slots_of_no_slots(case):
+    buf, _, _, gen = _buffer(case, 0, 3, seed=5)
+    assert buf.gate_up.dense_slots([], torch.float32).shape == (0, buf.gate_up.n, buf.gate_up.k)
+    assert buf.down.dense_slots([], torch.float32).shape == (0, buf.down.n, buf.down.k)
+    x, ids, w = torch.randn(4, buf.hidden, generator=gen), torch.tensor([[0, 1]] * 4), torch.full((4, 2), 0.5)
+    out = buf.run_reference(x, ids, w, torch.full((3,), -1, dtype=torch.int32))  # every expert missing
+    assert torch.equal(out, torch.zeros_like(x))
