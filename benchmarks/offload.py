@@ -34,8 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving import (  # noqa: E402
-    Budget, Prompts, common_arguments, decode, engines_to_run, log, md_table, pcie_bound, prefill, ratio,
-    run_engine, save, split_args, start_ballast,
+    Budget, Prompts, ballast_note, common_arguments, compare, decode, log, md_table, pcie_bound, prefill, ratio, split_args,
 )
 
 BIG_COPY = str(64 * 2**20)
@@ -73,7 +72,7 @@ def scenario(args, prompts: Prompts, budget_s: float):
 def render(info: dict, rows: list[dict], prefill_n: int) -> str:
     bw = (info.get("ballast") or {}).get("h2d_bytes_per_s") or {}
     head = (f"{info['date']}, {info.get('device') or info['machine']}; checkpoint {info['model']}; "
-            f"shared flags `{info['flags']}`; ballast left {info.get('free_gib', '-')} GiB free; pinned H2D "
+            f"shared flags `{info['flags']}`; {ballast_note(info)}; pinned H2D "
             + ", ".join(f"{int(k) // 2**20} MiB copies {v / 1e9:.1f} GB/s" for k, v in bw.items()) + "\n\n")
     headers = ["engine", "boot s", f"prefill {prefill_n} s", "decode b1 tok/s", "decode b4 tok/s", "hit rate b1",
                "hit rate b4", "PCIe bound b1 tok/s", "b1 / bound", "PCIe bound b4 tok/s"]
@@ -114,36 +113,21 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens of the prefill measurement")
     ap.add_argument("--out-tokens", type=int, default=128, help="tokens per stream in the decode measurements")
     args = ap.parse_args()
-    out = Path(args.out)
     flags = split_args(args.flags)
-    ballast, binfo = start_ballast(args.leave_gib, out, h2d=True)
     info = {"date": date.today().isoformat(), "machine": platform.node(), "model": str(args.model),
-            "flags": args.flags, "ballast": binfo, "device": binfo.get("device"), "free_gib": binfo.get("free_gib"),
-            "prefill_tokens": args.prefill, "out_tokens": args.out_tokens}
-    h2d = (binfo.get("h2d_bytes_per_s") or {}).get(BIG_COPY)
-    rows = []
-    try:
-        if args.leave_gib is not None and ballast is None:
-            raise SystemExit(f"ballast failed: {binfo}")
-        prompts = Prompts(args.model)
-        for i, engine in enumerate(engines_to_run(args.engines)):
-            eflags = ["--model", str(args.model), "--port", str(args.port + i), *flags]
-            extra = split_args(args.ours_args if engine == "moeferry" else args.ft_args)
-            min_free = None if ballast is None else binfo["free_gib"] - 0.5
-            r = run_engine(engine, eflags, extra, out, "offload", args.boot_timeout,
-                           scenario(args, prompts, args.engine_budget), min_free_gib=min_free)
-            for b in (1, 4):
-                r[f"bound_b{b}"] = pcie_bound((r.get(f"decode_b{b}") or {}).get("bytes_per_token"), h2d)
-            rows.append(r)
-            save(out, "offload", {"info": info, "rows": rows}, render(info, rows, args.prefill))
-    finally:
-        if ballast is not None:
-            ballast.stop()
-    table = render(info, rows, args.prefill)
-    save(out, "offload", {"info": info, "rows": rows}, table)
-    print(table)
-    return 0 if rows and all(r.get("booted") or r.get("skipped") for r in rows) else 1
+            "flags": args.flags, "prefill_tokens": args.prefill, "out_tokens": args.out_tokens}
 
+    def flags_of(i: int) -> list[str]:
+        return ["--model", str(args.model), "--port", str(args.port + i), *flags]
+
+    def bounds(row: dict, info: dict) -> None:
+        h2d = ((info.get("ballast") or {}).get("h2d_bytes_per_s") or {}).get(BIG_COPY)
+        for b in (1, 4):
+            row[f"bound_b{b}"] = pcie_bound((row.get(f"decode_b{b}") or {}).get("bytes_per_token"), h2d)
+
+    rows = compare(args, "offload", info, flags_of, lambda prompts: scenario(args, prompts, args.engine_budget),
+                   lambda info, rows: render(info, rows, args.prefill), h2d=True, after=bounds)
+    return 0 if rows and all(r.get("booted") or r.get("skipped") for r in rows) else 1
 
 if __name__ == "__main__":
     sys.exit(main())

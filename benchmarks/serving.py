@@ -462,8 +462,11 @@ def freetoken_slots(log_text: str, cache_status) -> int | None:
 
 
 def moeferry_slots(cache_status, stats) -> int | None:
-    """moeferry's expert slots: the plan in /v1/cache/status, else /v1/stats experts.slots."""
-    for doc in (cache_status, cache_status.get("plan") if isinstance(cache_status, dict) else None):
+    """moeferry's expert slots: /v1/cache/status (its plan, its engine section or top level),
+    else /v1/stats experts.slots."""
+    docs = [cache_status] if isinstance(cache_status, dict) else []
+    docs += [cache_status.get(k) for k in ("plan", "engine")] if docs else []
+    for doc in docs:
         if isinstance(doc, dict) and isinstance(doc.get("expert_slots"), int):
             return doc["expert_slots"]
     counters = expert_counters(stats)
@@ -574,9 +577,45 @@ def start_ballast(leave_gib: float | None, out_dir: Path, h2d: bool) -> tuple[Ba
     return b, info
 
 
+def ballast_note(info: dict) -> str:
+    free = info.get("free_gib")
+    return "no ballast" if free is None else f"ballast left {free} GiB free (of {info['ballast'].get('total_gib')})"
+
+
 def engines_to_run(text: str) -> list[str]:
     names = [e for e in text.split(",") if e]
     bad = [e for e in names if e not in ENGINES]
     if bad:
         raise SystemExit(f"unknown engine(s) {bad}; choose from {ENGINES}")
     return names
+
+
+def compare(args, name: str, info: dict, flags_of, make_scenario, render, h2d: bool, after=None) -> list[dict]:
+    """The shared frame of both benchmarks: the ballast (and the H2D measurement if `h2d`),
+    then each engine of `--engines` in turn: `run_engine` with `flags_of(index)`, the
+    engine-only extra flags and `make_scenario(prompts)`; `after(row, info)` adds derived
+    numbers; results are saved after every engine and the table printed at the end."""
+    out = Path(args.out)
+    ballast, binfo = start_ballast(args.leave_gib, out, h2d)
+    info.update(ballast=binfo, device=binfo.get("device"), free_gib=binfo.get("free_gib"))
+    rows: list[dict] = []
+    try:
+        if args.leave_gib is not None and ballast is None:
+            raise SystemExit(f"ballast failed: {binfo}")
+        prompts = Prompts(args.model)
+        for i, engine in enumerate(engines_to_run(args.engines)):
+            extra = split_args(args.ours_args if engine == "moeferry" else args.ft_args)
+            min_free = None if ballast is None else binfo["free_gib"] - 0.5
+            row = run_engine(engine, flags_of(i), extra, out, name, args.boot_timeout, make_scenario(prompts),
+                             min_free_gib=min_free)
+            if after is not None:
+                after(row, info)
+            rows.append(row)
+            save(out, name, {"info": info, "rows": rows}, render(info, rows))
+    finally:
+        if ballast is not None:
+            ballast.stop()
+    table = render(info, rows)
+    save(out, name, {"info": info, "rows": rows}, table)
+    print(table, flush=True)
+    return rows

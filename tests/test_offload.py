@@ -27,7 +27,7 @@ from tests.test_slot_reference import CASES as SLOT_CASES, _buffer
 
 TOL = 1e-5
 ARCHS = ["qwen3_5_moe", "qwen3_moe"]
-COMMON = dict(dtype="float32", num_tokens=256, max_running_requests=3, max_extend_tokens=8, prefix_cache=False)
+COMMON = dict(dtype="float32", num_tokens=256, max_running_requests=4, max_extend_tokens=8, prefix_cache=False)
 VARIANTS = {
     "offload-1": dict(moe_backend="offload", moe_cache_size=1),
     "offload-25%": dict(moe_backend="offload", moe_cache_rate=0.25),
@@ -45,6 +45,16 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 PROMPT = _prompt(20, 3)
 BATCH = [_prompt(13, 4), _prompt(6, 5), _prompt(17, 6)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: these steps are tiny, and on a shared 2-core machine two spinning
+    OpenMP threads per step cost far more than they give (25x slower under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +177,7 @@ def ref_generate(resident):
 def test_greedy_generate_equals_resident(arch, preset, variant, ckpt, ref_generate):
     batched, alone = ref_generate(arch, preset)
     llm = build(ckpt, arch, preset, variant)
-    outs = llm.generate(BATCH, GREEDY)  # 3 running at once, prompts prefilled in chunks of 8
+    outs = llm.generate(BATCH, GREEDY)  # all 3 running at once, prompts prefilled in chunks of 8
     assert [o.token_ids for o in outs] == batched
     assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in outs)
     assert llm.generate([BATCH[2]], GREEDY)[0].token_ids == alone

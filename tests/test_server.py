@@ -247,3 +247,23 @@ def test_stats_count_requests_and_pools(server):
     assert stats["kv"]["tokens_total"] == 131072
     assert stats["state_slots"]["total"] == 2 * 1 + 8
     assert set(stats["throughput"]) == {"window_s", "prefill_tokens_per_s", "decode_tokens_per_s"}
+
+
+def test_cache_status_serves_the_plan(server):
+    """/v1/cache/status: the memory plan the seed line resolved (offload, auto cache, KV floor), and
+    /health and /v1/stats carry its headline and the expert-cache counters."""
+    status = server.http.get("/v1/cache/status").json()
+    plan = status["plan"]
+    assert plan["kv_tokens"] >= 131072 and plan["expert_slots"] >= 1
+    terms = plan["terms"]
+    assert set(terms) >= {"weights", "experts", "staging", "kv", "states", "transient", "graphs", "margin"}
+    assert terms["transient"]["source"].startswith("measured") and terms["weights"]["source"].startswith("measured")
+    assert plan["total_bytes"] <= plan["usable"]["bytes"]
+    assert "transient" in status["plan_table"]
+    health = server.health()
+    assert health["engine"]["expert_slots"] == plan["expert_slots"] and health["engine"]["moe_backend"] == "offload"
+    deadline = time.monotonic() + 10
+    while (stats := server.http.get("/v1/stats").json())["experts"] is None and time.monotonic() < deadline:
+        time.sleep(0.2)  # the worker reports its counters a few times a second
+    assert stats["experts"]["backend"] == "offload" and stats["experts"]["slots"] == plan["expert_slots"]
+    assert stats["memory"]["oom_caught"] == 0

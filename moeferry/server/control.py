@@ -34,7 +34,8 @@ def _headline(sup) -> dict:
     experts = sup.worker_stats.get("experts") or {}
     memory = sup.worker_stats.get("memory") or {}
     out = {"context_limit": sizes.max_seq_len, "kv_tokens": sizes.kv_tokens, "state_slots": sizes.num_state_slots,
-           "expert_slots": experts.get("slots", sizes.expert_slots), "moe_backend": experts.get("backend"),
+           "expert_slots": experts.get("slots", sizes.expert_slots),
+           "moe_backend": experts.get("backend") or sup.ready.details.get("moe_backend"),
            "cache_shrinks": memory.get("cache_shrinks", 0)}
     plan = sup.ready.plan
     if plan:

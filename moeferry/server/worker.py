@@ -43,7 +43,7 @@ def build_scheduler(spec: WorkerSpec, progress):
     info = dict(vocab_size=engine.spec.vocab_size, sizes=engine.sizes, eos_token_ids=tuple(engine.spec.eos_token_ids),
                 details={"architecture": engine.spec.architecture, "layers": engine.spec.num_layers,
                          "experts": f"{engine.spec.num_experts} (top {engine.spec.top_k})",
-                         "engine": engine.describe()},
+                         "engine": engine.describe(), "moe_backend": engine.cfg.moe_backend},
                 plan=engine.plan.to_dict() if engine.plan else None,
                 plan_table=engine.plan.table() if engine.plan else None)
     return Scheduler(engine), info
