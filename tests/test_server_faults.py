@@ -54,7 +54,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", chat(max_completion_tokens=0), 400, "invalid_value", "max_tokens"),
     ("/v1/chat/completions", chat(top_p=1.5), 400, "invalid_value", "top_p"),
     ("/v1/chat/completions", chat(top_logprobs=3), 400, None, "top_logprobs"),
-    ("/v1/chat/completions", chat(n=3), 400, None, "n"),
+    ("/v1/chat/completions", chat(n=17), 400, "invalid_value", "n"),
     ("/v1/chat/completions", chat(seed=2**70), 400, "invalid_value", "seed"),
     ("/v1/chat/completions", b'{"model": "tiny-faults", "messages": [{"role": "user", "content": "hi"}], '
      b'"temperature": NaN}', 400, "invalid_value", "temperature"),
