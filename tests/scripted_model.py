@@ -11,6 +11,19 @@ from moeferry.scheduler.scheduler import RequestRejected
 from moeferry.text.tokenizer import Tokenizer
 
 OPEN, CLOSE = "REPLY[[", "]]END"
+NAME = "scripted"
+
+
+def scripted_config(model_dir: str, *extra: str):
+    """The ServeConfig of a scripted server (CPU, 4096-token context) with extra serve flags."""
+    import argparse
+
+    from moeferry.config import ServeConfig, add_serve_arguments
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    return ServeConfig.from_args(p.parse_args(["--model", model_dir, "--device", "cpu", "--served-model-name", NAME,
+                                               "--max-seq-len-override", "4096", *extra]))
 
 
 class ScriptedScheduler:

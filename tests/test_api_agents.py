@@ -3,17 +3,14 @@ tool calls (whole and streamed), reasoning_content, tool_choice, parallel_tool_c
 The worker runs tests/scripted_model.py, whose model writes exactly the text a test asks for."""
 from __future__ import annotations
 
-import argparse
 import json
 
 import openai
 import pytest
 
-from moeferry.config import ServeConfig, add_serve_arguments
 from moeferry.server.app import build_server
-from scripted_model import serve_in_thread
+from scripted_model import NAME, scripted_config, serve_in_thread
 
-NAME = "scripted"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object", "properties": {
                                                "city": {"type": "string"}, "days": {"type": "integer"}},
@@ -24,16 +21,9 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "day
 CALL2 = '<tool_call>\n{"name": "search", "arguments": {"q": "rivers"}}\n</tool_call>'
 
 
-def config(model_dir: str, *extra: str) -> ServeConfig:
-    p = argparse.ArgumentParser()
-    add_serve_arguments(p)
-    return ServeConfig.from_args(p.parse_args(["--model", model_dir, "--device", "cpu", "--served-model-name", NAME,
-                                               "--max-seq-len-override", "4096", *extra]))
-
-
 @pytest.fixture(scope="module")
 def scripted(checkpoint):
-    server = build_server(config(str(checkpoint("qwen3_5_moe"))), factory="scripted_model:factory")
+    server = build_server(scripted_config(str(checkpoint("qwen3_5_moe"))), factory="scripted_model:factory")
     url, stop = serve_in_thread(server)
     yield server, url
     stop()

@@ -238,5 +238,10 @@ class Generation:
             log.info("request %s aborted before it finished", self.request_id)
             self.frontend.supervisor.abort(self.request_id)
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the output, if one did."""
+        return self._detok.stop_reason
+
     def token_text(self, token_id: int) -> str:
         return self.frontend.tokenizer.decode([token_id])
