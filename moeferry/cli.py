@@ -71,8 +71,11 @@ COMMANDS: dict[str, Command] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from moeferry import __version__
+
     parser = argparse.ArgumentParser(prog="moeferry", description="Serve large Mixture-of-Experts language models "
                                      "from one consumer GPU.")
+    parser.add_argument("--version", action="version", version=f"moeferry {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, cmd in COMMANDS.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.help)

@@ -244,4 +244,5 @@ def test_stats_count_requests_and_pools(server):
     assert stats["tokens"]["completion"] > 0 and stats["tokens"]["cached"] > 0
     assert stats["kv"]["tokens_total"] == 131072
     assert stats["state_slots"]["total"] == 2 * 1 + 8
-    assert set(stats["throughput"]) == {"window_s", "prefill_tokens_per_s", "decode_tokens_per_s"}
+    assert set(stats["throughput"]) == {"window_s", "prefill_tokens_per_s", "decode_tokens_per_s",
+                                        "prefill_observed_s", "decode_observed_s"}

@@ -10,8 +10,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moeferry import __version__
 from moeferry.config import ServeConfig
-from moeferry.server import anthropic_api, control, openai_api
+from moeferry.server import anthropic_api, control, metrics, openai_api, tokens_api
+from moeferry.server.access import add_access_control
 from moeferry.server.generation import Frontend, model_sampling_defaults
 from moeferry.server.messages import Ready, WorkerSpec
 from moeferry.server.openai_api import error_response
@@ -138,8 +140,9 @@ def create_app(server: Server) -> FastAPI:
             log.info("shutting down the engine worker")
             server.supervisor.stop()
 
-    app = FastAPI(title="moeferry", lifespan=lifespan)
+    app = FastAPI(title="moeferry", version=__version__, lifespan=lifespan)
     app.state.server = server
+    app.state.metrics = metrics.registry_for(server)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -163,9 +166,12 @@ def create_app(server: Server) -> FastAPI:
             500, f"internal server error: {type(exc).__name__}: {exc}", "server_error", code="internal_error"))
 
     app.add_middleware(BodyLimit)
+    add_access_control(app, server.cfg.api_key, server.cfg.cors_origins, api_error_response)
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(tokens_api.router)
     app.include_router(control.router)
+    app.include_router(metrics.router)
     return app
 
 

@@ -167,6 +167,7 @@ class Generation:
         self.completion_tokens = 0
         self.finished = False
         self.started = time.monotonic()
+        self._last_token = self.started  # when the previous tokens arrived (latency metrics)
         self._first = True
         self._detok = IncrementalDetokenizer(frontend.tokenizer, tuple(params.stop))
 
@@ -188,11 +189,12 @@ class Generation:
 
     def _on_event(self, ev: TokenEvent) -> Piece | None:
         stats = self.frontend.stats
-        if self._first:
+        first = self._first
+        if first:
             self._first = False
             self.prompt_tokens = ev.prompt_tokens or self.prompt_tokens
             self.cached_tokens = ev.cached_tokens or 0
-            stats.prefilled(self.prompt_tokens, self.cached_tokens)
+            stats.prefilled(self.prompt_tokens, self.cached_tokens, self.started)
         else:
             self.cached_tokens = max(self.cached_tokens, ev.cached_tokens or 0)
         if ev.finish_reason == "error" or (ev.finished and ev.finish_reason not in ("stop", "length")):
@@ -200,7 +202,9 @@ class Generation:
             stats.requests_failed += 1
             raise engine_failure(ev.error or f"the engine ended the request ({ev.finish_reason})")
         self.completion_tokens += len(ev.token_ids)
-        stats.generated(len(ev.token_ids))
+        stats.generated(len(ev.token_ids), self._last_token, first)
+        if ev.token_ids:
+            self._last_token = time.monotonic()
         try:
             text = self._detok.feed(ev.token_ids)
             if self._detok.stopped:  # a stop string ended the output: the worker stops too
@@ -227,6 +231,7 @@ class Generation:
         return Piece(text, ev.token_ids, ev.logprobs, None)
 
     def _log_done(self, why: str) -> None:
+        self.frontend.stats.request_done(self.started)
         log.info("%s done (%s): %d prompt tokens (%d cached), %d generated, %.2f s", self.request_id, why,
                  self.prompt_tokens, self.cached_tokens, self.completion_tokens, time.monotonic() - self.started)
 
