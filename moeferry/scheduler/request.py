@@ -59,6 +59,7 @@ class Request:
         self.prefix_lock = None  # prefix-cache node this request pins
         self.snapshots: list[tuple[int, int]] = []  # (position, state slot) checkpoints taken
         self.num_preemptions = 0
+        self.matcher = None  # structured output: the grammar matcher, made in the worker when first sampled
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.generator = torch.Generator().manual_seed(seed)
         self.arrival: int = 0

@@ -31,10 +31,12 @@ class ChatPlan:
     template_kwargs: dict = field(default_factory=dict)
     forced_tool: str | None = None  # "" = any tool (required), a name = that function, None = free
     parallel: bool = True
+    answer_only: bool = False  # structured output: close an open <think> in the prompt; no reasoning
+    tools_read: bool = True  # False: tool-call text in the output stays text
 
     @property
     def reads_tools(self) -> bool:
-        return self.tool_parser is not None and self.tools is not None
+        return self.tool_parser is not None and self.tools is not None and self.tools_read
 
     def render(self, tokenizer, messages: list[dict]) -> tuple[list[int], str]:
         """(prompt ids, prompt text); template errors are the client's (400)."""
@@ -44,10 +46,9 @@ class ChatPlan:
         except Exception as e:  # noqa: BLE001 - a template refusing these messages is the client's error
             raise bad_request(f"the chat template could not render these messages: {type(e).__name__}: {e}",
                               param="messages") from None
-        if self.forced_tool is not None:
-            if opens_reasoning(text):
-                text += "\n" + END_THINK + "\n\n"
-            text += self.prefix
+        if (self.forced_tool is not None or self.answer_only) and opens_reasoning(text):
+            text += "\n" + END_THINK + "\n\n"
+        text += self.prefix
         return tokenizer.encode(text), text
 
     @property

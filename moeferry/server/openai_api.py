@@ -25,6 +25,7 @@ from moeferry.server.protocol import (ApiError, AssistantMessage, ChatChoice, Ch
                                       CompletionChoice, CompletionLogprobs, CompletionRequest, Delta, DeltaFunction,
                                       DeltaToolCall, FunctionCallOut, ModelCard, ModelList, PromptTokensDetails,
                                       SamplingFields, TokenLogprobOut, ToolCallOut, TopLogprob, Usage, bad_request)
+from moeferry.server.structured import structured_params
 from moeferry.text.chat_output import ChatOutput, Content, ParsedToolCall, Reasoning
 
 log = logging.getLogger("moeferry.api")
@@ -86,8 +87,14 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict]:
 
 def chat_plan(server, body: ChatCompletionRequest) -> ChatPlan:
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    return plan_chat(server.cfg, server.frontend.tokenizer, tools, body.tool_choice, body.parallel_tool_calls,
+    plan = plan_chat(server.cfg, server.frontend.tokenizer, tools, body.tool_choice, body.parallel_tool_calls,
                      body.chat_template_kwargs, body.reasoning_effort)
+    if body.response_format is not None and body.response_format.type != "text":
+        if plan.forced_tool is not None:
+            raise bad_request("response_format cannot be combined with a forced tool_choice", param="response_format")
+        plan.answer_only = True  # the JSON is the answer: no thinking block before it, no tool calls in it
+        plan.tools_read = False
+    return plan
 
 
 def _usage(gens: list[Generation], cache_report: bool) -> Usage:
@@ -122,6 +129,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     front = server.frontend
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = front.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    params = structured_params(params, body.response_format, server.cfg.model_dir)
     plan = chat_plan(server, body)
     ids, prompt_text = await run_in_threadpool(plan.render, front.tokenizer, chat_messages(body))
     front.check_prompt(ids, "messages")

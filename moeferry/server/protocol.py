@@ -137,10 +137,7 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: Optional[str] = None
 
     def unsupported(self) -> list[tuple[str, str]]:
-        out = super().unsupported()
-        if self.response_format is not None and self.response_format.type != "text":
-            out.append(("response_format", f"response_format '{self.response_format.type}' is not supported yet"))
-        return out
+        return super().unsupported()
 
 
 # ---------------------------------------------------------------- completions
