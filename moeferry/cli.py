@@ -63,8 +63,38 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_serve_arguments(p: argparse.ArgumentParser) -> None:
+    from moeferry.bench.serve import add_arguments
+
+    add_arguments(p)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from moeferry.bench.serve import main
+
+    return main(args)
+
+
+# `moeferry bench NAME`: one entry per benchmark.
+BENCHES: dict[str, Command] = {
+    "serve": Command("load-test an OpenAI-compatible server: TTFT / TPOT / ITL percentiles and throughput",
+                     _bench_serve_arguments, _bench_serve),
+}
+
+
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for name, cmd in BENCHES.items():
+        cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help))
+
+
+def _bench(args: argparse.Namespace) -> int:
+    return BENCHES[args.bench].run(args)
+
+
 COMMANDS: dict[str, Command] = {
-    "serve": Command("serve a model over OpenAI-compatible HTTP", _serve_arguments, _serve),
+    "serve": Command("serve a model over OpenAI- and Anthropic-compatible HTTP", _serve_arguments, _serve),
+    "bench": Command("benchmarks: serve (load generator against a running server)", _bench_arguments, _bench),
     "make-model": Command("write a random-weight Hugging Face checkpoint (tests, demos, benchmarks)",
                           _make_model_arguments, _make_model),
 }

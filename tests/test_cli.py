@@ -168,3 +168,11 @@ def test_demo_model_is_made_once_in_the_cache_dir(tmp_path, monkeypatch):
     cfg = ServeConfig.from_args(parse("--device", "cpu"), demo_model=demo.ensure_demo_model)
     assert cfg.is_demo and cfg.served_model_name == DEMO_MODEL_NAME == "moeferry-demo-random-weights"
     assert cfg.model_dir == str(path) and "random weights" in cfg.table()
+
+
+def test_bench_has_subcommands_and_needs_prompts(capsys):
+    assert set(cli.BENCHES) >= {"serve"}
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench"])  # a benchmark must be named
+    assert cli.main(["bench", "serve", "--no-progress"]) == 2
+    assert "--tokenizer" in capsys.readouterr().err

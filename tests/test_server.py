@@ -288,3 +288,23 @@ def test_unenforceable_schema_is_a_400(client):
         client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=5,
                                        response_format={"type": "json_object"}, extra_body={"ignore_eos": True})
     assert e.value.body["param"] == "ignore_eos"
+
+
+def test_bench_serve_against_the_server(server, model_dir, tmp_path, capsys):
+    """`moeferry bench serve`: exact prompt/output token counts, every request measured, JSON report."""
+    from moeferry.cli import main
+
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "serve", "--base-url", server.url, "--tokenizer", str(model_dir), "--num-prompts", "3",
+               "--input-len", "24", "--output-len", "5", "--ignore-eos", "--max-concurrency", "2",
+               "--result-json", str(out), "--no-progress", "--label", "moeferry"])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "Serving Benchmark Result - moeferry" in table and "P99 TTFT (ms)" in table
+    report = json.loads(out.read_text())
+    assert (report["completed"], report["failed"]) == (3, 0)
+    assert report["input_tokens"] == 3 * 24 and report["output_tokens"] == 3 * 5
+    for r in report["requests"]:
+        assert 0 < r["ttft"] <= r["e2e"] and len(r["itl"]) == 4
+    assert report["ttft_ms"]["p50"] > 0 and report["tpot_ms"]["mean"] > 0
+    assert report["output_throughput"] == pytest.approx(15 / report["duration_s"])
