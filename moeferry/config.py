@@ -8,6 +8,7 @@ that will add them; nothing is accepted and ignored.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -307,11 +308,15 @@ class ServeConfig:
         else:
             model_dir, is_demo = args.model, False
         path = Path(model_dir)
+        if not path.is_dir():
+            raise ConfigError(f"--model {model_dir}: no such directory")
         if not (path / "config.json").is_file():
             raise ConfigError(f"--model {model_dir}: no config.json there (expected a Hugging Face model directory)")
         spec = _model_spec(path)
         model_max = spec.max_position_embeddings
         max_seq_len = args.max_seq_len_override or model_max
+        if max_seq_len > model_max:
+            warn_beyond_positions(max_seq_len, model_max, "--max-seq-len-override")
         if args.num_pages is not None:
             num_pages = args.num_pages
         else:
@@ -383,6 +388,13 @@ def _resolve_api(args: argparse.Namespace, path: Path) -> dict:
         raise ConfigError("--api-key is empty")
     return dict(tool_call_parser=tools, reasoning_parser=reasoning, api_key=args.api_key,
                 cors_origins=tuple(args.cors_origins or ()))
+
+
+def warn_beyond_positions(value: int, model_max: int, name: str) -> None:
+    """A context longer than the model's positions runs, but the model was not trained there."""
+    logging.getLogger("moeferry.config").warning(
+        "%s %d is beyond the model's max_position_embeddings (%d): positions past what it was trained on "
+        "usually give degraded output", name, value, model_max)
 
 
 def _state_slots(max_running: int, prefix_cache: bool) -> int:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from moeferry.config import warn_beyond_positions
 from moeferry.engine.batch import SeqChunk
 from moeferry.engine.engine import Engine, PoolSizes, resolve_dtype
 from moeferry.scheduler.request import Request, TokenLogprob
@@ -29,14 +30,21 @@ class GenerationOutput:
 
 
 class LLM:
-    def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "auto", num_tokens: int = 8192,
+    def __init__(self, model_dir: str, device: str = "auto", dtype: str = "auto", num_tokens: int = 8192,
                  page_size: int = 1, max_running_requests: int = 8, max_extend_tokens: int = 8192,
                  max_seq_len: int | None = None, enable_prefix_cache: bool = True, num_state_slots: int | None = None,
                  progress: bool = False):
+        """device: auto (cuda if available, else cpu), cpu, cuda or cuda:N, as `serve --device`.
+        A max_tokens beyond what the context leaves is clamped to it (finish_reason length), as in
+        the server."""
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         slots = num_state_slots or (2 * max_running_requests + 8 if enable_prefix_cache else max_running_requests)
         self.engine = Engine(model_dir, device, resolve_dtype(dtype, device),
                              PoolSizes(-(-num_tokens // page_size), page_size, slots), progress)
         self.spec = self.engine.spec
+        if max_seq_len is not None and max_seq_len > self.spec.max_position_embeddings:
+            warn_beyond_positions(max_seq_len, self.spec.max_position_embeddings, "max_seq_len")
         self.scheduler = Scheduler(self.engine, SchedulerConfig(max_running_requests, max_extend_tokens, max_seq_len,
                                                                 enable_prefix_cache))
         self.tokenizer = (Tokenizer.from_dir(model_dir, self.spec.eos_token_ids)
@@ -117,11 +125,18 @@ class LLM:
             if detok is not None:
                 out.text += detok.flush()
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None, tools: list[dict] | None = None,
-             enable_thinking: bool = True) -> GenerationOutput:
-        text = self._tokenizer().apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                     enable_thinking=enable_thinking)
-        return self.generate([text], params)[0]
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
+             tools: list[dict] | None = None, enable_thinking: bool | None = None,
+             chat_template_kwargs: dict | None = None) -> list[GenerationOutput]:
+        """One conversation (a list of messages) or several; returns what `generate` returns:
+        one GenerationOutput per conversation. enable_thinking None = the template's default."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        kwargs = dict(chat_template_kwargs or {})
+        if enable_thinking is not None:
+            kwargs["enable_thinking"] = enable_thinking
+        texts = [self._tokenizer().apply_chat_template(c, tools=tools, add_generation_prompt=True, **kwargs)
+                 for c in conversations]
+        return self.generate(texts, params)
 
     def _encode(self, prompt) -> list[int]:
         return self._tokenizer().encode(prompt) if isinstance(prompt, str) else list(prompt)

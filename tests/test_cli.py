@@ -125,6 +125,16 @@ def test_parse_bytes():
 def test_missing_model_dir_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
         ServeConfig.from_args(parse("--model", str(tmp_path), "--device", "cpu"))
+    with pytest.raises(ConfigError, match="no such directory"):
+        ServeConfig.from_args(parse("--model", str(tmp_path / "missing"), "--device", "cpu"))
+
+
+def test_context_beyond_the_models_positions_warns(model, caplog):
+    cfg = ServeConfig.from_args(parse("--model", model, "--device", "cpu"))
+    assert "max_position_embeddings" not in caplog.text
+    ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--max-seq-len-override",
+                                str(cfg.model_max_seq_len + 1)))
+    assert "beyond the model's max_position_embeddings" in caplog.text
 
 
 def test_cuda_without_cuda_is_refused(model):
