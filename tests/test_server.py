@@ -308,3 +308,51 @@ def test_bench_serve_against_the_server(server, model_dir, tmp_path, capsys):
         assert 0 < r["ttft"] <= r["e2e"] and len(r["itl"]) == 4
     assert report["ttft_ms"]["p50"] > 0 and report["tpot_ms"]["mean"] > 0
     assert report["output_throughput"] == pytest.approx(15 / report["duration_s"])
+
+
+AGENT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_forced_tool_calls_on_the_demo_model_whole_and_streamed(client):
+    """tool_choice required / named: the grammar holds the random-weight model to a valid call."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = client.chat.completions.create(model=NAME, messages=MESSAGES, tools=AGENT_TOOLS, tool_choice=named,
+                                         max_tokens=80)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and isinstance(args["city"], str) and 1 <= args["days"] <= 7
+    stream = client.chat.completions.create(model=NAME, messages=MESSAGES, tools=AGENT_TOOLS, tool_choice=named,
+                                            max_tokens=80, stream=True)
+    name, arguments, finish = "", "", None
+    for chunk in stream:
+        for tc in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            assert tc.index == 0
+            name += tc.function.name or ""
+            arguments += tc.function.arguments or ""
+        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    assert (name, json.loads(arguments), finish) == ("get_weather", args, "tool_calls")  # greedy: the same call
+    out = client.chat.completions.create(model=NAME, messages=MESSAGES, tools=AGENT_TOOLS, tool_choice="required",
+                                         max_tokens=80)
+    assert [c.function.name in ("get_weather", "ping") for c in out.choices[0].message.tool_calls] == [True]
+
+
+def test_anthropic_sdk_on_the_demo_model(server):
+    import anthropic
+
+    ac = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in AGENT_TOOLS]
+    msg = ac.messages.create(model=NAME, max_tokens=80, tools=tools, tool_choice={"type": "any"},
+                             messages=[{"role": "user", "content": "Weather in Oslo?"}])
+    assert msg.stop_reason == "tool_use" and [b.type for b in msg.content] == ["tool_use"]
+    assert msg.content[0].name in ("get_weather", "ping")
+    with ac.messages.stream(model=NAME, max_tokens=8, messages=[{"role": "user", "content": "Hi"}]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert final.usage.output_tokens >= 1 and final.stop_reason in ("end_turn", "max_tokens")
+    assert text == "".join(b.text for b in final.content if b.type == "text")

@@ -27,6 +27,7 @@ from moeferry.server.chat_plan import ChatPlan, plan_chat
 from moeferry.server.generation import Generation
 from moeferry.server.openai_api import _collect, _server
 from moeferry.server.protocol import ApiError, SamplingFields, bad_request
+from moeferry.server.structured import forced_tool_params
 from moeferry.text.chat_output import ChatOutput, Content, ParsedToolCall, Reasoning
 
 log = logging.getLogger("moeferry.anthropic")
@@ -238,7 +239,8 @@ async def messages(body: MessagesRequest, request: Request):
     front = server.frontend
     fields = SamplingFields(model=body.model, max_tokens=body.max_tokens, temperature=body.temperature,
                             top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences)
-    params = front.sampling_params(fields, body.max_tokens, None)
+    params = forced_tool_params(front.sampling_params(fields, body.max_tokens, None), plan, front.tokenizer,
+                                server.cfg.model_dir)
     ids, prompt_text = await run_in_threadpool(plan.render, front.tokenizer, chat_messages(body))
     front.check_prompt(ids, "messages")
     gen = await front.start(ids, params, "msg")

@@ -3,8 +3,9 @@ Anthropic routes: tools and tool_choice, thinking on/off, the output parsers.
 
 `tool_choice` `required` or a named function starts the assistant's turn with the opening of a
 tool call in the prompt (closing an open `<think>` first), so the model continues inside the
-call; the parser reads that opening as the model's own text. `none` leaves the tools out of
-the prompt and reads no calls.
+call, and a grammar (`structured.tool_call_grammar`) holds the rest to one valid call; the
+parser reads that opening as the model's own text. `none` leaves the tools out of the prompt
+and reads no calls.
 """
 from __future__ import annotations
 

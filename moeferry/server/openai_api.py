@@ -25,7 +25,7 @@ from moeferry.server.protocol import (ApiError, AssistantMessage, ChatChoice, Ch
                                       CompletionChoice, CompletionLogprobs, CompletionRequest, Delta, DeltaFunction,
                                       DeltaToolCall, FunctionCallOut, ModelCard, ModelList, PromptTokensDetails,
                                       SamplingFields, TokenLogprobOut, ToolCallOut, TopLogprob, Usage, bad_request)
-from moeferry.server.structured import structured_params
+from moeferry.server.structured import forced_tool_params, structured_params
 from moeferry.text.chat_output import ChatOutput, Content, ParsedToolCall, Reasoning
 
 log = logging.getLogger("moeferry.api")
@@ -131,6 +131,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     params = front.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     params = structured_params(params, body.response_format, server.cfg.model_dir)
     plan = chat_plan(server, body)
+    params = forced_tool_params(params, plan, front.tokenizer, server.cfg.model_dir)
     ids, prompt_text = await run_in_threadpool(plan.render, front.tokenizer, chat_messages(body))
     front.check_prompt(ids, "messages")
     gens = await start_choices(front, ids, params, "chatcmpl", body.n or 1)

@@ -5,8 +5,14 @@ llguidance compiles: types, properties/required, enum/const, anyOf/oneOf, numeri
 bounds, pattern, $ref/$defs, additionalProperties). Output is compact JSON: the grammar allows
 no free whitespace, so a model cannot pad its way to max_tokens. A schema llguidance cannot
 compile is a 400 naming the reason.
+
+Forced tool calls (`tool_choice` required or a named function) are enforced the same way: the
+prompt opens the call (chat_plan.py) and a grammar holds the rest to a well-formed call of the
+allowed functions whose arguments fit their schemas (`tool_call_grammar`).
 """
 from __future__ import annotations
+
+import json
 
 from moeferry.scheduler.grammar import StructuredOutput
 from moeferry.scheduler.sampling import SamplingParams
@@ -56,3 +62,83 @@ def structured_params(params: SamplingParams, fmt: ResponseFormat | None, tokeni
         raise bad_request("min_tokens cannot be combined with response_format (the JSON value may be complete "
                           "sooner)", param="min_tokens")
     return params.replace(structured=StructuredOutput(grammar, tokenizer_dir))
+
+
+# ---------------------------------------------------------------- forced tool calls
+
+
+def _lit(text: str, tokenizer) -> str:
+    """A lark literal; an added token (e.g. </tool_call>) by its id, as the model writes it."""
+    token = tokenizer.added_token_id(text)
+    return f"<[{token}]>" if token is not None else json.dumps(text, ensure_ascii=False)
+
+
+def _object_schema(schema: dict) -> dict:
+    schema = dict(schema or {})
+    schema.setdefault("type", "object")
+    schema.setdefault("additionalProperties", False)  # a call carries the declared parameters only
+    schema["x-guidance"] = JSON_OPTIONS
+    return schema
+
+
+def _json(schema: dict) -> str:
+    return "%json " + json.dumps(schema, ensure_ascii=False)
+
+
+def _hermes_call(i: int, name: str, schema: dict, close: str, named: bool) -> list[str]:
+    head = "" if named else json.dumps(json.dumps(name) + ', "arguments": ', ensure_ascii=False) + " "
+    return [f"call{i}: {head}args{i} " + json.dumps("}\n") + f" {close}", f"args{i}: {_json(_object_schema(schema))}"]
+
+
+def _coder_call(i: int, name: str, schema: dict, close: str, named: bool) -> list[str]:
+    props = (schema or {}).get("properties") or {}
+    required = set((schema or {}).get("required") or ())
+    rules, parts = [], []
+    for k, (key, sub) in enumerate(props.items()):
+        head = json.dumps(f"<parameter={key}>\n", ensure_ascii=False)
+        if isinstance(sub, dict) and sub.get("type", "string") == "string":
+            limit = sub.get("maxLength")
+            span = f"{{0,{int(limit)}}}" if isinstance(limit, int) and limit >= 0 else "*"
+            rules.append(f"p{i}_{k}: {head} t{i}_{k}")
+            rules.append(f"t{i}_{k}[lazy]: /(?s:.{span})\\n<\\/parameter>\\n/")
+        else:
+            value = {**(sub if isinstance(sub, dict) else {}), "x-guidance": JSON_OPTIONS}
+            rules.append(f"p{i}_{k}: {head} v{i}_{k} " + json.dumps("\n</parameter>\n"))
+            rules.append(f"v{i}_{k}: {_json(value)}")
+        parts.append(f"p{i}_{k}" + ("" if key in required else "?"))
+    head = "" if named else json.dumps(f"<function={name}>\n", ensure_ascii=False) + " "
+    body = " ".join(parts)
+    rules.insert(0, f"call{i}: {head}{body} " + json.dumps("</function>\n") + f" {close}")
+    return rules
+
+
+def tool_call_grammar(plan, tokenizer) -> str:
+    """The lark grammar of what follows the forced opening of a tool call (`plan.prefix`)."""
+    from llguidance import LLMatcher
+
+    named = bool(plan.forced_tool)
+    names = [plan.forced_tool] if named else list(plan.schemas)
+    close = _lit("</tool_call>", tokenizer)
+    build = _hermes_call if plan.tool_parser == "hermes" else _coder_call
+    rules = []
+    for i, name in enumerate(names):
+        rules += build(i, name, plan.schemas[name], close, named)
+    calls = " | ".join(f"call{i}" for i in range(len(names)))
+    opening = json.dumps('{"name": ') + " " if plan.tool_parser == "hermes" and not named else ""
+    start = f"start: {opening}({calls})"
+    lines = [start, *rules]
+    grammar = LLMatcher.grammar_from_lark("\n".join(lines))
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise bad_request(f"the tools' parameter schemas cannot be enforced for tool_choice: {error}", param="tools")
+    return grammar
+
+
+def forced_tool_params(params: SamplingParams, plan, tokenizer, tokenizer_dir: str) -> SamplingParams:
+    """params with the grammar of the forced call, when tool_choice forces one."""
+    if plan.forced_tool is None:
+        return params
+    if params.ignore_eos or params.min_tokens:
+        raise bad_request("ignore_eos and min_tokens cannot be combined with a forced tool_choice (the output ends "
+                          "with the call)", param="tool_choice")
+    return params.replace(structured=StructuredOutput(tool_call_grammar(plan, tokenizer), tokenizer_dir))

@@ -91,6 +91,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def added_token_id(self, token: str) -> int | None:
+        """The id of `token` if it is an added token (e.g. <tool_call>), which text never encodes into
+        piecewise; None otherwise."""
+        return next((i for i, t in self._tok.get_added_tokens_decoder().items() if t.content == token), None)
+
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True, **kwargs) -> str:
         if self._template is None:
