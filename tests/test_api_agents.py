@@ -150,3 +150,29 @@ def test_n_choices(client, scripted):
             texts[choice.index] += choice.text
     assert texts == {0: "abc", 1: "abc"}
     assert chunks[-1].usage.completion_tokens == 2 * (len(tok.encode("abc")) + 1)
+
+
+def test_odd_tool_requests_are_4xx_never_500(scripted):
+    import httpx
+
+    odd_tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": 5, "required": 3}}}]
+    bodies = [
+        ask("x", tools=odd_tools, tool_choice="required"),
+        ask("x", tools=odd_tools, tool_choice={"type": "function", "function": {"name": "f"}}),
+        ask("x", tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
+            tool_choice="required"),
+        ask("x", tools=TOOLS, tool_choice={"type": "function", "function": "get_weather"}),
+        ask("x", tools=TOOLS, tool_choice=7),
+        ask("x", tools=[{"type": "function"}]),
+        ask("x", response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": 5}}),
+        ask("x", response_format={"type": "yaml"}),
+        ask("x", tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
+        ask("x", n=0),
+        ask("x", reasoning_effort=5),
+    ]
+    for body in bodies:
+        r = httpx.post(scripted[1] + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code in (200, 400), (body, r.text)
+        if r.status_code == 400:
+            assert r.json()["error"]["message"], r.text
+    assert httpx.get(scripted[1] + "/health").json()["status"] == "ok"

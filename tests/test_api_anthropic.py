@@ -138,3 +138,36 @@ def test_missing_max_tokens_is_a_400(scripted):
     del body["max_tokens"]
     r = httpx.post(scripted[1] + "/v1/messages", json=body, timeout=30)
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+
+
+ODD_BODIES = [
+    {"messages": [{"role": "user", "content": [5]}]},
+    {"messages": [{"role": "user", "content": [{"no": "type"}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x",
+                                                "content": [{"type": "image"}]}]}]},
+    {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "f", "input": [1]}]}]},
+    {"messages": [{"role": "assistant", "content": [{"type": "frob"}]}]},
+    {"messages": [{"role": "system", "content": "x"}]},
+    {"messages": []},
+    {"system": [{"type": "image"}]},
+    {"thinking": {"type": "enabled", "budget_tokens": "lots"}},
+    {"thinking": {"type": "sideways"}},
+    {"tool_choice": "any"},
+    {"tool_choice": {"type": "sometimes"}},
+    {"tools": [{"name": "f"}]},
+    {"tools": [{"name": "f", "input_schema": {"type": "object", "properties": 5, "required": 3}}],
+     "tool_choice": {"type": "tool", "name": "f"}, "max_tokens": 2},
+    {"tools": [{"name": "f", "input_schema": {"type": "frobnicate"}}], "tool_choice": {"type": "any"}},
+    {"max_tokens": 0},
+    {"stop_sequences": "STOP"},
+    {"top_k": -1},
+]
+
+
+def test_odd_bodies_are_4xx_never_500(scripted):
+    for odd in ODD_BODIES:
+        r = httpx.post(scripted[1] + "/v1/messages", json={**say("x"), **odd}, timeout=30)
+        assert 400 <= r.status_code < 500 or r.status_code == 200, (odd, r.text)
+        if r.status_code != 200:
+            assert r.json()["type"] == "error", r.text
+    assert httpx.get(scripted[1] + "/health").json()["status"] == "ok"

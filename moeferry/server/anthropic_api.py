@@ -237,6 +237,8 @@ async def messages(body: MessagesRequest, request: Request):
     server = _server(request)
     plan = _plan(server, body)
     front = server.frontend
+    if body.metadata and body.metadata.get("user_id"):
+        log.debug("message for user %r", body.metadata["user_id"])
     fields = SamplingFields(model=body.model, max_tokens=body.max_tokens, temperature=body.temperature,
                             top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences)
     params = forced_tool_params(front.sampling_params(fields, body.max_tokens, None), plan, front.tokenizer,

@@ -74,7 +74,7 @@ def _lit(text: str, tokenizer) -> str:
 
 
 def _object_schema(schema: dict) -> dict:
-    schema = dict(schema or {})
+    schema = dict(schema) if isinstance(schema, dict) else {}
     schema.setdefault("type", "object")
     schema.setdefault("additionalProperties", False)  # a call carries the declared parameters only
     schema["x-guidance"] = JSON_OPTIONS
@@ -91,8 +91,10 @@ def _hermes_call(i: int, name: str, schema: dict, close: str, named: bool) -> li
 
 
 def _coder_call(i: int, name: str, schema: dict, close: str, named: bool) -> list[str]:
-    props = (schema or {}).get("properties") or {}
-    required = set((schema or {}).get("required") or ())
+    schema = schema if isinstance(schema, dict) else {}
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = {r for r in schema.get("required") or () if isinstance(r, str)} \
+        if isinstance(schema.get("required"), list) else set()
     rules, parts = [], []
     for k, (key, sub) in enumerate(props.items()):
         head = json.dumps(f"<parameter={key}>\n", ensure_ascii=False)

@@ -102,7 +102,9 @@ def _coder_block(body: str, schemas: dict[str, dict]) -> tuple[str, dict] | None
         return None
     name = m.group(1).strip()
     rest = m.group(2)
-    params = (schemas.get(name) or {}).get("properties") or {}
+    schema = schemas.get(name)
+    params = schema.get("properties") if isinstance(schema, dict) else None
+    params = params if isinstance(params, dict) else {}
     args = {}
     for p in _PARAMETER.finditer(rest):
         key = p.group(1).strip()
