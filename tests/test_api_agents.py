@@ -176,3 +176,62 @@ def test_odd_tool_requests_are_4xx_never_500(scripted):
         if r.status_code == 400:
             assert r.json()["error"]["message"], r.text
     assert httpx.get(scripted[1] + "/health").json()["status"] == "ok"
+
+
+# A Qwen3.5/3.6-style template: XML tool calls, the generation prompt opens <think>.
+QWEN35_TEMPLATE = r"""{%- if tools -%}
+<|im_start|>system
+# Tools
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}Call a function as <tool_call>
+<function=NAME>
+<parameter=KEY>
+VALUE
+</parameter>
+</function>
+</tool_call><|im_end|>
+{% endif -%}
+{%- for m in messages -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endfor -%}
+{%- if add_generation_prompt -%}
+<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% else %}<think>
+{% endif -%}
+{%- endif -%}"""
+
+
+@pytest.fixture(scope="module")
+def qwen35(checkpoint, tmp_path_factory):
+    import shutil
+
+    model = tmp_path_factory.mktemp("q35") / "model"
+    shutil.copytree(checkpoint("qwen3_5_moe"), model)
+    (model / "chat_template.jinja").write_text(QWEN35_TEMPLATE)
+    server = build_server(scripted_config(str(model)), factory="scripted_model:factory")
+    assert (server.cfg.tool_call_parser, server.cfg.reasoning_parser) == ("qwen3_coder", "qwen3")  # auto
+    url, stop = serve_in_thread(server)
+    yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    stop()
+
+
+def test_qwen35_template_open_thinking_and_xml_calls(qwen35):
+    reply = ("The user wants Rome.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n"
+             "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+    out = qwen35.chat.completions.create(**ask(reply, tools=TOOLS))
+    msg = out.choices[0].message
+    assert msg.model_extra["reasoning_content"] == "The user wants Rome." and msg.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [
+        ("get_weather", {"city": "Rome", "days": 3})]
+    content, reasoning, calls, finish = streamed(qwen35, **ask(reply, tools=TOOLS))
+    assert (content, reasoning, finish) == ("", "The user wants Rome.", ["tool_calls"])
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Rome", "days": 3})]
+    # thinking switched off: the template closes the block, everything is content
+    out = qwen35.chat.completions.create(**ask("Plain answer.", reasoning_effort="none"))
+    assert out.choices[0].message.content == "Plain answer."
+    assert out.choices[0].message.model_extra.get("reasoning_content") is None
