@@ -7,7 +7,7 @@ import pytest
 
 from moeferry.text.chat_output import ChatOutput
 from moeferry.text.reasoning import ReasoningStream, detect_reasoning_parser, opens_reasoning
-from moeferry.text.tool_parsers import (Content, ParsedToolCall, ToolCallStream, detect_tool_parser, forced_prefix,
+from moeferry.text.tool_parsers import (Content, ToolCallStream, detect_tool_parser, forced_prefix,
                                         parse_tool_calls)
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
