@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from dataclasses import dataclass
@@ -80,16 +81,51 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _module_command(help: str, module: str) -> Command:
+    """A command whose module (its `add_arguments(parser)` and `main(args)`) is imported on use."""
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        importlib.import_module(module).add_arguments(p)
+
+    def run(args: argparse.Namespace) -> int:
+        return importlib.import_module(module).main(args)
+
+    return Command(help, add_arguments, run)
+
+
+# `moeferry bench NAME`: one entry per benchmark.
+BENCHES: dict[str, Command] = {
+    "serve": _module_command("load-test an OpenAI-compatible server: TTFT / TPOT / ITL percentiles and throughput",
+                             "moeferry.bench.serve"),
+    "bw": _module_command("measure an expert miss's two lanes: pinned host->device copy and CPU expert compute",
+                          "moeferry.bench.bw"),
+}
+
+
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for name, cmd in BENCHES.items():
+        cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help))
+
+
+def _bench(args: argparse.Namespace) -> int:
+    return BENCHES[args.bench].run(args)
+
+
 COMMANDS: dict[str, Command] = {
-    "serve": Command("serve a model over OpenAI-compatible HTTP", _serve_arguments, _serve),
+    "serve": Command("serve a model over OpenAI- and Anthropic-compatible HTTP", _serve_arguments, _serve),
+    "bench": Command("benchmarks: serve (load generator against a running server), bw (expert-miss lanes)",
+                     _bench_arguments, _bench),
     "make-model": Command("write a random-weight Hugging Face checkpoint (tests, demos, benchmarks)",
                           _make_model_arguments, _make_model),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from moeferry import __version__
+
     parser = argparse.ArgumentParser(prog="moeferry", description="Serve large Mixture-of-Experts language models "
                                      "from one consumer GPU.")
+    parser.add_argument("--version", action="version", version=f"moeferry {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, cmd in COMMANDS.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.help)

@@ -8,12 +8,16 @@ that will add them; nothing is accepted and ignored.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from moeferry.engine.config import CACHE_POLICIES, EXPERT_LOADS, MOE_BACKENDS, EngineConfig, EngineSizes, derive_sizes
+from moeferry.text.reasoning import REASONING_PARSERS
+from moeferry.text.tool_parsers import TOOL_CALL_PARSERS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 1919
@@ -191,7 +195,74 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "defaults; openai = OpenAI's defaults only (default: model)")
     g.add_argument("--enable-cache-report", action="store_true",
                    help="report prefix-cache hits in usage.prompt_tokens_details.cached_tokens")
+    _add_api_arguments(p)
     _mark_not_built(p)
+    _environment_defaults(p)
+
+
+def _add_api_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of the agent-facing API: output parsers, authentication, CORS."""
+    g = p.add_argument_group("agents and access")
+    g.add_argument("--tool-call-parser", choices=("auto",) + TOOL_CALL_PARSERS + ("off",), default="auto",
+                   help="how tool calls are read from the model's output into OpenAI tool_calls / Anthropic "
+                   "tool_use: qwen3_coder = Qwen3.5/3.6 <function=...><parameter=...> XML; hermes = Qwen3 JSON in "
+                   "<tool_call>; off = output stays text; auto = the format the chat template teaches (default: auto)")
+    g.add_argument("--reasoning-parser", choices=("auto",) + REASONING_PARSERS + ("off",), default="auto",
+                   help="qwen3 = <think>...</think> goes to reasoning_content (Anthropic: thinking blocks); off = "
+                   "it stays in the content; auto = qwen3 when the chat template knows <think> (default: auto)")
+    g.add_argument("--api-key", metavar="KEY", help="require this key on every route but /health (as "
+                   "'Authorization: Bearer KEY' or 'x-api-key: KEY'); better given as MOEFERRY_API_KEY, "
+                   "which other users of the machine cannot read in the process list")
+    g.add_argument("--cors-origins", metavar="ORIGINS", type=_origins,
+                   help="comma-separated origins browsers may call from (e.g. http://localhost:3000), or * for "
+                   "any (default: none; cross-origin browser requests are refused)")
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    origins = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    for o in origins:
+        if o != "*" and not re.fullmatch(r"https?://[^/\s]+", o):
+            raise argparse.ArgumentTypeError(f"'{o}' is not an origin (scheme://host[:port], or *)")
+    return origins
+
+
+ENV_PREFIX = "MOEFERRY_"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def env_name(option: str) -> str:
+    """--max-running-requests -> MOEFERRY_MAX_RUNNING_REQUESTS."""
+    return ENV_PREFIX + option.lstrip("-").upper().replace("-", "_")
+
+
+def _environment_defaults(p: argparse.ArgumentParser) -> None:
+    """Every flag's default can come from MOEFERRY_<FLAG> (the command line wins). Values are
+    checked like command-line values; a bad one stops the parse naming the variable."""
+    defaults = {}
+    for action in p._actions:
+        names = [o for o in action.option_strings if o.startswith("--")]
+        if not names or action.dest == "help":
+            continue
+        env = env_name(names[0])
+        raw = os.environ.get(env)
+        if raw is None:
+            continue
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if raw.strip().lower() not in _TRUE + _FALSE:
+                p.error(f"{env}={raw!r}: write 1/true/yes or 0/false/no")
+            on = raw.strip().lower() in _TRUE
+            defaults[action.dest] = action.const if on else action.default
+            continue
+        try:
+            value = action.type(raw) if action.type else raw
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            p.error(f"{env}={raw!r}: {e}")
+        if action.choices is not None and value not in action.choices:
+            p.error(f"{env}={raw!r}: choose from {', '.join(map(str, action.choices))}")
+        defaults[action.dest] = value
+    p.set_defaults(**defaults)
+    env_help = "Every flag can also be set as MOEFERRY_<FLAG> (e.g. MOEFERRY_PORT=8000); the command line wins."
+    p.epilog = f"{p.epilog}\n\n{env_help}" if p.epilog else env_help
 
 
 def _mark_not_built(p: argparse.ArgumentParser) -> None:
@@ -221,6 +292,11 @@ class ServeConfig:
     max_output_tokens: int | None
     sampling_defaults: str
     enable_cache_report: bool
+    # agents and access (resolved: a parser name or None for off)
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
 
     @property
     def model_dir(self) -> str:
@@ -244,10 +320,14 @@ class ServeConfig:
         else:
             model_dir, is_demo = args.model, False
         path = Path(model_dir)
+        if not path.is_dir():
+            raise ConfigError(f"--model {model_dir}: no such directory")
         if not (path / "config.json").is_file():
             raise ConfigError(f"--model {model_dir}: no config.json there (expected a Hugging Face model directory)")
         spec = _model_spec(path)
         engine = _engine_config(args, str(path.resolve()))
+        if engine.max_seq_len is not None and engine.max_seq_len > spec.max_position_embeddings:
+            warn_beyond_positions(engine.max_seq_len, spec.max_position_embeddings, "--max-seq-len-override")
         if args.served_model_name:
             name = args.served_model_name
         else:
@@ -258,6 +338,7 @@ class ServeConfig:
             model_max_seq_len=spec.max_position_embeddings, vocab_size=spec.vocab_size,
             max_output_tokens=args.max_output_tokens, sampling_defaults=args.sampling_defaults,
             enable_cache_report=args.enable_cache_report,
+            **_resolve_api(args, path),
         )
 
     def table(self) -> str:
@@ -286,6 +367,10 @@ class ServeConfig:
             ("sampling defaults", self.sampling_defaults),
             ("cache report", "on" if self.enable_cache_report else "off"),
             ("listen", f"http://{self.host}:{self.port}"),
+            ("tool calls", self.tool_call_parser or "off (text)"),
+            ("reasoning", self.reasoning_parser or "off (text)"),
+            ("api key", "required" if self.api_key else "none (open)"),
+            ("cors origins", ", ".join(self.cors_origins) or "none"),
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
@@ -329,6 +414,29 @@ def _engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
             progress=True)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _resolve_api(args: argparse.Namespace, path: Path) -> dict:
+    """The agents-and-access fields; `auto` parsers resolved from the model's chat template."""
+    from moeferry.text.reasoning import detect_reasoning_parser
+    from moeferry.text.tokenizer import read_chat_template
+    from moeferry.text.tool_parsers import detect_tool_parser
+
+    template = read_chat_template(path)
+    tools = {"auto": detect_tool_parser(template), "off": None}.get(args.tool_call_parser, args.tool_call_parser)
+    reasoning = {"auto": detect_reasoning_parser(template), "off": None}.get(args.reasoning_parser,
+                                                                            args.reasoning_parser)
+    if args.api_key is not None and not args.api_key.strip():
+        raise ConfigError("--api-key is empty")
+    return dict(tool_call_parser=tools, reasoning_parser=reasoning, api_key=args.api_key,
+                cors_origins=tuple(args.cors_origins or ()))
+
+
+def warn_beyond_positions(value: int, model_max: int, name: str) -> None:
+    """A context longer than the model's positions runs, but the model was not trained there."""
+    logging.getLogger("moeferry.config").warning(
+        "%s %d is beyond the model's max_position_embeddings (%d): positions past what it was trained on "
+        "usually give degraded output", name, value, model_max)
 
 
 def _model_spec(path: Path):

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import torch
 
-from moeferry.model.batch import SeqChunk
+from moeferry.config import warn_beyond_positions
 from moeferry.engine.config import EngineConfig
 from moeferry.engine.engine import Engine, resolve_dtype
+from moeferry.model.batch import SeqChunk
 from moeferry.scheduler.request import Request, TokenLogprob
 from moeferry.scheduler.sampling import SamplingParams
 from moeferry.scheduler.scheduler import Scheduler
@@ -32,16 +33,22 @@ class GenerationOutput:
 class LLM:
     """The engine and a scheduler in this process. Keyword arguments are `EngineConfig` fields
     (`moeferry.engine.config`), e.g. `LLM(path, moe_backend="offload", moe_cache_size=64)`;
+    `device` is auto (cuda if available, else cpu), cpu, cuda or cuda:N, as `serve --device`;
     `num_tokens` is the KV capacity (default: one full context, or the memory plan's), `dtype="auto"`
-    is bf16 on CUDA, fp32 elsewhere."""
+    is bf16 on CUDA, fp32 elsewhere. A max_tokens beyond what the context leaves is clamped to it
+    (finish_reason length), as in the server."""
 
-    def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "auto", num_tokens: int | None = None,
+    def __init__(self, model_dir: str, device: str = "auto", dtype: str = "auto", num_tokens: int | None = None,
                  **engine_kwargs):
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype_name = str(resolve_dtype(dtype, device)).removeprefix("torch.")
         self.cfg = EngineConfig(model_dir=str(model_dir), device=device, dtype=dtype_name, num_tokens=num_tokens,
                                 **engine_kwargs)
         self.engine = Engine.build(self.cfg)
         self.spec = self.engine.spec
+        if self.cfg.max_seq_len is not None and self.cfg.max_seq_len > self.spec.max_position_embeddings:
+            warn_beyond_positions(self.cfg.max_seq_len, self.spec.max_position_embeddings, "max_seq_len")
         self.scheduler = Scheduler(self.engine)
         self.tokenizer = (Tokenizer.from_dir(model_dir, self.spec.eos_token_ids)
                           if (Path(model_dir) / "tokenizer.json").is_file() else None)
@@ -117,11 +124,18 @@ class LLM:
             if detok is not None:
                 out.text += detok.flush()
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None, tools: list[dict] | None = None,
-             enable_thinking: bool = True) -> GenerationOutput:
-        text = self._tokenizer().apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                     enable_thinking=enable_thinking)
-        return self.generate([text], params)[0]
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
+             tools: list[dict] | None = None, enable_thinking: bool | None = None,
+             chat_template_kwargs: dict | None = None) -> list[GenerationOutput]:
+        """One conversation (a list of messages) or several; returns what `generate` returns:
+        one GenerationOutput per conversation. enable_thinking None = the template's default."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        kwargs = dict(chat_template_kwargs or {})
+        if enable_thinking is not None:
+            kwargs["enable_thinking"] = enable_thinking
+        texts = [self._tokenizer().apply_chat_template(c, tools=tools, add_generation_prompt=True, **kwargs)
+                 for c in conversations]
+        return self.generate(texts, params)
 
     def _encode(self, prompt) -> list[int]:
         return self._tokenizer().encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -114,6 +114,16 @@ def test_parse_bytes():
 def test_missing_model_dir_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
         ServeConfig.from_args(parse("--model", str(tmp_path), "--device", "cpu"))
+    with pytest.raises(ConfigError, match="no such directory"):
+        ServeConfig.from_args(parse("--model", str(tmp_path / "missing"), "--device", "cpu"))
+
+
+def test_context_beyond_the_models_positions_warns(model, caplog):
+    cfg = ServeConfig.from_args(parse("--model", model, "--device", "cpu"))
+    assert "max_position_embeddings" not in caplog.text
+    ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--max-seq-len-override",
+                                str(cfg.model_max_seq_len + 1)))
+    assert "beyond the model's max_position_embeddings" in caplog.text
 
 
 def test_cuda_without_cuda_is_refused(model):
@@ -156,3 +166,32 @@ def test_demo_model_is_made_once_in_the_cache_dir(tmp_path, monkeypatch):
     cfg = ServeConfig.from_args(parse("--device", "cpu"), demo_model=demo.ensure_demo_model)
     assert cfg.is_demo and cfg.served_model_name == DEMO_MODEL_NAME == "moeferry-demo-random-weights"
     assert cfg.model_dir == str(path) and "random weights" in cfg.table()
+
+
+def test_bench_has_subcommands_and_needs_prompts(capsys):
+    assert set(cli.BENCHES) >= {"serve"}
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench"])  # a benchmark must be named
+    assert cli.main(["bench", "serve", "--no-progress"]) == 2
+    assert "--tokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--moe-cpu-layers", "2"], "applies to the cpu backend"),
+    (["--moe-backend", "offload", "--moe-hybrid-max-fetch", "2"], "applies to the hybrid backend"),
+    (["--moe-backend", "offload", "--moe-cpu-threads", "2"], "applies to the cpu and hybrid backends"),
+])
+def test_backend_specific_flags_need_their_backend(model, argv, message):
+    with pytest.raises(ConfigError, match=message):
+        ServeConfig.from_args(parse("--model", model, "--device", "cpu", *argv))
+
+
+def test_bench_bw_measures_both_lanes(model, capsys, tmp_path):
+    out = tmp_path / "bw.json"
+    assert cli.main(["bench", "bw", "--model", model, "--device", "cpu", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "fetch one expert" in text and "CPU expert, 1 token" in text
+    import json
+
+    r = json.loads(out.read_text())
+    assert r["slot_bytes"] > 0 and r["fetch_s_per_expert"] > 0 and r["cpu_s_per_expert_1_token"] > 0

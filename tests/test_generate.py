@@ -109,9 +109,13 @@ def test_text_prompt_chat_and_stop_strings(checkpoint):
                                                          stop=(stop,)))[0]
         assert cut.finish_reason == "stop" and stop not in cut.text
         assert free.text.startswith(cut.text) and len(cut.text) == free.text.find(stop)
-    chat = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0.0, max_tokens=8),
-                    enable_thinking=False)
-    assert chat.finish_reason in ("stop", "length") and len(chat.token_ids) <= 8
+    msgs = [{"role": "user", "content": "hello"}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    chat = llm.chat(msgs, greedy, enable_thinking=False)
+    text = llm.tokenizer.apply_chat_template(msgs, enable_thinking=False)
+    assert len(chat) == 1 and chat[0].token_ids == llm.generate(text, greedy)[0].token_ids  # what generate returns
+    assert chat[0].finish_reason in ("stop", "length") and len(chat[0].token_ids) <= 8
+    assert [o.token_ids for o in llm.chat([msgs, msgs], greedy, enable_thinking=False)] == [chat[0].token_ids] * 2
 
 
 def test_logprobs(checkpoint):

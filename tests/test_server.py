@@ -246,7 +246,8 @@ def test_stats_count_requests_and_pools(server):
     assert stats["tokens"]["completion"] > 0 and stats["tokens"]["cached"] > 0
     assert stats["kv"]["tokens_total"] == 131072
     assert stats["state_slots"]["total"] == 2 * 1 + 8
-    assert set(stats["throughput"]) == {"window_s", "prefill_tokens_per_s", "decode_tokens_per_s"}
+    assert set(stats["throughput"]) == {"window_s", "prefill_tokens_per_s", "decode_tokens_per_s",
+                                        "prefill_observed_s", "decode_observed_s"}
 
 
 def test_cache_status_serves_the_plan(server):
@@ -267,3 +268,113 @@ def test_cache_status_serves_the_plan(server):
         time.sleep(0.2)  # the worker reports its counters a few times a second
     assert stats["experts"]["backend"] == "offload" and stats["experts"]["slots"] == plan["expert_slots"]
     assert stats["memory"]["oom_caught"] == 0
+
+
+WEATHER_SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 12},
+    "days": {"type": "integer", "minimum": 1, "maximum": 14},
+    "unit": {"enum": ["celsius", "fahrenheit"]},
+    "alerts": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+    "required": ["city", "days", "unit", "alerts"], "additionalProperties": False}
+
+
+def test_json_schema_output_parses_and_validates(client):
+    """The random-weight model, constrained by the grammar mask, writes JSON that fits the schema."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER_SCHEMA}}
+    for seed in (1, 2):
+        out = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=120, temperature=1.0,
+                                             seed=seed, response_format=fmt, extra_body={"top_k": 0})
+        assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
+        jsonschema.validate(json.loads(out.choices[0].message.content), WEATHER_SCHEMA)
+    stream = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=120, stream=True,
+                                            response_format=fmt, **GREEDY)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), WEATHER_SCHEMA)
+    # json_object: any object; the random model may not close its strings within max_tokens
+    out = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=40,
+                                         response_format={"type": "json_object"}, **GREEDY)
+    text = out.choices[0].message.content
+    assert text.startswith("{")
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_unenforceable_schema_is_a_400(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=5, response_format=fmt)
+    assert e.value.body["param"] == "response_format.json_schema.schema"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=5,
+                                       response_format={"type": "json_object"}, extra_body={"ignore_eos": True})
+    assert e.value.body["param"] == "ignore_eos"
+
+
+def test_bench_serve_against_the_server(server, model_dir, tmp_path, capsys):
+    """`moeferry bench serve`: exact prompt/output token counts, every request measured, JSON report."""
+    from moeferry.cli import main
+
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "serve", "--base-url", server.url, "--tokenizer", str(model_dir), "--num-prompts", "3",
+               "--input-len", "24", "--output-len", "5", "--ignore-eos", "--max-concurrency", "2",
+               "--result-json", str(out), "--no-progress", "--label", "moeferry"])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "Serving Benchmark Result - moeferry" in table and "P99 TTFT (ms)" in table
+    report = json.loads(out.read_text())
+    assert (report["completed"], report["failed"]) == (3, 0)
+    assert report["input_tokens"] == 3 * 24 and report["output_tokens"] == 3 * 5
+    for r in report["requests"]:
+        assert 0 < r["ttft"] <= r["e2e"] and len(r["itl"]) == 4
+    assert report["ttft_ms"]["p50"] > 0 and report["tpot_ms"]["mean"] > 0
+    assert report["output_throughput"] == pytest.approx(15 / report["duration_s"])
+
+
+AGENT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_forced_tool_calls_on_the_demo_model_whole_and_streamed(client):
+    """tool_choice required / named: the grammar holds the random-weight model to a valid call."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = client.chat.completions.create(model=NAME, messages=MESSAGES, tools=AGENT_TOOLS, tool_choice=named,
+                                         max_tokens=80)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and isinstance(args["city"], str) and 1 <= args["days"] <= 7
+    stream = client.chat.completions.create(model=NAME, messages=MESSAGES, tools=AGENT_TOOLS, tool_choice=named,
+                                            max_tokens=80, stream=True)
+    name, arguments, finish = "", "", None
+    for chunk in stream:
+        for tc in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            assert tc.index == 0
+            name += tc.function.name or ""
+            arguments += tc.function.arguments or ""
+        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    assert (name, json.loads(arguments), finish) == ("get_weather", args, "tool_calls")  # greedy: the same call
+    out = client.chat.completions.create(model=NAME, messages=MESSAGES, tools=AGENT_TOOLS, tool_choice="required",
+                                         max_tokens=80)
+    assert [c.function.name in ("get_weather", "ping") for c in out.choices[0].message.tool_calls] == [True]
+
+
+def test_anthropic_sdk_on_the_demo_model(server):
+    import anthropic
+
+    ac = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in AGENT_TOOLS]
+    msg = ac.messages.create(model=NAME, max_tokens=80, tools=tools, tool_choice={"type": "any"},
+                             messages=[{"role": "user", "content": "Weather in Oslo?"}])
+    assert msg.stop_reason == "tool_use" and [b.type for b in msg.content] == ["tool_use"]
+    assert msg.content[0].name in ("get_weather", "ping")
+    with ac.messages.stream(model=NAME, max_tokens=8, messages=[{"role": "user", "content": "Hi"}]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert final.usage.output_tokens >= 1 and final.stop_reason in ("end_turn", "max_tokens")
+    assert text == "".join(b.text for b in final.content if b.type == "text")

@@ -54,7 +54,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", chat(max_completion_tokens=0), 400, "invalid_value", "max_tokens"),
     ("/v1/chat/completions", chat(top_p=1.5), 400, "invalid_value", "top_p"),
     ("/v1/chat/completions", chat(top_logprobs=3), 400, None, "top_logprobs"),
-    ("/v1/chat/completions", chat(n=3), 400, None, "n"),
+    ("/v1/chat/completions", chat(n=17), 400, "invalid_value", "n"),
     ("/v1/chat/completions", chat(seed=2**70), 400, "invalid_value", "seed"),
     ("/v1/chat/completions", b'{"model": "tiny-faults", "messages": [{"role": "user", "content": "hi"}], '
      b'"temperature": NaN}', 400, "invalid_value", "temperature"),
@@ -184,3 +184,10 @@ def test_kill_9_worker_mid_stream(server, client):
 def test_health_reports_pid(server):
     h = httpx.get(server.url + "/health").json()
     assert h["status"] == "ok" and isinstance(h["worker_pid"], int)
+
+
+def test_max_tokens_beyond_the_context_is_clamped(client):
+    """As offline (tests/test_generate.py::test_context_limits): the output stops where the context ends."""
+    out = client.completions.create(model=NAME, prompt=list(range(1, CONTEXT - 3)), max_tokens=1000,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "length"

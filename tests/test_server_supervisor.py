@@ -4,21 +4,19 @@ worker that keeps dying puts the supervisor in `error` with the reason instead o
 from __future__ import annotations
 
 import argparse
-import socket
 import threading
 import time
 
-import httpx
 import openai
 import pytest
-import uvicorn
 
 from moeferry.config import ServeConfig, add_serve_arguments
 from moeferry.engine.config import derive_sizes
 from moeferry.scheduler.request import TokenEvent
 from moeferry.scheduler.scheduler import RequestRejected
-from moeferry.server.app import build_server, create_app, worker_spec
+from moeferry.server.app import build_server, worker_spec
 from moeferry.server.supervisor import ERROR, OK, Supervisor
+from scripted_model import serve_in_thread
 
 ADD_FAILS, PROCESSING_FAILS, STEP_FAILS = 7, 13, 17  # prompt tokens that trigger each failure
 
@@ -91,26 +89,9 @@ def _config(model: str) -> ServeConfig:
 def fake_server(checkpoint):
     """The real app in this process (uvicorn in a thread) over a worker running FakeScheduler."""
     server = build_server(_config(str(checkpoint("qwen3_5_moe"))), factory=f"{__name__}:fake_factory")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health").json()["status"] == "ok":
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    else:
-        raise AssertionError("fake server did not come up")
+    url, stop = serve_in_thread(server)
     yield server, openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
-    uv.should_exit = True
-    thread.join(20)
+    stop()
 
 
 def test_one_failing_request_fails_alone(fake_server):

@@ -61,6 +61,13 @@ class EngineConfig:
             raise ValueError(f"moe_cache_rate must be in (0, 1], got {self.moe_cache_rate}")
         if self.moe_cpu_layers < 0:
             raise ValueError(f"moe_cpu_layers must be at least 0, got {self.moe_cpu_layers}")
+        if self.moe_cpu_layers and self.moe_backend != "cpu":
+            raise ValueError("moe_cpu_layers (--moe-cpu-layers) applies to the cpu backend (--moe-backend cpu)")
+        if self.moe_hybrid_max_fetch is not None and self.moe_backend != "hybrid":
+            raise ValueError("moe_hybrid_max_fetch (--moe-hybrid-max-fetch) applies to the hybrid backend "
+                             "(--moe-backend hybrid)")
+        if self.moe_cpu_threads is not None and self.moe_backend not in ("cpu", "hybrid"):
+            raise ValueError("moe_cpu_threads (--moe-cpu-threads) applies to the cpu and hybrid backends")
         if self.memory_ratio is not None and not 0 < self.memory_ratio <= 1:
             raise ValueError(f"memory_ratio must be in (0, 1], got {self.memory_ratio}")
         for name in ("moe_cache_size", "num_tokens", "num_state_slots", "page_size", "max_seq_len",

@@ -10,9 +10,9 @@ small temporary pools:
     decode    the largest batch (max_running_requests) at depth 1 and D1, extrapolated the same way
     sampling  temperature sampling with logprobs over [batch, vocab] fp32 logits
 
-Each peak is allocator peak minus the memory held before the step, plus memory outside the
-allocator that the step made appear (CUDA); on the CPU it is the process's peak resident set
-(VmHWM, reset before each step). The margin is measured too: allocator fragmentation at the
+Each peak is the allocator's peak minus the memory held before the step (CUDA); on the CPU it
+is the process's peak resident set (VmHWM, reset before each step). Memory outside the
+allocator that a step made appear (cuBLAS workspaces, kernel modules) goes to the margin. The margin is measured too: allocator fragmentation at the
 peak, memory outside the allocator, and twice the run-to-run spread of a repeated step.
 """
 from __future__ import annotations
@@ -68,8 +68,8 @@ class PeakMeter:
         reserved_peak = torch.cuda.max_memory_reserved(self.device) - reserved0
         grown = free0 - torch.cuda.mem_get_info(self.device)[0] - (torch.cuda.memory_reserved(self.device) - reserved0)
         self.fragmentation = max(self.fragmentation, reserved_peak - peak)
-        self.outside = max(self.outside, grown)
-        return max(peak, 0) + max(grown, 0)
+        self.outside = max(self.outside, grown)  # counted once, in the margin
+        return max(peak, 0)
 
     def _cpu(self, fn) -> int:
         _reset_peak_rss()
@@ -152,7 +152,8 @@ def probe_transients(model, spec, cfg, context: int, dtype: torch.dtype, device:
             + (f", scaled to {full_chunk} tokens" if scale != 1 else "")
             + (f", extrapolated to depth {deepest}" if depth1 and deepest > depth1 else "")
             + f"; decode x{batch}; sampling+logprobs ({time.perf_counter() - t0:.1f} s)")
-    log.info("probe: %s; steps %s", note, {k: v for k, v in steps.items()})
+    log.info("probe: %s; peaks %s; fragmentation %d, outside the allocator %d, spread %d", note, steps,
+             meter.fragmentation, meter.outside, spread)
     return Transients(worst, worst_decode, margin, note, steps)
 
 

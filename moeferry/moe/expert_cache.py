@@ -177,7 +177,8 @@ class ExpertCache:
             total.hits += c.hits
             total.misses += c.misses
             total.bytes_fetched += c.bytes_fetched
-        return {"slots": self.num_slots, "slot_bytes": self.buffer.bytes_per_slot, **total.as_dict(),
+        return {"slots": self.num_slots, "slots_used": self.num_slots - len(self.free_slots),
+                "slot_bytes": self.buffer.bytes_per_slot, **total.as_dict(),
                 "layers": {str(layer): c.as_dict() for layer, c in self.counters.items()}}
 
     def check(self) -> None:

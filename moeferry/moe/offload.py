@@ -163,7 +163,8 @@ class OffloadBackend:
         caches = list({id(c): c for c in self.caches.values()}.values())
         per = [c.stats() for c in caches]
         hits, misses = sum(p["hits"] for p in per), sum(p["misses"] for p in per)
-        out = {"backend": self.name, "slots": self.expert_slots, "device_bytes": self.device_bytes,
+        out = {"backend": self.name, "slots": self.expert_slots, "slots_used": sum(p["slots_used"] for p in per),
+               "device_bytes": self.device_bytes,
                "host_bytes": self.host_bytes, "hits": hits, "misses": misses,
                "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
                "bytes_fetched": sum(p["bytes_fetched"] for p in per),

@@ -109,4 +109,5 @@ class ResidentBackend:
         return sum(ex.nbytes for ex in self.layers.values())
 
     def stats(self) -> dict:
-        return {"backend": self.name, "device_bytes": self.device_bytes}
+        return {"backend": self.name, "slots": self.expert_slots, "slots_used": self.expert_slots,
+                "device_bytes": self.device_bytes}

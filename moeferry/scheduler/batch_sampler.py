@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from moeferry.ops.sampler import SamplingBatch, logprobs_of, sample
+from moeferry.scheduler.grammar import advance_grammars, grammar_banned
 from moeferry.scheduler.request import Request, TokenLogprob
 
 
@@ -24,6 +25,9 @@ def build_sampling_batch(reqs: list[Request], vocab: int, eos_ids: set[int], dev
         if len(r.output_ids) < p.min_tokens:
             stop_ids = [t for t in (eos_ids | set(p.stop_token_ids)) if 0 <= t < vocab]
             banned[i, vec(stop_ids, torch.long)] = True
+    grammar = grammar_banned(reqs, vocab, eos_ids)
+    if grammar is not None:
+        banned |= grammar.to(device)
     ps = [r.params for r in reqs]
     return SamplingBatch(
         temperature=vec([p.temperature for p in ps]), top_k=vec([max(p.top_k, 0) for p in ps], torch.long),
@@ -37,6 +41,7 @@ def sample_requests(reqs: list[Request], logits: torch.Tensor, eos_ids: set[int]
                     ) -> tuple[list[int], list[TokenLogprob | None]]:
     batch = build_sampling_batch(reqs, logits.shape[-1], eos_ids, logits.device)
     tokens = sample(logits, batch)
+    advance_grammars(reqs, tokens.tolist())
     want = [r.params.logprobs for r in reqs]
     out_lp: list[TokenLogprob | None] = [None] * len(reqs)
     if any(w is not None for w in want):

@@ -55,6 +55,7 @@ class Request:
         self.num_computed = 0  # tokens whose KV / state is in the pools
         self.cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_preemptions = 0
+        self.matcher = None  # structured output: the grammar matcher, made in the worker when first sampled
         self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self._generator: torch.Generator | None = None
         self.arrival: int = 0

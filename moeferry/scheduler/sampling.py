@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moeferry.scheduler.grammar import StructuredOutput
 
 
 class SamplingParamError(ValueError):
@@ -29,6 +33,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off, 0 = chosen token only, n = chosen + top-n
     n: int = 1
+    structured: "StructuredOutput | None" = None  # a grammar the output must follow (scheduler/grammar.py)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

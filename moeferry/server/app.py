@@ -10,8 +10,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moeferry import __version__
 from moeferry.config import ServeConfig
-from moeferry.server import control, openai_api
+from moeferry.server import anthropic_api, control, metrics, openai_api, tokens_api
+from moeferry.server.access import add_access_control
 from moeferry.server.generation import Frontend, model_sampling_defaults
 from moeferry.server.messages import Ready, WorkerSpec
 from moeferry.server.openai_api import error_response
@@ -92,6 +94,13 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, f"{param or 'body'}: {err.get('msg')}", param=param, code=code)
 
 
+def api_error_response(path: str, e: ApiError):
+    """The error in the shape of the API the path belongs to (Anthropic's under /v1/messages)."""
+    if path.startswith("/v1/messages"):
+        return anthropic_api.error_response(e)
+    return error_response(e)
+
+
 class BodyLimit:
     """ASGI middleware: refuse request bodies over `limit` bytes, so no client can exhaust memory."""
 
@@ -104,7 +113,7 @@ class BodyLimit:
         too_large = ApiError(413, f"the request body is over {self.limit} bytes", code="request_too_large")
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
-            return await error_response(too_large)(scope, receive, send)
+            return await api_error_response(scope.get("path", ""), too_large)(scope, receive, send)
         seen = 0
 
         async def limited_receive():
@@ -129,32 +138,38 @@ def create_app(server: Server) -> FastAPI:
             log.info("shutting down the engine worker")
             server.supervisor.stop()
 
-    app = FastAPI(title="moeferry", lifespan=lifespan)
+    app = FastAPI(title="moeferry", version=__version__, lifespan=lifespan)
     app.state.server = server
+    app.state.metrics = metrics.registry_for(server)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
         if exc.status >= 500:
             log.warning("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.message)
-        return error_response(exc)
+        return api_error_response(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return error_response(validation_error(exc))
+        return api_error_response(request.url.path, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return error_response(ApiError(exc.status_code, str(exc.detail), "invalid_request_error"))
+        return api_error_response(request.url.path, ApiError(exc.status_code, str(exc.detail),
+                                                             "invalid_request_error"))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unexpected error in %s %s", request.method, request.url.path)
-        return error_response(ApiError(500, f"internal server error: {type(exc).__name__}: {exc}", "server_error",
-                                       code="internal_error"))
+        return api_error_response(request.url.path, ApiError(
+            500, f"internal server error: {type(exc).__name__}: {exc}", "server_error", code="internal_error"))
 
     app.add_middleware(BodyLimit)
+    add_access_control(app, server.cfg.api_key, server.cfg.cors_origins, api_error_response)
     app.include_router(openai_api.router)
+    app.include_router(anthropic_api.router)
+    app.include_router(tokens_api.router)
     app.include_router(control.router)
+    app.include_router(metrics.router)
     return app
 
 

@@ -172,6 +172,7 @@ class Generation:
         self.completion_tokens = 0
         self.finished = False
         self.started = time.monotonic()
+        self._last_token = self.started  # when the previous tokens arrived (latency metrics)
         self._first = True
         self._detok = IncrementalDetokenizer(frontend.tokenizer, tuple(params.stop))
 
@@ -193,11 +194,12 @@ class Generation:
 
     def _on_event(self, ev: TokenEvent) -> Piece | None:
         stats = self.frontend.stats
-        if self._first:
+        first = self._first
+        if first:
             self._first = False
             self.prompt_tokens = ev.prompt_tokens or self.prompt_tokens
             self.cached_tokens = ev.cached_tokens or 0
-            stats.prefilled(self.prompt_tokens, self.cached_tokens)
+            stats.prefilled(self.prompt_tokens, self.cached_tokens, self.started)
         else:
             self.cached_tokens = max(self.cached_tokens, ev.cached_tokens or 0)
         if ev.finish_reason == "error" or (ev.finished and ev.finish_reason not in ("stop", "length")):
@@ -205,7 +207,9 @@ class Generation:
             stats.requests_failed += 1
             raise engine_failure(ev.error or f"the engine ended the request ({ev.finish_reason})")
         self.completion_tokens += len(ev.token_ids)
-        stats.generated(len(ev.token_ids))
+        stats.generated(len(ev.token_ids), self._last_token, first)
+        if ev.token_ids:
+            self._last_token = time.monotonic()
         try:
             text = self._detok.feed(ev.token_ids)
             if self._detok.stopped:  # a stop string ended the output: the worker stops too
@@ -232,6 +236,7 @@ class Generation:
         return Piece(text, ev.token_ids, ev.logprobs, None)
 
     def _log_done(self, why: str) -> None:
+        self.frontend.stats.request_done(self.started)
         log.info("%s done (%s): %d prompt tokens (%d cached), %d generated, %.2f s", self.request_id, why,
                  self.prompt_tokens, self.cached_tokens, self.completion_tokens, time.monotonic() - self.started)
 
@@ -242,6 +247,11 @@ class Generation:
             self.frontend.stats.requests_aborted += 1
             log.info("request %s aborted before it finished", self.request_id)
             self.frontend.supervisor.abort(self.request_id)
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the output, if one did."""
+        return self._detok.stop_reason
 
     def token_text(self, token_id: int) -> str:
         return self.frontend.tokenizer.decode([token_id])

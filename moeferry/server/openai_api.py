@@ -17,19 +17,21 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from moeferry.server.chat_plan import ChatPlan, finish_reason, plan_chat
+from moeferry.server.choices import merge, start_choices
 from moeferry.server.generation import Generation, Piece
 from moeferry.server.protocol import (ApiError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                       ChatCompletionChunk, ChatCompletionRequest, ChoiceLogprobs, Completion,
-                                      CompletionChoice, CompletionLogprobs, CompletionRequest, Delta, ModelCard,
-                                      ModelList, PromptTokensDetails, SamplingFields, TokenLogprobOut, TopLogprob,
-                                      Usage, bad_request)
+                                      CompletionChoice, CompletionLogprobs, CompletionRequest, Delta, DeltaFunction,
+                                      DeltaToolCall, FunctionCallOut, ModelCard, ModelList, PromptTokensDetails,
+                                      SamplingFields, TokenLogprobOut, ToolCallOut, TopLogprob, Usage, bad_request)
+from moeferry.server.structured import forced_tool_params, structured_params
+from moeferry.text.chat_output import ChatOutput, Content, ParsedToolCall, Reasoning
 
 log = logging.getLogger("moeferry.api")
 router = APIRouter()
 
 DISCONNECT_POLL_S = 0.5
-# chat_template_kwargs may not override what the server passes itself.
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize", "conversation"})
 
 
 def _server(request: Request):
@@ -85,28 +87,24 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-def render_chat(tokenizer, body: ChatCompletionRequest) -> list[int]:
-    kwargs = dict(body.chat_template_kwargs or {})
-    reserved = RESERVED_TEMPLATE_KWARGS & kwargs.keys()
-    if reserved:
-        raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
-                          param="chat_template_kwargs")
-    tools = None
-    if body.tools and body.tool_choice != "none":
-        tools = [t.model_dump(exclude_none=True) for t in body.tools]
-    messages = chat_messages(body)
-    try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **kwargs)
-    except Exception as e:  # noqa: BLE001 - a template refusing these messages is the client's error
-        raise bad_request(f"the chat template could not render these messages: {type(e).__name__}: {e}",
-                          param="messages") from None
-    return tokenizer.encode(text)
+def chat_plan(server, body: ChatCompletionRequest) -> ChatPlan:
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    plan = plan_chat(server.cfg, server.frontend.tokenizer, tools, body.tool_choice, body.parallel_tool_calls,
+                     body.chat_template_kwargs, body.reasoning_effort)
+    if body.response_format is not None and body.response_format.type != "text":
+        if plan.forced_tool is not None:
+            raise bad_request("response_format cannot be combined with a forced tool_choice", param="response_format")
+        plan.answer_only = True  # the JSON is the answer: no thinking block before it, no tool calls in it
+        plan.tools_read = False
+    return plan
 
 
-def _usage(gen: Generation, cache_report: bool) -> Usage:
-    return Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
-                 total_tokens=gen.prompt_tokens + gen.completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=gen.cached_tokens) if cache_report else None)
+def _usage(gens: list[Generation], cache_report: bool) -> Usage:
+    """The prompt counts once however many choices were generated from it."""
+    prompt, completion = gens[0].prompt_tokens, sum(g.completion_tokens for g in gens)
+    cached = max(g.cached_tokens for g in gens)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if cache_report else None)
 
 
 _NO_LOGPROBS = ChoiceLogprobs(content=[])
@@ -133,37 +131,69 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     front = server.frontend
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = front.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-    ids = await run_in_threadpool(render_chat, front.tokenizer, body)
+    params = structured_params(params, body.response_format, server.cfg.model_dir)
+    plan = chat_plan(server, body)
+    params = forced_tool_params(params, plan, front.tokenizer, server.cfg.model_dir)
+    ids, prompt_text = await run_in_threadpool(plan.render, front.tokenizer, chat_messages(body))
     front.check_prompt(ids, "messages")
-    gen = await front.start(ids, params, "chatcmpl")
+    gens = await start_choices(front, ids, params, "chatcmpl", body.n or 1)
     cache_report = server.cfg.enable_cache_report
     model = server.cfg.served_model_name
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _sse(_chat_chunks(gen, model, include_usage, cache_report), gen)
-    pieces = await _collect(gen, request)
-    if pieces is None:
+        chunks = merge([_chat_chunks(g, i, model, plan.output(prompt_text)) for i, g in enumerate(gens)])
+        return _sse(_with_usage(chunks, gens, model, include_usage, cache_report, ChatCompletionChunk), gens)
+    results = await asyncio.gather(*[_collect(g, request) for g in gens])
+    if any(pieces is None for pieces in results):
         return Response(status_code=499)
-    logprobs = None
-    if params.logprobs is not None:
-        logprobs = ChoiceLogprobs(content=[c for p in pieces for c in (_chat_logprobs(gen, p) or _NO_LOGPROBS).content])
-    return ChatCompletion(
-        id=gen.request_id, model=model, usage=_usage(gen, cache_report),
-        choices=[ChatChoice(message=AssistantMessage(content="".join(p.text for p in pieces)), logprobs=logprobs,
-                            finish_reason=pieces[-1].finish_reason)])
+    choices = [_chat_choice(g, i, pieces, plan.output(prompt_text), params.logprobs is not None)
+               for i, (g, pieces) in enumerate(zip(gens, results))]
+    return ChatCompletion(id=gens[0].request_id, model=model, usage=_usage(gens, cache_report), choices=choices)
 
 
-async def _chat_chunks(gen: Generation, model: str, include_usage: bool, cache_report: bool) -> AsyncIterator[str]:
+def _chat_choice(gen: Generation, index: int, pieces: list[Piece], output: ChatOutput, logprobs: bool) -> ChatChoice:
+    items = output.feed("".join(p.text for p in pieces)) + output.finish()
+    reasoning, content, calls = ChatOutput.collect(items)
+    lp = None
+    if logprobs:
+        lp = ChoiceLogprobs(content=[c for p in pieces for c in (_chat_logprobs(gen, p) or _NO_LOGPROBS).content])
+    message = AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=[
+        ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls] or None)
+    return ChatChoice(index=index, message=message, logprobs=lp,
+                      finish_reason=finish_reason(pieces[-1].finish_reason, len(calls)))
+
+
+def _deltas(items: list, output: ChatOutput, calls_before: int) -> list[Delta]:
+    """Items of the parsed output as deltas; a tool call is its id and name, then its arguments."""
+    out, index = [], calls_before
+    for item in items:
+        if isinstance(item, Reasoning):
+            out.append(Delta(reasoning_content=item.text))
+        elif isinstance(item, Content):
+            out.append(Delta(content=item.text))
+        elif isinstance(item, ParsedToolCall):
+            out.append(Delta(tool_calls=[DeltaToolCall(index=index, id=item.id, type="function",
+                                                       function=DeltaFunction(name=item.name, arguments=""))]))
+            out.append(Delta(tool_calls=[DeltaToolCall(index=index, function=DeltaFunction(arguments=item.arguments))]))
+            index += 1
+    return out
+
+
+async def _chat_chunks(gen: Generation, index: int, model: str, output: ChatOutput) -> AsyncIterator[str]:
     def chunk(delta: Delta, finish: str | None = None, logprobs: ChoiceLogprobs | None = None) -> str:
         return _event(ChatCompletionChunk(id=gen.request_id, model=model, choices=[
-            ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)]))
+            ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)]))
 
     yield chunk(Delta(role="assistant", content=""))
     async for piece in gen.pieces():
-        yield chunk(Delta(content=piece.text or None), piece.finish_reason, _chat_logprobs(gen, piece))
-    if include_usage:
-        yield _event(ChatCompletionChunk(id=gen.request_id, model=model, choices=[],
-                                         usage=_usage(gen, cache_report)))
+        before = output.num_calls
+        items = output.feed(piece.text) + (output.finish() if piece.finish_reason else [])
+        deltas = _deltas(items, output, before) or [Delta()]
+        logprobs = _chat_logprobs(gen, piece)
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            yield chunk(delta, finish_reason(piece.finish_reason, output.num_calls) if last else None,
+                        logprobs if k == 0 else None)
 
 
 # ---------------------------------------------------------------- completions
@@ -208,36 +238,39 @@ async def completions(body: CompletionRequest, request: Request):
     params = front.sampling_params(body, body.max_tokens, body.logprobs)
     ids = await run_in_threadpool(completion_prompt, front.tokenizer, body.prompt)
     front.check_prompt(ids, "prompt")
-    gen = await front.start(ids, params, "cmpl")
+    gens = await start_choices(front, ids, params, "cmpl", body.n or 1)
     cache_report = server.cfg.enable_cache_report
     model = server.cfg.served_model_name
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _sse(_completion_chunks(gen, model, include_usage, cache_report), gen)
-    pieces = await _collect(gen, request)
-    if pieces is None:
+        chunks = merge([_completion_chunks(g, i, model) for i, g in enumerate(gens)])
+        return _sse(_with_usage(chunks, gens, model, include_usage, cache_report, Completion), gens)
+    results = await asyncio.gather(*[_collect(g, request) for g in gens])
+    if any(pieces is None for pieces in results):
         return Response(status_code=499)
-    logprobs = None
-    if params.logprobs is not None:
-        offsets, logprobs = _Offsets(), CompletionLogprobs()
+    choices = [_completion_choice(g, i, pieces, params.logprobs is not None)
+               for i, (g, pieces) in enumerate(zip(gens, results))]
+    return Completion(id=gens[0].request_id, model=model, usage=_usage(gens, cache_report), choices=choices)
+
+
+def _completion_choice(gen: Generation, index: int, pieces: list[Piece], logprobs: bool) -> CompletionChoice:
+    out = None
+    if logprobs:
+        offsets, out = _Offsets(), CompletionLogprobs()
         for p in pieces:
             part = offsets.convert(gen, p) or CompletionLogprobs()
             for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                getattr(logprobs, name).extend(getattr(part, name))
-    return Completion(id=gen.request_id, model=model, usage=_usage(gen, cache_report), choices=[
-        CompletionChoice(text="".join(p.text for p in pieces), logprobs=logprobs,
-                         finish_reason=pieces[-1].finish_reason)])
+                getattr(out, name).extend(getattr(part, name))
+    return CompletionChoice(index=index, text="".join(p.text for p in pieces), logprobs=out,
+                            finish_reason=pieces[-1].finish_reason)
 
 
-async def _completion_chunks(gen: Generation, model: str, include_usage: bool,
-                             cache_report: bool) -> AsyncIterator[str]:
+async def _completion_chunks(gen: Generation, index: int, model: str) -> AsyncIterator[str]:
     offsets = _Offsets()
     async for piece in gen.pieces():
         yield _event(Completion(id=gen.request_id, model=model, choices=[
-            CompletionChoice(text=piece.text, logprobs=offsets.convert(gen, piece),
+            CompletionChoice(index=index, text=piece.text, logprobs=offsets.convert(gen, piece),
                              finish_reason=piece.finish_reason)]))
-    if include_usage:
-        yield _event(Completion(id=gen.request_id, model=model, choices=[], usage=_usage(gen, cache_report)))
 
 
 # ---------------------------------------------------------------- plumbing
@@ -247,16 +280,26 @@ def _event(model) -> str:
     return f"data: {model.model_dump_json(exclude_none=True)}\n\n"
 
 
-def _sse(chunks: AsyncIterator[str], gen: Generation) -> StreamingResponse:
+async def _with_usage(chunks: AsyncIterator[str], gens: list[Generation], model: str, include_usage: bool,
+                      cache_report: bool, chunk_type) -> AsyncIterator[str]:
+    """The choices' chunks, then (stream_options.include_usage) one chunk with the usage of all."""
+    async for text in chunks:
+        yield text
+    if include_usage:
+        yield _event(chunk_type(id=gens[0].request_id, model=model, choices=[], usage=_usage(gens, cache_report)))
+
+
+def _sse(chunks: AsyncIterator[str], gens: list[Generation]) -> StreamingResponse:
     async def stream():
         try:
             async for text in chunks:
                 yield text
         except ApiError as e:
-            log.warning("stream %s ended with an error: %s", gen.request_id, e.message)
+            log.warning("stream %s ended with an error: %s", gens[0].request_id, e.message)
             yield f"data: {json.dumps(e.body())}\n\n"
         finally:
-            gen.close()  # client gone mid-stream (cancelled here) -> abort in the worker
+            for gen in gens:
+                gen.close()  # client gone mid-stream (cancelled here) -> abort in the worker
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(stream(), media_type="text/event-stream",

@@ -68,8 +68,6 @@ class SamplingFields(_Request):
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for set parameters this server does not implement."""
         out = []
-        if self.n not in (None, 1):
-            out.append(("n", "n > 1 is not supported yet: send n requests"))
         if self.logit_bias:
             out.append(("logit_bias", "logit_bias is not supported yet"))
         return out
@@ -135,15 +133,11 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     response_format: Optional[ResponseFormat] = None
+    parallel_tool_calls: Optional[bool] = None
+    reasoning_effort: Optional[str] = None
 
     def unsupported(self) -> list[tuple[str, str]]:
-        out = super().unsupported()
-        if self.tool_choice not in (None, "none", "auto"):
-            out.append(("tool_choice", "tool_choice 'required' or a named function is not supported yet "
-                                       "(it needs constrained decoding); use 'auto' or 'none'"))
-        if self.response_format is not None and self.response_format.type != "text":
-            out.append(("response_format", f"response_format '{self.response_format.type}' is not supported yet"))
-        return out
+        return super().unsupported()
 
 
 # ---------------------------------------------------------------- completions
@@ -195,9 +189,22 @@ class ChoiceLogprobs(BaseModel):
     content: Optional[list[TokenLogprobOut]] = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # a JSON object as text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallOut]] = None
 
 
 class ChatChoice(BaseModel):
@@ -220,9 +227,23 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class DeltaFunction(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: DeltaFunction
+
+
 class Delta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatChunkChoice(BaseModel):

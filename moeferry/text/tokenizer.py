@@ -36,6 +36,24 @@ def _token_text(value) -> str | None:
     return value
 
 
+def _tokenizer_config(d: Path) -> dict:
+    path = d / "tokenizer_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def read_chat_template(model_dir: str | Path, config: dict | None = None) -> str | None:
+    """The checkpoint's chat template: chat_template.jinja, else tokenizer_config.json's
+    (of named templates, "default")."""
+    d = Path(model_dir)
+    if (d / "chat_template.jinja").is_file():
+        return (d / "chat_template.jinja").read_text()
+    template = (config if config is not None else _tokenizer_config(d)).get("chat_template")
+    if isinstance(template, list):
+        named = {t["name"]: t["template"] for t in template}
+        return named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, config: dict, chat_template: str | None, eos_token_ids: list[int]):
         self._tok = tokenizer
@@ -52,15 +70,8 @@ class Tokenizer:
         if not (d / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{d}: no tokenizer.json")
         tok = HFTokenizer.from_file(str(d / "tokenizer.json"))
-        config = json.loads((d / "tokenizer_config.json").read_text()) if (d / "tokenizer_config.json").is_file() else {}
-        template = None
-        if (d / "chat_template.jinja").is_file():
-            template = (d / "chat_template.jinja").read_text()
-        elif isinstance(config.get("chat_template"), str):
-            template = config["chat_template"]
-        elif isinstance(config.get("chat_template"), list):  # named templates: take "default"
-            named = {t["name"]: t["template"] for t in config["chat_template"]}
-            template = named.get("default") or next(iter(named.values()), None)
+        config = _tokenizer_config(d)
+        template = read_chat_template(d, config)
         eos = list(extra_eos_ids)
         eos_text = _token_text(config.get("eos_token"))
         if eos_text is not None and tok.token_to_id(eos_text) is not None and tok.token_to_id(eos_text) not in eos:
@@ -79,6 +90,11 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def added_token_id(self, token: str) -> int | None:
+        """The id of `token` if it is an added token (e.g. <tool_call>), which text never encodes into
+        piecewise; None otherwise."""
+        return next((i for i, t in self._tok.get_added_tokens_decoder().items() if t.content == token), None)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True, **kwargs) -> str:
