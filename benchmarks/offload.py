@@ -34,7 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving import (  # noqa: E402
-    Budget, Prompts, ballast_note, common_arguments, compare, decode, log, md_table, pcie_bound, prefill, ratio, split_args,
+    Budget, Prompts, ballast_note, common_arguments, compare, decode, log, md_table, pcie_bound, prefill, ratio,
+    split_args,
 )
 
 BIG_COPY = str(64 * 2**20)
@@ -94,7 +95,8 @@ def render(info: dict, rows: list[dict], prefill_n: int) -> str:
             for p in path:
                 r = (r or {}).get(p)
             return r
-        table.append(["ours / FreeToken", ratio(ours.get("boot_s"), ft.get("boot_s")),
+        boots = [r["boot_s"] if r.get("booted") else None for r in (ours, ft)]
+        table.append(["ours / FreeToken", ratio(*boots),
                       ratio(ours.get("prefill_s"), ft.get("prefill_s")),
                       ratio(get(ours, "decode_b1", "tok_s"), get(ft, "decode_b1", "tok_s")),
                       ratio(get(ours, "decode_b4", "tok_s"), get(ft, "decode_b4", "tok_s"))]

@@ -103,6 +103,9 @@ class Managed:
         self.proc = subprocess.Popen(argv, cwd=str(cwd), stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         self.pid = self.proc.pid
+        if os.environ.get("MOEFERRY_BENCH_PIDS"):  # the driver's list, to clean up after a hard kill
+            with open(os.environ["MOEFERRY_BENCH_PIDS"], "a") as f:
+                f.write(f"{self.pid}\n")
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -418,11 +421,13 @@ def decode(server: Server, prompts: Prompts, batch: int, out_tokens: int, seed: 
     def run(i):
         results[i] = stream_completion(server.base, server.body(prompts.ids(prompt_len, seed + i), out_tokens),
                                        timeout, on_first=first)
+        if results[i].t_first is None:
+            all_first.set()  # this stream failed before its first token: the window never opens
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(batch)]
     for t in threads:
         t.start()
-    opened = all_first.wait(timeout)
+    opened = all_first.wait(timeout) and firsts[0] == batch
     t0 = time.time()
     c0 = expert_counters(server.get("/v1/stats")) if opened else None
     deadline = time.time() + timeout
@@ -491,6 +496,7 @@ def run_engine(engine: str, flags: list[str], extra: list[str], out_dir: Path, t
         res.update(server.wait_ready(boot_timeout))
         log(f"{engine}: booted={res['booted']} in {res.get('boot_s')} s {res.get('reason', '')}")
         if res["booted"]:
+            res["boot_cache_status"] = server.get("/v1/cache/status")  # the plan, before any step ran
             try:
                 res.update(scenario(server))
             except Exception as e:  # a client-side bug must not leave the server running
@@ -498,10 +504,10 @@ def run_engine(engine: str, flags: list[str], extra: list[str], out_dir: Path, t
                 log(f"{engine}: scenario error {res['scenario_error']}")
         res["final"] = server.snapshot() if server.alive() else {"health": {"alive": False}}
         text = server.log_text()
-        if engine == "freetoken":
-            res["expert_slots"] = freetoken_slots(text, res["final"].get("cache_status"))
-        else:
-            res["expert_slots"] = moeferry_slots(res["final"].get("cache_status"), res["final"].get("stats"))
+        for key, doc in (("expert_slots_boot", res.get("boot_cache_status")),
+                         ("expert_slots", res["final"].get("cache_status") or res.get("boot_cache_status"))):
+            res[key] = (freetoken_slots(text, doc) if engine == "freetoken"
+                        else moeferry_slots(doc, res["final"].get("stats")))
         res["oom_in_log"] = bool(re.search(r"out of memory|OutOfMemoryError", text, re.I))
     finally:
         res["alive_at_end"] = server.alive()
@@ -565,7 +571,8 @@ class Budget:
 
 
 def start_ballast(leave_gib: float | None, out_dir: Path, h2d: bool) -> tuple[Ballast | None, dict]:
-    """The ballast (or only the H2D measurement when no ballast is asked); ({}, None) without CUDA."""
+    """The ballast and its report (with the H2D bandwidths if `h2d`); (None, report) when no ballast
+    was asked (the H2D measurement alone) or there is no CUDA (the report says so)."""
     if leave_gib is None and not h2d:
         return None, {}
     b = Ballast(leave_gib, out_dir / "ballast.log", h2d=h2d)
@@ -590,11 +597,18 @@ def engines_to_run(text: str) -> list[str]:
     return names
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM (a `timeout` around the script) exits through the finally blocks, so the servers
+    and the ballast are stopped rather than left holding the GPU."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def compare(args, name: str, info: dict, flags_of, make_scenario, render, h2d: bool, after=None) -> list[dict]:
     """The shared frame of both benchmarks: the ballast (and the H2D measurement if `h2d`),
     then each engine of `--engines` in turn: `run_engine` with `flags_of(index)`, the
     engine-only extra flags and `make_scenario(prompts)`; `after(row, info)` adds derived
     numbers; results are saved after every engine and the table printed at the end."""
+    _exit_on_sigterm()
     out = Path(args.out)
     ballast, binfo = start_ballast(args.leave_gib, out, h2d)
     info.update(ballast=binfo, device=binfo.get("device"), free_gib=binfo.get("free_gib"))

@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# Issues 11 + 12 on the lent GPU machine, in one call: install the carried wheels (.whl/, see
+# fetch_wheels.sh), write the full-depth Qwen3.6-35B-A3B mixed_nvfp4 checkpoint, then run the
+# benchmarks in RUNS order, each under its own time limit, while BUDGET_S seconds last (a run
+# whose estimate no longer fits is skipped and says so). Results are collected after every run,
+# so a hard kill still returns them. Run from the repo root:
+#   bash benchmarks/gpu_offload_run.sh
+# Device call: carry [".whl"], timeout_s about BUDGET_S + 60; the command is just this line.
+# Runs (default "seed offload skew"):
+#   seed      seed_scenario.py: the seed's flags verbatim, 8 prompts x 8192, ballast LEAVE_GIB (issue 12)
+#   offload   offload.py: --moe-backend offload --moe-cache-size CACHE_SIZE, both engines (issue 11)
+#   skew      a second checkpoint with --router-skew SKEW, offload.py on it (moeferry; both if SKEW_FT=1)
+#   seed_c4   --max-running-requests 4, 4 concurrent 8k prompts
+#   seed_32k  --max-extend-tokens 32768, two 32768-token prompts
+#   seed_10g  ballast leaving 10 GiB
+# Returned under $OUT: results.md (every table), results.json, logs.tgz (server, ballast and
+# make-model logs), driver.log, gpu.txt.
+# Knobs (env): BUDGET_S, RUNS, LEAVE_GIB (empty: no ballast), CACHE_SIZE, SKEW, SKEW_FT, FT_ARGS,
+# SIZE / LAYERS / QUANT_DEVICE (make-model geometry, quantizer device; empty = CPU), SEED_ARGS / OFFLOAD_ARGS (appended to every seed_scenario.py /
+# offload.py call), SKIP_WHEELS=1 (a machine that has the packages). A CPU wiring check:
+#   SKIP_WHEELS=1 SIZE=tiny QUANT_DEVICE= LEAVE_GIB= CACHE_SIZE=12 RUNS="seed offload" SEED_ARGS="--host 127.0.0.1 --prompts 2 \
+#   --prompt-tokens 64" OFFLOAD_ARGS="--prefill 64 --out-tokens 8" bash benchmarks/gpu_offload_run.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/moeferry-offload-out}
+WORK=${WORK:-/tmp/mfbench}
+BUDGET_S=${BUDGET_S:-450}
+RUNS=${RUNS:-seed offload skew}
+LEAVE_GIB=${LEAVE_GIB-14.6}
+CACHE_SIZE=${CACHE_SIZE:-3600}
+SKEW=${SKEW:-0.3}
+SIZE=${SIZE:-qwen3.6-35b-a3b}
+LAYERS=${LAYERS:-}
+QUANT_DEVICE=${QUANT_DEVICE-cuda}
+SEED_ARGS=${SEED_ARGS:-}
+OFFLOAD_ARGS=${OFFLOAD_ARGS:-}
+FT_ARGS=${FT_ARGS:---attention-backend triton}
+OFFLOAD_FLAGS="--moe-backend offload --moe-cache-size $CACHE_SIZE --max-running-requests 4 --max-seq-len-override 32768"
+T_START=$(date +%s)
+mkdir -p "$OUT" "$WORK"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 TOKENIZERS_PARALLELISM=false
+export MOEFERRY_BENCH_PIDS="$WORK/pids"
+: > "$MOEFERRY_BENCH_PIDS"
+
+left() { echo $(( BUDGET_S - $(date +%s) + T_START )); }
+
+cleanup() {  # process groups the scripts started and left behind (after a hard kill), by their ids
+  while read -r pid; do kill -0 "$pid" 2>/dev/null && kill -KILL -- "-$pid" 2>/dev/null; done < "$MOEFERRY_BENCH_PIDS"
+  : > "$MOEFERRY_BENCH_PIDS"
+}
+
+collect() {  # every table and result so far into $OUT (at most 8 files come back)
+  local runs r md
+  runs=$(cd "$WORK" && ls -d */ 2>/dev/null | grep -v '^ckpt' | tr -d /)
+  : > "$OUT/results.md"
+  for r in $runs; do for md in "$WORK/$r"/*.md; do
+    [ -f "$md" ] && { echo "## $r"; cat "$md"; echo; } >> "$OUT/results.md"; done; done
+  python3 -c '
+import json, pathlib, sys
+work, out = pathlib.Path(sys.argv[1]), {}
+for run in sys.argv[3:]:
+    for f in sorted((work / run).glob("*.json")):
+        out[f"{run}/{f.stem}"] = json.loads(f.read_text())
+pathlib.Path(sys.argv[2]).write_text(json.dumps(out, indent=1) + "\n")
+' "$WORK" "$OUT/results.json" $runs
+  (cd "$WORK" && tar czf "$OUT/logs.tgz" $runs $(ls make_*.log 2>/dev/null))
+}
+
+# step NAME ESTIMATE_S MAX_S CMD...: run CMD under a time limit if ESTIMATE_S still fits the budget
+step() {
+  local name=$1 est=$2 max=$3; shift 3
+  local l lim t rc
+  l=$(left)
+  if [ "$l" -lt "$est" ]; then echo "== $name: SKIPPED (${l} s left, needs about ${est} s)"; return 1; fi
+  lim=$(( max < l - 10 ? max : l - 10 ))
+  echo "== $name: up to ${lim} s ($(date -u +%T))"
+  t=$(date +%s)
+  timeout -k 15 "$lim" bash -c '"$@"' "$name" "$@"; rc=$?
+  cleanup
+  echo "== $name: rc=$rc in $(( $(date +%s) - t )) s"
+  collect
+  return $rc
+}
+
+make_ckpt() {  # make_ckpt DIR SKEW
+  local logf="$WORK/make_$(basename "$1").log" rc
+  MOEFERRY_QUANT_DEVICE=$QUANT_DEVICE python3 -m moeferry.cli make-model --arch qwen3_5_moe --size "$SIZE" \
+    ${LAYERS:+--num-layers $LAYERS} --multimodal --dtype bfloat16 --quant mixed_nvfp4 --router-skew "$2" \
+    --out "$1" > "$logf" 2>&1
+  rc=$?; tail -n 3 "$logf"; du -sh "$1"; return $rc
+}
+
+seed() {  # seed NAME [seed_scenario.py args...]
+  local name=$1; shift
+  python3 benchmarks/seed_scenario.py --model "$WORK/ckpt" --out "$WORK/$name" --name "$name" \
+    ${LEAVE_GIB:+--leave-gib $LEAVE_GIB} --ft-args "$FT_ARGS" --boot-timeout 180 --request-timeout 60 \
+    --engine-budget 100 "$@" ${SEED_ARGS:-}
+}
+
+offload() {  # offload NAME MODEL [offload.py args...]
+  local name=$1 model=$2; shift 2
+  python3 benchmarks/offload.py --model "$model" --out "$WORK/$name" ${LEAVE_GIB:+--leave-gib $LEAVE_GIB} \
+    --flags "$OFFLOAD_FLAGS" --ft-args "$FT_ARGS" --boot-timeout 180 --request-timeout 60 --engine-budget 70 \
+    "$@" ${OFFLOAD_ARGS:-}
+}
+
+export -f make_ckpt seed offload  # step runs them under timeout, in a child bash
+export WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFFLOAD_FLAGS SEED_ARGS OFFLOAD_ARGS
+
+{
+  echo "== env ($(date -u +%T))"
+  { nvidia-smi --query-gpu=name,memory.total,memory.used,memory.free,driver_version --format=csv
+    python3 -c 'import sys, torch, triton, transformers; print(sys.version.split()[0], "torch", torch.__version__,
+"triton", triton.__version__, "transformers", transformers.__version__)'
+    nproc; free -g | head -2; df -h "$WORK" | tail -1; } > "$OUT/gpu.txt" 2>&1
+  cat "$OUT/gpu.txt"
+  if [ "${SKIP_WHEELS:-0}" != 1 ]; then
+    echo "== wheels"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+    export PYTHONPATH=/tmp/site:$PWD
+    python3 -c 'import fastapi, uvicorn, pydantic, freetoken, flashlib, tvm_ffi, zmq
+print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__)' || exit 4
+  fi
+  step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; }
+  for run in $RUNS; do
+    case $run in
+      seed)     step seed 150 220 seed seed ;;
+      seed_c4)  step seed_c4 140 200 seed seed_c4 --extra-flags "--max-running-requests 4" --concurrency 4 --prompts 4 ;;
+      seed_32k) step seed_32k 150 220 seed seed_32k --extra-flags "--max-extend-tokens 32768" --prompt-tokens 32768 --prompts 2 ;;
+      seed_10g) step seed_10g 140 200 seed seed_10g --leave-gib 10 ;;
+      offload)  step offload 170 240 offload offload "$WORK/ckpt" ;;
+      skew)     rm -rf "$WORK/ckpt_skew"
+                step make_skew 200 300 make_ckpt "$WORK/ckpt_skew" "$SKEW" \
+                  && step skew 70 200 offload skew "$WORK/ckpt_skew" --engines "moeferry$([ "${SKEW_FT:-0}" = 1 ] && echo ,freetoken)" ;;
+      *)        echo "== unknown run $run" ;;
+    esac
+  done
+  collect
+  echo "== all done in $(( $(date +%s) - T_START )) s"
+  cat "$OUT/results.md"
+} 2>&1 | tee "$OUT/driver.log"
