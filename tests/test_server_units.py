@@ -92,3 +92,18 @@ def test_completion_prompt_forms():
 def test_describe_exit():
     assert describe_exit(-9) == "killed by SIGKILL"
     assert describe_exit(3) == "exit code 3"
+
+
+def test_restart_after_cache_shrinks_keeps_the_smaller_cache(tmp_path):
+    from moeferry.engine.config import EngineConfig
+    from moeferry.server.messages import WorkerSpec
+    from moeferry.server.supervisor import smaller_plan
+
+    spec = WorkerSpec(EngineConfig(str(tmp_path), moe_backend="offload", moe_cache_auto=True))
+    assert smaller_plan(spec, {}) is spec  # no stats: nothing learned
+    assert smaller_plan(spec, {"memory": {"cache_shrinks": 0}, "experts": {"slots": 90}}) is spec
+    shrunk = smaller_plan(spec, {"memory": {"cache_shrinks": 2}, "experts": {"slots": 90}})
+    e = shrunk.engine
+    assert (e.moe_cache_size, e.moe_cache_auto, e.moe_cache_rate) == (90, False, None)
+    resident = WorkerSpec(EngineConfig(str(tmp_path)))
+    assert smaller_plan(resident, {"memory": {"cache_shrinks": 1}, "experts": {"slots": 8}}) is resident

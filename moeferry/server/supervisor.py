@@ -13,6 +13,7 @@ Consumers register a *sink* per request: a callable that receives, from the moni
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import multiprocessing as mp
 import queue
@@ -42,6 +43,19 @@ class Unavailable(Exception):
     def __init__(self, state: str, message: str):
         super().__init__(message)
         self.state = state
+
+
+def smaller_plan(spec: WorkerSpec, last_stats: dict) -> WorkerSpec:
+    """The spec for the next worker: if the dead one's OOM guard had shrunk its expert cache,
+    start with that smaller cache (an explicit size) instead of planning the same one again."""
+    memory, experts = last_stats.get("memory") or {}, last_stats.get("experts") or {}
+    slots = experts.get("slots")
+    if not memory.get("cache_shrinks") or not slots or not spec.engine.offloads_experts:
+        return spec
+    log.warning("the dead worker's expert cache had shrunk to %d slots after out-of-memory errors; the next "
+                "worker starts with that many", slots)
+    engine = dataclasses.replace(spec.engine, moe_cache_size=slots, moe_cache_rate=None, moe_cache_auto=False)
+    return dataclasses.replace(spec, engine=engine)
 
 
 def describe_exit(code: int | None) -> str:
@@ -189,6 +203,7 @@ class Supervisor:
             if self._stop.is_set():
                 return
             cause = w.boot_failure or describe_exit(w.process.exitcode)
+            self.spec = smaller_plan(self.spec, self.worker_stats)
             delay = self._on_death(w, cause)
             if delay is None or self._stop.wait(delay):
                 return
