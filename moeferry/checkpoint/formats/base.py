@@ -86,6 +86,7 @@ class QuantFormat:
     """
 
     name: ClassVar[str]
+    device_form: ClassVar[str]  # kernel layout of `packed(...)`: dense, fp8_row, fp8_block, fp4, int4
     tensor_suffixes: ClassVar[tuple[str, ...]]
     optional_suffixes: ClassVar[tuple[str, ...]] = ()
     suffix_aliases: ClassVar[Mapping[str, str]] = {}

@@ -19,6 +19,7 @@ class DenseWeight(PackedWeight):
 
 class Bf16Format(QuantFormat):
     name = "bf16"
+    device_form = "dense"
     tensor_suffixes = ("weight",)
 
     def shape_options(self, out_features, in_features, params=None):

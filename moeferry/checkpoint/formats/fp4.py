@@ -48,7 +48,12 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    return E2M1_VALUES.to(codes.device)[codes.long()]
+    """E2M1 nibbles -> float32 values, computed on the codes' device (no host table, so no
+    host-to-device copy): magnitude code m in 0..7 is m/2 below 4, m-2 at 4..5, 2(m-4) at 6..7."""
+    c = codes.to(torch.int32)
+    m = (c & 7).float()
+    mag = torch.where(m < 4, m * 0.5, torch.where(m < 6, m - 2.0, (m - 4.0) * 2.0))
+    return torch.where((c & 8) != 0, -mag, mag)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -82,6 +87,7 @@ class Fp4Weight(PackedWeight):
 
 
 class _Nvfp4Base(QuantFormat):
+    device_form = "fp4"
     packed_name: str
     global_name: str
     input_name: str

@@ -59,6 +59,7 @@ def dequant_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
 
 class Fp8TensorFormat(QuantFormat):
     name = "fp8_tensor"
+    device_form = "fp8_row"
     tensor_suffixes = ("weight", "weight_scale", "input_scale")
     optional_suffixes = ("input_scale",)
     suffix_aliases = {"weight_scale_inv": "weight_scale"}
@@ -106,6 +107,7 @@ class Fp8TensorFormat(QuantFormat):
 
 class Fp8BlockFormat(QuantFormat):
     name = "fp8_block"
+    device_form = "fp8_block"
     tensor_suffixes = ("weight", "weight_scale_inv")
     default_params = QuantParams(block_size=(128, 128))
 

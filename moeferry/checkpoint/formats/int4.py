@@ -102,6 +102,7 @@ def _int4_bytes(out_features, in_features, g, zeros: bool) -> int:
 
 class Int4AwqFormat(QuantFormat):
     name = "int4_awq"
+    device_form = "int4"
     tensor_suffixes = ("qweight", "qzeros", "scales")
     default_params = QuantParams(group_size=128, symmetric=False)
 
@@ -163,6 +164,7 @@ class Int4AwqFormat(QuantFormat):
 
 class Int4CtFormat(QuantFormat):
     name = "int4_ct"
+    device_form = "int4"
     tensor_suffixes = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
     optional_suffixes = ("weight_zero_point",)
     default_params = QuantParams(group_size=128, symmetric=True)

@@ -1,0 +1,224 @@
+"""Dense linear layers over packed quantized weights (Triton): y = x @ W^T, W [N, K] read in
+its device form and dequantized inside the kernel, never as a bf16 copy.
+
+One kernel serves decode and prefill. Programs tile (M rows of x) x (N rows of W) and, with
+split-K, also K: program (n, m, s) reduces k in [s * K_SPLIT, (s + 1) * K_SPLIT). Decode
+shapes (M <= 16) use the weight tile as the dot's first operand (SWAP, see moe_formats.py)
+and split K until the grid covers the GPU several times over, so the packed weight streams
+from HBM by many short programs (GEMV-like) instead of a few long k-loops; the fp32 partial
+sums go to a workspace [SPLIT, M, N] that `_split_reduce_kernel` adds up (row scale and cast
+there). Prefill shapes use wide tiles and no split.
+
+The per-format dequantization is the MoE kernels' step (`moe_formats.py`) with one slot and
+one part (PART = N), so a format's weight is read by the same code in both. `DenseOperands`
+turns a registry `PackedWeight` into the step's arguments as views (no copy of the weight):
+
+    form        w                    s                       z            rs (epilogue)
+    dense       bf16 [N, K]          -                       -            -
+    fp8_row     e4m3 [N, K]          -                       -            fp32 [N]
+    fp8_block   e4m3 [N, K]          fp32 [N/GN, K/G]        -            -
+    fp4         uint8 [N, K/2]       e4m3 [N, K/16]          -            fp32 [N] (global)
+    int4        uint8 [N, K/2]       fp16/bf16 [N, K/G]      uint8 | -     -
+
+`DENSE_KERNELS` maps a registry entry's `device_form` to its step; `quant_linear` runs one.
+Under TRITON_INTERPRET=1 the dots run in fp32 (the interpreter's bf16 dot is wrong).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+from .moe_formats import DENSE, FP4, FP8_BLOCK, FP8_ROW, INT4, MoEKernel
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+# device form (QuantFormat.device_form) -> the kernel side of that form
+DENSE_KERNELS: dict[str, MoEKernel] = {k.name: k for k in (DENSE, FP8_ROW, FP8_BLOCK, FP4, INT4)}
+
+
+@triton.jit
+def _quant_gemm_kernel(x_ptr, stride_x, out_ptr, ws_ptr, w_ptr, s_ptr, z_ptr, rs_ptr, M, N, K, K_SPLIT,
+                       STEP: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
+                       HAS_Z: tl.constexpr, DT: tl.constexpr, SWAP: tl.constexpr, SPLIT: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    mask_m = offs_m < M
+    offs_k = tl.arange(0, BK)
+    a_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+    n0 = pid_n * BN
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_SPLIT)
+    acc = tl.zeros((BN, BM) if SWAP else (BM, BN), tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        a = tl.load(a_ptrs + k0, mask=mask_m[:, None] & (offs_k[None, :] + k0 < K), other=0.0).to(DT)
+        acc = STEP(acc, a, w_ptr, s_ptr, z_ptr, 0, n0, k0, N, K, N, BN, BK, G, GN, HAS_Z, DT, SWAP)
+    if SWAP:
+        acc = tl.trans(acc)
+    offs_n = n0 + tl.arange(0, BN)
+    mask_n = offs_n < N
+    rows = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT == 1:
+        if ROW_SCALE:
+            acc *= tl.load(rs_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+        tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + rows, acc, mask=mask)
+
+
+@triton.jit
+def _split_reduce_kernel(ws_ptr, out_ptr, rs_ptr, M, N, SPLIT: tl.constexpr, ROW_SCALE: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+    if ROW_SCALE:
+        acc *= tl.load(rs_ptr + offs % N, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# -- operands -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DenseOperands:
+    """One packed weight as the kernel reads it (views of the PackedWeight's tensors)."""
+
+    kernel: MoEKernel
+    n: int
+    k: int
+    w: torch.Tensor
+    s: torch.Tensor | None = None
+    z: torch.Tensor | None = None
+    rs: torch.Tensor | None = None
+    group: int = 1 << 30
+    group_n: int = 1
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        def arg(t):
+            if t is None:
+                return self.w
+            return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+        return arg(self.w), arg(self.s), arg(self.z), arg(self.rs)
+
+
+def _row_vector(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t.float().reshape(-1).expand(n).contiguous() if t.numel() == 1 else t.float().reshape(n).contiguous()
+
+
+def dense_operands(packed: Any, form: str) -> DenseOperands:
+    """The kernel operands of a registry `PackedWeight` whose format has device form `form`."""
+    kern = DENSE_KERNELS[form]
+    n, k = packed.out_features, packed.in_features
+    if form == "dense":
+        return DenseOperands(kern, n, k, packed.weight)
+    if form == "fp8_row":
+        return DenseOperands(kern, n, k, packed.weight, rs=_row_vector(packed.scale, n))
+    if form == "fp8_block":
+        b0, b1 = packed.block_size
+        return DenseOperands(kern, n, k, packed.weight, s=packed.scale_inv.float().contiguous(), group=b1, group_n=b0)
+    if form == "fp4":
+        return DenseOperands(kern, n, k, packed.packed, s=packed.scale, rs=_row_vector(packed.global_scale, n),
+                             group=16)
+    if form == "int4":
+        return DenseOperands(kern, n, k, packed.packed, s=packed.scales, z=packed.zeros, group=packed.group_size)
+    raise KeyError(f"no dense kernel for device form {form!r}")
+
+
+# -- configs --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DenseConfig:
+    bm: int
+    bn: int
+    bk: int
+    split: int = 1
+    swap: bool = True
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+DECODE_MAX_M = 16
+# decode: (bn, bk) per form; split-K fills DECODE_WAVES x SMs programs. Prefill: (bm, bn, bk, swap).
+DECODE_TILES = {"dense": (64, 128), "fp8_row": (64, 256), "fp8_block": (64, 128), "fp4": (64, 128), "int4": (64, 128)}
+DECODE_WAVES = 4
+PREFILL_TILES = {"dense": (128, 128, 64, False), "fp8_row": (128, 128, 64, False), "fp8_block": (128, 128, 64, True),
+                 "fp4": (128, 128, 128, True), "int4": (64, 128, 128, True)}
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def supported(op: DenseOperands) -> bool:
+    """Shapes the kernel handles: nibble-packed K a multiple of 32, 32-bit offsets."""
+    if op.kernel.packed_k and op.k % 32:
+        return False
+    return op.n * op.k < 2**31
+
+
+def _fit_bk(bk: int, op: DenseOperands) -> int:
+    bk = min(bk, op.kernel.max_bk, max(32, triton.next_power_of_2(op.k)))
+    if op.kernel.group_scaled:
+        while bk > 16 and (bk > op.group or op.group % bk):
+            bk //= 2
+    if op.kernel.packed_k:
+        while bk > 32 and op.k % bk:
+            bk //= 2
+    return bk
+
+
+def choose_config(m: int, op: DenseOperands, device: torch.device) -> DenseConfig:
+    form = op.kernel.name
+    if interpreting():  # small tiles; split-K and both orientations are exercised
+        bk = _fit_bk(32, op)
+        return DenseConfig(16 if m <= DECODE_MAX_M else 32, 32, bk, min(2, triton.cdiv(op.k, bk)), m <= DECODE_MAX_M)
+    if m <= DECODE_MAX_M:
+        bn, bk = DECODE_TILES[form]
+        bn = min(bn, max(16, triton.next_power_of_2(op.n)))
+        bk = _fit_bk(bk, op)
+        tiles, steps = triton.cdiv(op.n, bn), triton.cdiv(op.k, bk)
+        want = DECODE_WAVES * _num_sms(device.index or 0)
+        split = max(1, min(steps, triton.cdiv(want, tiles)))
+        return DenseConfig(16, bn, bk, split, True)
+    bm, bn, bk, swap = PREFILL_TILES[form]
+    bm = min(bm, max(16, triton.next_power_of_2(m)))
+    return DenseConfig(bm, bn, _fit_bk(bk, op), 1, swap, 8 if bm * bn >= 128 * 128 else 4, 3)
+
+
+# -- launch ---------------------------------------------------------------------------------
+def quant_linear(x: torch.Tensor, op: DenseOperands, config: DenseConfig | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ W^T in x's dtype, fp32 accumulation."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, op.k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, op.n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*lead, op.n)
+    cfg = config or choose_config(m, op, x.device)
+    # K per split: whole k-steps, so every program's tiles stay inside one scale group
+    steps = triton.cdiv(op.k, cfg.bk)
+    k_split = triton.cdiv(steps, cfg.split) * cfg.bk
+    split = triton.cdiv(op.k, k_split)
+    ws = torch.empty(split, m, op.n, dtype=torch.float32, device=x.device) if split > 1 else out
+    w, s, z, rs = op.args()
+    grid = (triton.cdiv(op.n, cfg.bn), triton.cdiv(m, cfg.bm), split)
+    _quant_gemm_kernel[grid](
+        x2, x2.stride(0), out, ws, w, s, z, rs, m, op.n, op.k, k_split,
+        STEP=op.kernel.step, ROW_SCALE=op.kernel.has_row_scale, G=op.group, GN=op.group_n, HAS_Z=op.z is not None,
+        DT=tl.float32 if interpreting() else _TL_DTYPES[x.dtype], SWAP=cfg.swap, SPLIT=split,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        block = 1024
+        _split_reduce_kernel[(triton.cdiv(m * op.n, block),)](ws, out, rs, m, op.n, SPLIT=split,
+                                                               ROW_SCALE=op.kernel.has_row_scale, BLOCK=block)
+    return out.reshape(*lead, op.n)
