@@ -43,11 +43,10 @@ def _tile_ids(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(x_ptr, stride_x, inter_ptr, ws_ptr, w_ptr, s_ptr, z_ptr, rs_ptr,
-                    sorted_ptr, block_slot_ptr, block_rows_ptr, num_blocks_ptr, max_blocks, H, I, K_SPLIT,
+                    sorted_ptr, block_slot_ptr, block_rows_ptr, num_blocks_ptr, max_blocks, H, I, K_SPLIT, SPLIT,
                     STEP: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
                     HAS_Z: tl.constexpr, TOPK: tl.constexpr, DT: tl.constexpr, SWAP: tl.constexpr,
-                    SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    GROUP_M: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     pid_m, pid_n = _tile_ids(tl.program_id(0), max_blocks, tl.cdiv(I, BN), GROUP_M)
     pid_k = tl.program_id(1)
     if pid_m >= tl.load(num_blocks_ptr):
@@ -86,8 +85,8 @@ def _gate_up_kernel(x_ptr, stride_x, inter_ptr, ws_ptr, w_ptr, s_ptr, z_ptr, rs_
 
 
 @triton.jit
-def _silu_reduce_kernel(ws_ptr, inter_ptr, block_rows_ptr, num_blocks_ptr, max_blocks, I,
-                        SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def _silu_reduce_kernel(ws_ptr, inter_ptr, block_rows_ptr, num_blocks_ptr, max_blocks, I, SPLIT,
+                        BM: tl.constexpr, BN: tl.constexpr):
     """inter = silu(sum gate partials) * (sum up partials), for the written rows of a block."""
     pid_m = tl.program_id(0)
     if pid_m >= tl.load(num_blocks_ptr):
@@ -99,7 +98,7 @@ def _silu_reduce_kernel(ws_ptr, inter_ptr, block_rows_ptr, num_blocks_ptr, max_b
     ptrs = ws_ptr + rows[:, None] * (2 * I) + offs_n[None, :]
     g = tl.zeros((BM, BN), tl.float32)
     u = tl.zeros((BM, BN), tl.float32)
-    for sp in tl.static_range(SPLIT):
+    for sp in range(0, SPLIT):
         g += tl.load(ptrs + sp * max_blocks * BM * 2 * I, mask=mask, other=0.0)
         u += tl.load(ptrs + sp * max_blocks * BM * 2 * I + I, mask=mask, other=0.0)
     h = g / (1.0 + tl.exp(-g)) * u
@@ -141,15 +140,15 @@ def _down_kernel(inter_ptr, y_ptr, w_ptr, s_ptr, z_ptr, rs_ptr, pair_w_ptr,
 
 
 @triton.jit
-def _reduce_kernel(y_ptr, out_ptr, pair_slot_ptr, H, stride_out, num_pairs,
-                   TOPK: tl.constexpr, SPLIT: tl.constexpr, BH: tl.constexpr):
+def _reduce_kernel(y_ptr, out_ptr, pair_slot_ptr, H, stride_out, num_pairs, SPLIT,
+                   TOPK: tl.constexpr, BH: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
     m = offs < H
     acc = tl.zeros((BH,), tl.float32)
     for j in tl.static_range(TOPK):
         ok = tl.load(pair_slot_ptr + t * TOPK + j) >= 0
-        for sp in tl.static_range(SPLIT):
+        for sp in range(0, SPLIT):
             acc += tl.load(y_ptr + (sp * num_pairs + t * TOPK + j) * H + offs, mask=m & ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
@@ -258,12 +257,12 @@ def gate_up_silu(x: torch.Tensor, gate_up: SlotMatrix, r: Routing, cfg: MoEConfi
     ws, consts = _launch_args(gate_up, cfg.gate_up)
     grid = (r.max_blocks * triton.cdiv(i, cfg.gate_up.bn), split)
     _gate_up_kernel[grid](x, x.stride(0), inter, part, *ws, r.sorted_ids, r.block_slot, r.block_rows, r.num_blocks,
-                          r.max_blocks, x.shape[1], i, k_split, TOPK=r.topk, DT=_dot_dtype(x), SPLIT=split,
+                          r.max_blocks, x.shape[1], i, k_split, split, TOPK=r.topk, DT=_dot_dtype(x),
                           BM=r.block_m, **consts)
     if split > 1:
         bn = min(256, triton.next_power_of_2(i))
         _silu_reduce_kernel[(r.max_blocks, triton.cdiv(i, bn))](part, inter, r.block_rows, r.num_blocks,
-                                                                 r.max_blocks, i, SPLIT=split, BM=r.block_m, BN=bn)
+                                                                 r.max_blocks, i, split, BM=r.block_m, BN=bn)
     return inter
 
 
@@ -285,8 +284,8 @@ def reduce_pairs(y: torch.Tensor, r: Routing, out: torch.Tensor) -> torch.Tensor
     """out [T, H] = sum over each token's resident pairs (and the K splits) of y [SPLIT, T * topk, H]."""
     split, pairs, h = y.shape
     bh = min(1024, triton.next_power_of_2(h))
-    _reduce_kernel[(r.num_tokens, triton.cdiv(h, bh))](y, out, r.pair_slot, h, out.stride(0), pairs,
-                                                       TOPK=r.topk, SPLIT=split, BH=bh)
+    _reduce_kernel[(r.num_tokens, triton.cdiv(h, bh))](y, out, r.pair_slot, h, out.stride(0), pairs, split,
+                                                       TOPK=r.topk, BH=bh)
     return out
 
 

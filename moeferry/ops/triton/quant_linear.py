@@ -5,9 +5,11 @@ One kernel serves decode and prefill. Programs tile (M rows of x) x (N rows of W
 split-K, also K: program (n, m, s) reduces k in [s * K_SPLIT, (s + 1) * K_SPLIT). Decode
 shapes (M <= 16) use the weight tile as the dot's first operand (SWAP, see moe_formats.py)
 and split K until the grid covers the GPU several times over, so the packed weight streams
-from HBM by many short programs (GEMV-like) instead of a few long k-loops; the fp32 partial
-sums go to a workspace [SPLIT, M, N] that `_split_reduce_kernel` adds up (row scale and cast
-there). Prefill shapes use wide tiles and no split.
+from HBM by many short programs (GEMV-like) instead of a few long k-loops. Split-K is serial
+and needs no second launch: each program stores its fp32 partial sum to a workspace
+[SPLIT, M, N] and bumps its tile's counter; the last one to arrive adds the partials, applies
+the row scale, writes the output and re-arms the counter (the operands own the counters).
+Prefill shapes use wide tiles and no split.
 
 The per-format dequantization is the MoE kernels' step (`moe_formats.py`) with one slot and
 one part (PART = N), so a format's weight is read by the same code in both. `DenseOperands`
@@ -43,9 +45,9 @@ DENSE_KERNELS: dict[str, MoEKernel] = {k.name: k for k in (DENSE, FP8_ROW, FP8_B
 
 
 @triton.jit
-def _quant_gemm_kernel(x_ptr, stride_x, out_ptr, ws_ptr, w_ptr, s_ptr, z_ptr, rs_ptr, M, N, K, K_SPLIT,
+def _quant_gemm_kernel(x_ptr, stride_x, out_ptr, ws_ptr, cnt_ptr, w_ptr, s_ptr, z_ptr, rs_ptr, M, N, K, K_SPLIT, SPLIT,
                        STEP: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
-                       HAS_Z: tl.constexpr, DT: tl.constexpr, SWAP: tl.constexpr, SPLIT: tl.constexpr,
+                       HAS_Z: tl.constexpr, DT: tl.constexpr, SWAP: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -65,25 +67,27 @@ def _quant_gemm_kernel(x_ptr, stride_x, out_ptr, ws_ptr, w_ptr, s_ptr, z_ptr, rs
     mask_n = offs_n < N
     rows = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT == 1:
-        if ROW_SCALE:
-            acc *= tl.load(rs_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
-        tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
+    if SPLIT > 1:
+        # serial split-K: store this slice's partial sum; the tile's last program to finish
+        # (counted on cnt[tile], acq_rel) adds all partials, then re-arms the counter
         tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + rows, acc, mask=mask)
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+            total = tl.zeros((BM, BN), tl.float32)
+            for sp in range(0, SPLIT):
+                total += tl.load(ws_ptr + sp * M * N + rows, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+            _store_out(total, out_ptr, rs_ptr, rows, mask, offs_n, mask_n, ROW_SCALE)
+    else:
+        _store_out(acc, out_ptr, rs_ptr, rows, mask, offs_n, mask_n, ROW_SCALE)
 
 
 @triton.jit
-def _split_reduce_kernel(ws_ptr, out_ptr, rs_ptr, M, N, SPLIT: tl.constexpr, ROW_SCALE: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for s in tl.static_range(SPLIT):
-        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+def _store_out(acc, out_ptr, rs_ptr, rows, mask, offs_n, mask_n, ROW_SCALE: tl.constexpr):
     if ROW_SCALE:
-        acc *= tl.load(rs_ptr + offs % N, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        acc *= tl.load(rs_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # -- operands -------------------------------------------------------------------------------
@@ -100,6 +104,7 @@ class DenseOperands:
     rs: torch.Tensor | None = None
     group: int = 1 << 30
     group_n: int = 1
+    counters: torch.Tensor | None = None  # int32 [cdiv(N, 16)], zero between calls (split-K tiles)
 
     def args(self) -> tuple[torch.Tensor, ...]:
         def arg(t):
@@ -118,18 +123,20 @@ def dense_operands(packed: Any, form: str) -> DenseOperands:
     kern = DENSE_KERNELS[form]
     n, k = packed.out_features, packed.in_features
     if form == "dense":
-        return DenseOperands(kern, n, k, packed.weight)
-    if form == "fp8_row":
-        return DenseOperands(kern, n, k, packed.weight, rs=_row_vector(packed.scale, n))
-    if form == "fp8_block":
+        parts = dict(w=packed.weight)
+    elif form == "fp8_row":
+        parts = dict(w=packed.weight, rs=_row_vector(packed.scale, n))
+    elif form == "fp8_block":
         b0, b1 = packed.block_size
-        return DenseOperands(kern, n, k, packed.weight, s=packed.scale_inv.float().contiguous(), group=b1, group_n=b0)
-    if form == "fp4":
-        return DenseOperands(kern, n, k, packed.packed, s=packed.scale, rs=_row_vector(packed.global_scale, n),
-                             group=16)
-    if form == "int4":
-        return DenseOperands(kern, n, k, packed.packed, s=packed.scales, z=packed.zeros, group=packed.group_size)
-    raise KeyError(f"no dense kernel for device form {form!r}")
+        parts = dict(w=packed.weight, s=packed.scale_inv.float().contiguous(), group=b1, group_n=b0)
+    elif form == "fp4":
+        parts = dict(w=packed.packed, s=packed.scale, rs=_row_vector(packed.global_scale, n), group=16)
+    elif form == "int4":
+        parts = dict(w=packed.packed, s=packed.scales, z=packed.zeros, group=packed.group_size)
+    else:
+        raise KeyError(f"no dense kernel for device form {form!r}")
+    counters = torch.zeros(triton.cdiv(n, MIN_BN), dtype=torch.int32, device=parts["w"].device)
+    return DenseOperands(kern, n, k, counters=counters, **parts)
 
 
 # -- configs --------------------------------------------------------------------------------
@@ -144,7 +151,8 @@ class DenseConfig:
     num_stages: int = 4
 
 
-DECODE_MAX_M = 16
+DECODE_MAX_M = 16  # split-K only here: one row of tiles, so the counters cover every tile
+MIN_BN = 16
 # decode: (bn, bk) per form; split-K fills DECODE_WAVES x SMs programs. Prefill: (bm, bn, bk, swap).
 DECODE_TILES = {"dense": (64, 128), "fp8_row": (64, 256), "fp8_block": (64, 128), "fp4": (64, 128), "int4": (64, 128)}
 DECODE_WAVES = 4
@@ -179,10 +187,12 @@ def choose_config(m: int, op: DenseOperands, device: torch.device) -> DenseConfi
     form = op.kernel.name
     if interpreting():  # small tiles; split-K and both orientations are exercised
         bk = _fit_bk(32, op)
-        return DenseConfig(16 if m <= DECODE_MAX_M else 32, 32, bk, min(2, triton.cdiv(op.k, bk)), m <= DECODE_MAX_M)
+        if m <= DECODE_MAX_M:
+            return DenseConfig(16, 32, bk, min(3, triton.cdiv(op.k, bk)), True)
+        return DenseConfig(32, 32, bk, 1, False)
     if m <= DECODE_MAX_M:
         bn, bk = DECODE_TILES[form]
-        bn = min(bn, max(16, triton.next_power_of_2(op.n)))
+        bn = min(bn, max(MIN_BN, triton.next_power_of_2(op.n)))
         bk = _fit_bk(bk, op)
         tiles, steps = triton.cdiv(op.n, bn), triton.cdiv(op.k, bk)
         want = DECODE_WAVES * _num_sms(device.index or 0)
@@ -209,16 +219,14 @@ def quant_linear(x: torch.Tensor, op: DenseOperands, config: DenseConfig | None 
     steps = triton.cdiv(op.k, cfg.bk)
     k_split = triton.cdiv(steps, cfg.split) * cfg.bk
     split = triton.cdiv(op.k, k_split)
+    grid = (triton.cdiv(op.n, cfg.bn), triton.cdiv(m, cfg.bm), split)
+    if split > 1 and (grid[1] > 1 or cfg.bn < MIN_BN):
+        raise ValueError(f"split-K needs one row of tiles (M <= BM) and BN >= {MIN_BN}: {cfg}, M={m}")
     ws = torch.empty(split, m, op.n, dtype=torch.float32, device=x.device) if split > 1 else out
     w, s, z, rs = op.args()
-    grid = (triton.cdiv(op.n, cfg.bn), triton.cdiv(m, cfg.bm), split)
     _quant_gemm_kernel[grid](
-        x2, x2.stride(0), out, ws, w, s, z, rs, m, op.n, op.k, k_split,
+        x2, x2.stride(0), out, ws, op.counters, w, s, z, rs, m, op.n, op.k, k_split, split,
         STEP=op.kernel.step, ROW_SCALE=op.kernel.has_row_scale, G=op.group, GN=op.group_n, HAS_Z=op.z is not None,
-        DT=tl.float32 if interpreting() else _TL_DTYPES[x.dtype], SWAP=cfg.swap, SPLIT=split,
+        DT=tl.float32 if interpreting() else _TL_DTYPES[x.dtype], SWAP=cfg.swap,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split > 1:
-        block = 1024
-        _split_reduce_kernel[(triton.cdiv(m * op.n, block),)](ws, out, rs, m, op.n, SPLIT=split,
-                                                               ROW_SCALE=op.kernel.has_row_scale, BLOCK=block)
     return out.reshape(*lead, op.n)
