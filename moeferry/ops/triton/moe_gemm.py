@@ -176,7 +176,8 @@ class MoEConfig:
 # replaces the table for one kernel. Picked by `benchmarks/moe_kernels.py --sweep` on an
 # H200 at Qwen3.6 shapes (E=256, k=8, H=2048, I=512); see benchmarks/README.md.
 _DECODE = [
-    (4, MoEConfig(16, GemmConfig(32, 128, 4, 4, swap=True), GemmConfig(64, 128, 4, 4, swap=True))),
+    (4, MoEConfig(16, GemmConfig(32, 128, 4, 4, swap=True, split=4), GemmConfig(64, 128, 4, 4, swap=True, split=2))),
+    (16, MoEConfig(16, GemmConfig(64, 128, 4, 4, swap=True, split=2), GemmConfig(64, 128, 4, 4, swap=True))),
     (32, MoEConfig(16, GemmConfig(64, 128, 4, 4, swap=True), GemmConfig(64, 128, 4, 4, swap=True))),
     (512, MoEConfig(32, GemmConfig(64, 64, 4, 4, 8), GemmConfig(64, 64, 4, 4, 8))),
 ]
