@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .gemv_formats import GEMV_STEPS
 from .moe_formats import SlotMatrix
 from .moe_prep import Routing, RoutingScratch, prepare_routing
 
@@ -153,6 +154,59 @@ def _reduce_kernel(y_ptr, out_ptr, pair_slot_ptr, H, stride_out, num_pairs, SPLI
     tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _gate_up_gemv_kernel(x_ptr, stride_x, inter_ptr, w_ptr, s_ptr, z_ptr, rs_ptr, pair_slot_ptr, H, I,
+                         STEP: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
+                         HAS_Z: tl.constexpr, TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Decode: one program per (pair, BN columns of I) on the CUDA cores; inter [pairs, I]."""
+    pair = tl.program_id(0)
+    slot = tl.load(pair_slot_ptr + pair)
+    if slot < 0:
+        return
+    slot = slot.to(tl.int64)
+    x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
+    n0 = tl.program_id(1) * BN
+    acc_g = tl.zeros((BN, 1), tl.float32)
+    acc_u = tl.zeros((BN, 1), tl.float32)
+    for k0 in range(0, H, BK):
+        acc_g = STEP(acc_g, x_row, stride_x, 1, w_ptr, s_ptr, z_ptr, slot, n0, k0, 2 * I, H, I, 1, BN, BK, G, GN, HAS_Z)
+        acc_u = STEP(acc_u, x_row, stride_x, 1, w_ptr, s_ptr, z_ptr, slot, n0 + I, k0, 2 * I, H, I, 1, BN, BK, G, GN,
+                     HAS_Z)
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    offs_n = n0 + tl.arange(0, BN)
+    mask_n = offs_n < I
+    if ROW_SCALE:
+        g *= tl.load(rs_ptr + slot * 2 * I + offs_n, mask=mask_n, other=0.0)
+        u *= tl.load(rs_ptr + slot * 2 * I + I + offs_n, mask=mask_n, other=0.0)
+    h = g / (1.0 + tl.exp(-g)) * u
+    tl.store(inter_ptr + pair.to(tl.int64) * I + offs_n, h.to(inter_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _down_gemv_kernel(inter_ptr, y_ptr, w_ptr, s_ptr, z_ptr, rs_ptr, pair_slot_ptr, pair_w_ptr, H, I,
+                      STEP: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
+                      HAS_Z: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Decode: y[pair, n0:n0+BN] = weight(pair) * inter[pair] @ down[slot]^T."""
+    pair = tl.program_id(0)
+    slot = tl.load(pair_slot_ptr + pair)
+    if slot < 0:
+        return
+    slot = slot.to(tl.int64)
+    n0 = tl.program_id(1) * BN
+    acc = tl.zeros((BN, 1), tl.float32)
+    for k0 in range(0, I, BK):
+        acc = STEP(acc, inter_ptr + pair.to(tl.int64) * I, I, 1, w_ptr, s_ptr, z_ptr, slot, n0, k0, H, I, H, 1, BN, BK,
+                   G, GN, HAS_Z)
+    o = tl.sum(acc, axis=1)
+    offs_n = n0 + tl.arange(0, BN)
+    mask_n = offs_n < H
+    if ROW_SCALE:
+        o *= tl.load(rs_ptr + slot * H + offs_n, mask=mask_n, other=0.0)
+    o *= tl.load(pair_w_ptr + pair)
+    tl.store(y_ptr + pair.to(tl.int64) * H + offs_n, o.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
 # -- configs --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GemmConfig:
@@ -170,13 +224,21 @@ class MoEConfig:
     block_m: int
     gate_up: GemmConfig
     down: GemmConfig
+    gemv: bool = False  # per-pair CUDA-core kernels (few tokens); block_m only sizes the routing prep
+
+
+GEMV_MAX_TOKENS = 4
+
+
+def _gemv(gu_bn: int, gu_bk: int, d_bn: int, d_bk: int, warps: int = 4) -> MoEConfig:
+    return MoEConfig(16, GemmConfig(gu_bn, gu_bk, warps, 3), GemmConfig(d_bn, d_bk, warps, 3), gemv=True)
 
 
 # (max tokens, config); the first row whose bound >= T wins; KERNEL_CONFIGS[kernel name]
 # replaces the table for one kernel. Picked by `benchmarks/moe_kernels.py --sweep` on an
 # H200 at Qwen3.6 shapes (E=256, k=8, H=2048, I=512); see benchmarks/README.md.
 _DECODE = [
-    (4, MoEConfig(16, GemmConfig(32, 128, 4, 4, swap=True, split=4), GemmConfig(64, 128, 4, 4, swap=True, split=2))),
+    (GEMV_MAX_TOKENS, _gemv(16, 512, 32, 512)),
     (16, MoEConfig(16, GemmConfig(64, 128, 4, 4, swap=True, split=2), GemmConfig(64, 128, 4, 4, swap=True))),
     (32, MoEConfig(16, GemmConfig(64, 128, 4, 4, swap=True), GemmConfig(64, 128, 4, 4, swap=True))),
     (512, MoEConfig(32, GemmConfig(64, 64, 4, 4, 8), GemmConfig(64, 64, 4, 4, 8))),
@@ -195,9 +257,10 @@ KERNEL_CONFIGS: dict[str, list[tuple[int, MoEConfig]]] = {
     "fp4": _DECODE + [(1 << 62, _prefill(128, 128, True))],
     "int4": _DECODE + [(1 << 62, _prefill(64, 128, True))],
 }
-# interpreter: small tiles; both orientations (T=1 and T>32 swapped) and split-K (T=1) are exercised
+# interpreter: small tiles; the GEMV (T<=2), split-K (T=3), both orientations (T=3 and T>32 swapped, T=20) are exercised
 INTERPRET_CONFIGS: list[tuple[int, MoEConfig]] = [
-    (1, MoEConfig(16, GemmConfig(32, 64, swap=True, split=2), GemmConfig(64, 32, swap=True, split=2))),
+    (2, MoEConfig(16, GemmConfig(32, 64), GemmConfig(32, 32), gemv=True)),
+    (16, MoEConfig(16, GemmConfig(32, 64, swap=True, split=2), GemmConfig(64, 32, swap=True, split=2))),
     (32, MoEConfig(16, GemmConfig(32, 64), GemmConfig(64, 32, group_m=2))),
     (1 << 62, MoEConfig(32, GemmConfig(32, 64, swap=True), GemmConfig(64, 32, group_m=2, swap=True))),
 ]
@@ -225,6 +288,9 @@ def choose_config(num_tokens: int, gate_up: SlotMatrix, down: SlotMatrix) -> MoE
     else:
         table = KERNEL_CONFIGS.get(gate_up.kernel.name, CONFIGS)
     cfg = next(c for bound, c in table if num_tokens <= bound)
+    if cfg.gemv:  # any K (even for nibble-packed forms); BN no wider than the output
+        return replace(cfg, gate_up=replace(cfg.gate_up, bn=min(cfg.gate_up.bn, max(16, triton.next_power_of_2(gate_up.part)))),
+                       down=replace(cfg.down, bn=min(cfg.down.bn, max(16, triton.next_power_of_2(down.n)))))
     return replace(cfg, gate_up=_fit(cfg.gate_up, gate_up), down=_fit(cfg.down, down))
 
 
@@ -281,6 +347,24 @@ def down_weighted(inter: torch.Tensor, down: SlotMatrix, r: Routing, cfg: MoECon
     return y
 
 
+def gemv_experts(x: torch.Tensor, gate_up: SlotMatrix, down: SlotMatrix, r: Routing, cfg: MoEConfig) -> torch.Tensor:
+    """y [1, T * topk, H] through the per-pair GEMV kernels (rows of non-resident pairs unwritten)."""
+    i, h, pairs = down.k, down.n, r.num_tokens * r.topk
+    inter = torch.empty(pairs, i, dtype=x.dtype, device=x.device)
+    y = torch.empty(1, pairs, h, dtype=x.dtype, device=x.device)
+    for m, g, out_n in ((gate_up, cfg.gate_up, i), (down, cfg.down, h)):
+        w, s, z, rs = m.kernel_args()
+        consts = dict(STEP=GEMV_STEPS[m.kernel.name], ROW_SCALE=m.kernel.has_row_scale, G=m.group, GN=m.group_n,
+                      HAS_Z=m.z is not None, BN=g.bn, BK=g.bk, num_warps=g.num_warps, num_stages=g.num_stages)
+        grid = (pairs, triton.cdiv(out_n, g.bn))
+        if m is gate_up:
+            _gate_up_gemv_kernel[grid](x, x.stride(0), inter, w, s, z, rs, r.pair_slot, x.shape[1], i, TOPK=r.topk,
+                                       **consts)
+        else:
+            _down_gemv_kernel[grid](inter, y, w, s, z, rs, r.pair_slot, r.pair_w, h, i, **consts)
+    return y
+
+
 def reduce_pairs(y: torch.Tensor, r: Routing, out: torch.Tensor) -> torch.Tensor:
     """out [T, H] = sum over each token's resident pairs (and the K splits) of y [SPLIT, T * topk, H]."""
     split, pairs, h = y.shape
@@ -303,4 +387,6 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up
     cfg = config or choose_config(x.shape[0], gate_up, down)
     r = prepare_routing(ids, weights, table_row, scratch, cfg.block_m, shared_slot, shared_weight)
     out = torch.empty_like(x)
+    if cfg.gemv:
+        return reduce_pairs(gemv_experts(x, gate_up, down, r, cfg), r, out)
     return reduce_pairs(down_weighted(gate_up_silu(x, gate_up, r, cfg), down, r, cfg), r, out)

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .gemv_formats import GEMV_STEPS
 from .moe_formats import DENSE, FP4, FP8_BLOCK, FP8_ROW, INT4, MoEKernel
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -63,6 +64,31 @@ def _quant_gemm_kernel(x_ptr, stride_x, out_ptr, ws_ptr, cnt_ptr, w_ptr, s_ptr, 
         acc = STEP(acc, a, w_ptr, s_ptr, z_ptr, 0, n0, k0, N, K, N, BN, BK, G, GN, HAS_Z, DT, SWAP)
     if SWAP:
         acc = tl.trans(acc)
+    _finish(acc, out_ptr, ws_ptr, cnt_ptr, rs_ptr, offs_m, mask_m, n0, pid_k, pid_m * tl.num_programs(0) + pid_n,
+            M, N, SPLIT, ROW_SCALE, BM, BN)
+
+
+@triton.jit
+def _quant_gemv_kernel(x_ptr, stride_x, out_ptr, ws_ptr, cnt_ptr, w_ptr, s_ptr, z_ptr, rs_ptr, M, N, K, K_SPLIT, SPLIT,
+                       STEP: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
+                       HAS_Z: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Few rows (M <= BM <= GEMV_MAX_M): CUDA-core dot products, one program per (BN rows, K slice)."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    n0 = pid_n * BN
+    acc = tl.zeros((BN, BM), tl.float32)
+    k_lo = pid_k * K_SPLIT
+    for k0 in range(k_lo, tl.minimum(K, k_lo + K_SPLIT), BK):
+        acc = STEP(acc, x_ptr, stride_x, M, w_ptr, s_ptr, z_ptr, 0, n0, k0, N, K, N, BM, BN, BK, G, GN, HAS_Z)
+    offs_m = tl.arange(0, BM)
+    _finish(tl.trans(acc), out_ptr, ws_ptr, cnt_ptr, rs_ptr, offs_m, offs_m < M, n0, pid_k, pid_n,
+            M, N, SPLIT, ROW_SCALE, BM, BN)
+
+
+@triton.jit
+def _finish(acc, out_ptr, ws_ptr, cnt_ptr, rs_ptr, offs_m, mask_m, n0, pid_k, tile, M, N, SPLIT,
+            ROW_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Store acc [BM, BN] (rows offs_m, columns n0..n0+BN): directly, or as split pid_k of
+    SPLIT through the workspace and the tile's counter."""
     offs_n = n0 + tl.arange(0, BN)
     mask_n = offs_n < N
     rows = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
@@ -72,7 +98,6 @@ def _quant_gemm_kernel(x_ptr, stride_x, out_ptr, ws_ptr, cnt_ptr, w_ptr, s_ptr, 
         # (counted on cnt[tile], acq_rel) adds all partials, then re-arms the counter
         tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + rows, acc, mask=mask)
         tl.debug_barrier()
-        tile = pid_m * tl.num_programs(0) + pid_n
         if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
             total = tl.zeros((BM, BN), tl.float32)
             for sp in range(0, SPLIT):
@@ -149,10 +174,14 @@ class DenseConfig:
     swap: bool = True
     num_warps: int = 4
     num_stages: int = 4
+    gemv: bool = False  # CUDA-core kernel (M <= bm), else the tl.dot kernel
 
 
 DECODE_MAX_M = 16  # split-K only here: one row of tiles, so the counters cover every tile
+GEMV_MAX_M = 4     # up to this many rows: the CUDA-core GEMV kernel
 MIN_BN = 16
+# GEMV: (bn, bk) per form, split-K to DECODE_WAVES x SMs programs
+GEMV_TILES = {"dense": (32, 256), "fp8_row": (32, 512), "fp8_block": (32, 512), "fp4": (32, 512), "int4": (32, 512)}
 # decode: (bn, bk) per form; split-K fills DECODE_WAVES x SMs programs. Prefill: (bm, bn, bk, swap).
 DECODE_TILES = {"dense": (64, 128), "fp8_row": (64, 256), "fp8_block": (64, 128), "fp4": (64, 128), "int4": (64, 128)}
 DECODE_WAVES = 4
@@ -185,19 +214,22 @@ def _fit_bk(bk: int, op: DenseOperands) -> int:
 
 def choose_config(m: int, op: DenseOperands, device: torch.device) -> DenseConfig:
     form = op.kernel.name
-    if interpreting():  # small tiles; split-K and both orientations are exercised
+    if interpreting():  # small tiles; split-K, the GEMV and both orientations of the dot are exercised
+        if m <= GEMV_MAX_M:
+            return DenseConfig(triton.next_power_of_2(m), 32, 64, min(3, triton.cdiv(op.k, 64)), gemv=True)
         bk = _fit_bk(32, op)
         if m <= DECODE_MAX_M:
             return DenseConfig(16, 32, bk, min(3, triton.cdiv(op.k, bk)), True)
         return DenseConfig(32, 32, bk, 1, False)
     if m <= DECODE_MAX_M:
-        bn, bk = DECODE_TILES[form]
+        gemv = m <= GEMV_MAX_M
+        bn, bk = (GEMV_TILES if gemv else DECODE_TILES)[form]
         bn = min(bn, max(MIN_BN, triton.next_power_of_2(op.n)))
-        bk = _fit_bk(bk, op)
+        bk = min(bk, max(32, triton.next_power_of_2(op.k))) if gemv else _fit_bk(bk, op)
         tiles, steps = triton.cdiv(op.n, bn), triton.cdiv(op.k, bk)
         want = DECODE_WAVES * _num_sms(device.index or 0)
         split = max(1, min(steps, triton.cdiv(want, tiles)))
-        return DenseConfig(16, bn, bk, split, True)
+        return DenseConfig(triton.next_power_of_2(m) if gemv else 16, bn, bk, split, True, gemv=gemv)
     bm, bn, bk, swap = PREFILL_TILES[form]
     bm = min(bm, max(16, triton.next_power_of_2(m)))
     return DenseConfig(bm, bn, _fit_bk(bk, op), 1, swap, 8 if bm * bn >= 128 * 128 else 4, 3)
@@ -219,11 +251,19 @@ def quant_linear(x: torch.Tensor, op: DenseOperands, config: DenseConfig | None 
     steps = triton.cdiv(op.k, cfg.bk)
     k_split = triton.cdiv(steps, cfg.split) * cfg.bk
     split = triton.cdiv(op.k, k_split)
-    grid = (triton.cdiv(op.n, cfg.bn), triton.cdiv(m, cfg.bm), split)
+    grid = (triton.cdiv(op.n, cfg.bn), 1 if cfg.gemv else triton.cdiv(m, cfg.bm), split)
     if split > 1 and (grid[1] > 1 or cfg.bn < MIN_BN):
         raise ValueError(f"split-K needs one row of tiles (M <= BM) and BN >= {MIN_BN}: {cfg}, M={m}")
     ws = torch.empty(split, m, op.n, dtype=torch.float32, device=x.device) if split > 1 else out
     w, s, z, rs = op.args()
+    if cfg.gemv:
+        if m > cfg.bm:
+            raise ValueError(f"GEMV config for at most {cfg.bm} rows, got {m}")
+        _quant_gemv_kernel[(grid[0], split)](
+            x2, x2.stride(0), out, ws, op.counters, w, s, z, rs, m, op.n, op.k, k_split, split,
+            STEP=GEMV_STEPS[op.kernel.name], ROW_SCALE=op.kernel.has_row_scale, G=op.group, GN=op.group_n,
+            HAS_Z=op.z is not None, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return out.reshape(*lead, op.n)
     _quant_gemm_kernel[grid](
         x2, x2.stride(0), out, ws, op.counters, w, s, z, rs, m, op.n, op.k, k_split, split,
         STEP=op.kernel.step, ROW_SCALE=op.kernel.has_row_scale, G=op.group, GN=op.group_n, HAS_Z=op.z is not None,
