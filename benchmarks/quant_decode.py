@@ -7,15 +7,15 @@ whole-model decode.
 
 dense: Qwen3.6-35B-A3B dense shapes [N, K] (in_proj_qkv / q_proj 8192x2048, o_proj / out_proj
 2048x4096, shared expert 512x2048, NVFP4 lm_head 248320x2048) at M = 1, 4, 16 (decode) and
-M = 4096 (prefill). Random device-form weights, rotated over enough copies that L2 (50 MB)
+M = 4096 (prefill); at M = 1 a sweep of GEMV tiles and the tl.dot decode kernel. Random device-form weights, rotated over enough copies that L2 (50 MB)
 serves none of them; each time is the median replay of a CUDA graph calling every copy once.
 Bytes = the packed weight and its scales; the bound is bytes over the measured HBM copy
 bandwidth. Baselines in the same run: bf16 cuBLAS (F.linear) on a bf16 weight of the same
 shape, and for FP8 torch._scaled_mm with per-token activation scales (W8A8: its relative
 error against the weight-only fp32 reference is reported too).
 
-moe: E=256, top-8, H=2048, I=512 (benchmarks/moe_kernels.py's cases), decode T = 1, 4, 16,
-the two GEMMs with split-K 1/2/4/8 on gate_up and 1/2 on down.
+moe: E=256, top-8, H=2048, I=512 (benchmarks/moe_kernels.py's cases), whole MoE call at decode
+T = 1 and 4: the tl.dot kernels with split-K against the per-pair GEMV kernels (a few tiles).
 
 e2e: the moeferry on PYTHONPATH (so the same script times main and this branch), the
 checkpoint loaded on cuda, prompts of 64 tokens, greedy decode timed over 24 steps after 4
@@ -24,6 +24,7 @@ warm-up steps, batch 1 and 4; prints whether decode runs in CUDA graphs (or why 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -112,12 +113,14 @@ def dense_candidates(form, m):
     from moeferry.ops.triton import quant_linear as Q
     if m > Q.DECODE_MAX_M:
         bm, bn, bk, swap = Q.PREFILL_TILES[form]
-        return [Q.DenseConfig(bm, bn, bk, 1, swap, 8, 3), Q.DenseConfig(bm, bn, bk, 1, not swap, 8, 3),
-                Q.DenseConfig(64, 128, bk, 1, swap, 4, 4), Q.DenseConfig(128, 64, bk, 1, swap, 4, 3)]
-    bk = Q.DECODE_TILES[form][1]
-    if m > 4:
-        return [(bn, bk, waves) for bn in (32, 64) for waves in (0, 4)]
-    return [(bn, bk, waves) for bn in (32, 64, 128) for waves in (0, 2, 4, 8)]
+        return [Q.DenseConfig(128, 64, bk, 1, swap, 4, 3)]
+    dot = (64, Q.DECODE_TILES[form][1], 4, False)  # the tl.dot decode kernel (call 1's default)
+    if m > Q.GEMV_MAX_M:
+        return [dot, (32, 512, 4, True)]
+    if m > 1:
+        return [dot]
+    return [dot] + [(bn, bk, waves, True) for bn, bk in ((16, 512), (32, 256), (32, 512), (64, 512), (32, 1024))
+                    for waves in (0, 2, 4)]
 
 
 def resolve(cand, op, m):
@@ -128,13 +131,13 @@ def resolve(cand, op, m):
     if isinstance(cand, Q.DenseConfig):
         return Q.DenseConfig(min(cand.bm, max(16, triton.next_power_of_2(m))), cand.bn, Q._fit_bk(cand.bk, op),
                              1, cand.swap, cand.num_warps, cand.num_stages)
-    bn, bk, waves = cand
+    bn, bk, waves, gemv = cand
     bn = min(bn, max(16, triton.next_power_of_2(op.n)))
-    bk = Q._fit_bk(bk, op)
+    bk = min(bk, max(32, triton.next_power_of_2(op.k))) if gemv else Q._fit_bk(bk, op)
     tiles, steps = triton.cdiv(op.n, bn), triton.cdiv(op.k, bk)
     sms = 4 if SMOKE else Q._num_sms(0)
     split = 1 if waves == 0 else max(1, min(steps, triton.cdiv(waves * sms, tiles)))
-    return Q.DenseConfig(16, bn, bk, split, True)
+    return Q.DenseConfig(triton.next_power_of_2(m) if gemv else 16, bn, bk, split, True, gemv=gemv)
 
 
 def bench_dense(args, log):
@@ -146,7 +149,7 @@ def bench_dense(args, log):
     g = torch.Generator(device=DEV).manual_seed(0)
     rows = []
     shapes = {"smoke 48x256": (48, 256)} if SMOKE else dict(SHAPES)
-    for form in FORMS:
+    for form in (("fp4",) if SMOKE else FORMS):
         fshapes = dict(shapes, **({"lm_head 248320x2048": (248320, 2048)} if form == "fp4" and not SMOKE else {}))
         for label, (n, k) in fshapes.items():
             one = random_packed(form, n, k, g)
@@ -181,7 +184,7 @@ def bench_dense(args, log):
                 row = dict(form=form, shape=label, M=m, bytes=nbytes, t_default=t_def, err_default=err_def,
                            t_best=t_best, best=repr(c_best), err_best=err_best, t_cublas_bf16=t_cublas,
                            frac_default=nbytes / t_def / bw, frac_best=nbytes / t_best / bw)
-                if form == "fp8_row" and m in (1, 16, 4096):
+                if form == "fp8_row" and m in (1, 4096):
                     row.update(scaled_mm(x, one, ref))
                 rows.append(row)
                 extra = f" scaled_mm {row['t_scaled_mm'] * 1e6:.1f} us err {row['err_scaled_mm']:.1e}" if "t_scaled_mm" in row else ""
@@ -219,37 +222,36 @@ def scaled_mm(x, w, ref):
 def bench_moe(args, log):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import moe_kernels as MK
+
     from dataclasses import replace
 
+    from moeferry.ops.triton import moe_gemm as G
     bw = hbm_bandwidth()
     log(f"HBM copy {bw / 1e12:.2f} TB/s")
+    dot = G._DECODE[1][1]  # the tl.dot decode config (split-K) of T in 5..16
+    gemvs = [G._gemv(16, 512, 32, 512), G._gemv(32, 512, 32, 512), G._gemv(16, 256, 16, 512), G._gemv(32, 1024, 64, 512),
+             G._gemv(16, 512, 64, 256)]
     rows = []
-    for label, fmt in (("fp8_tensor", "fp8_tensor"), ("nvfp4", "nvfp4"), ("int4", "int4_awq"), ("fp8_block", "fp8_block"),
+    for label, fmt in (("nvfp4", "nvfp4"), ("int4", "int4_awq"), ("fp8_tensor", "fp8_tensor"), ("fp8_block", "fp8_block"),
                        ("bf16", "bf16")):
         case = MK.Case(fmt)
-        for t in (1, 4, 16):
-            base = case.config(t)
+        for t in (1, 4):
             res = []
-            for sg in (1, 2, 4, 8):
-                for sd in (1, 2):
-                    cfg = replace(base, gate_up=replace(base.gate_up, split=sg), down=replace(base.down, split=sd))
-                    nbytes, tg, tm = case.decode(t, n=16, cfg=cfg)
-                    res.append((tm, tg, sg, sd, cfg))
-            diff = case.check(t, min(res)[4], replace(base, gate_up=replace(base.gate_up, split=1),
-                                                       down=replace(base.down, split=1)))
-            d = next(r for r in res if (r[2], r[3]) == (base.gate_up.split, base.down.split))
-            one = next(r for r in res if (r[2], r[3]) == (1, 1))
-            best = min(res)
-            rows.append(dict(format=label, T=t, bytes=nbytes, default=(d[2], d[3]), t_moe_default=d[0], t_gemm_default=d[1],
-                             t_moe_nosplit=one[0], best=(best[2], best[3]), t_moe_best=best[0], t_gemm_best=best[1],
-                             check_rel=diff))
-            log(f"  {label:14s} T={t:2d} {nbytes / 2**20:6.1f} MiB  no split: moe {one[0] * 1e6:6.1f} us ({100 * nbytes / one[0] / bw:3.0f}%)"
-                f"  default {d[2:4]}: moe {d[0] * 1e6:6.1f} us ({100 * nbytes / d[0] / bw:3.0f}%) gemm {d[1] * 1e6:6.1f}"
-                f"  best split {best[2:4]}: moe {best[0] * 1e6:6.1f} us ({100 * nbytes / best[0] / bw:3.0f}%)"
-                f" gemm {best[1] * 1e6:6.1f} us ({100 * nbytes / best[1] / bw:3.0f}%)  check {diff:.1e}")
-            if args.verbose:
-                for r in res:
-                    log(f"    split gate_up {r[2]} down {r[3]}: moe {r[0] * 1e6:.1f} us gemm {r[1] * 1e6:.1f} us")
+            for cfg in [dot] + gemvs[:5 if t == 1 else 2]:
+                cfg = replace(cfg, gate_up=G._fit(cfg.gate_up, case.buf.gate_up), down=G._fit(cfg.down, case.buf.down)) \
+                    if not cfg.gemv else cfg
+                nbytes, _, tm = case.decode(t, n=16, cfg=cfg)
+                res.append((tm, cfg))
+                if args.verbose:
+                    log(f"    {label} T={t} {cfg}: {tm * 1e6:.1f} us")
+            best_t, best = min(res, key=lambda r: r[0])
+            check = case.check(t, best, dot)
+            rows.append(dict(format=label, T=t, bytes=nbytes, t_dot=res[0][0], t_gemv_default=res[1][0], t_best=best_t,
+                             best=repr(best), check_rel=check))
+            log(f"  {label:10s} T={t} {nbytes / 2**20:6.1f} MiB  dot+split {res[0][0] * 1e6:6.1f} us ({100 * nbytes / res[0][0] / bw:3.0f}%)"
+                f"  gemv default {res[1][0] * 1e6:6.1f} us ({100 * nbytes / res[1][0] / bw:3.0f}%)"
+                f"  best {best_t * 1e6:6.1f} us ({100 * nbytes / best_t / bw:3.0f}%) "
+                f"{(best.gate_up.bn, best.gate_up.bk, best.down.bn, best.down.bk, best.gemv)}  check {check:.1e}")
         del case
         torch.cuda.empty_cache()
     return dict(hbm_Bps=bw, rows=rows)
@@ -261,7 +263,9 @@ def sync():
         torch.cuda.synchronize()
 
 
-def decode_rate(engine, batch, prompt_len=64, steps=24, warmup=4):
+def decode_rate(engine, batch, prompt_len=64, steps=24, warmup=4, around=None):
+    """tok/s of greedy decode steps after `warmup` steps; `around` (a context manager, e.g. a
+    profiler) wraps only the timed steps."""
     from moeferry.engine.batch import SeqChunk
     kv, st = engine.kv_pool, engine.state_pool
     gen = torch.Generator().manual_seed(batch)
@@ -272,16 +276,22 @@ def decode_rate(engine, batch, prompt_len=64, steps=24, warmup=4):
         prompts = [torch.randint(0, engine.spec.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
         toks = engine.forward([SeqChunk(p, 0, pages[i], slots[i]) for i, p in enumerate(prompts)]).argmax(-1).tolist()
         pos = prompt_len
-        t0 = None
-        for s in range(warmup + steps):
-            if s == warmup:
-                sync()
-                t0 = time.perf_counter()
+
+        def step():
+            nonlocal toks, pos
             out = engine.forward([SeqChunk([toks[i]], pos, pages[i], slots[i]) for i in range(batch)])
             toks = out.argmax(-1).tolist()
             pos += 1
+
+        for _ in range(warmup):
+            step()
         sync()
-        return batch * steps / (time.perf_counter() - t0)
+        with around or contextlib.nullcontext():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            sync()
+            return batch * steps / (time.perf_counter() - t0)
     finally:
         for pg, sl in zip(pages, slots):
             kv.pages.free(pg)
@@ -292,10 +302,9 @@ def profile_step(engine, log, top=15):
     """Kernel time of two eager batch-1 decode steps by kernel name (graphs off)."""
     from torch.profiler import ProfilerActivity, profile
     graphs, engine.graphs = engine.graphs, None
+    prof = profile(activities=[ProfilerActivity.CUDA])
     try:
-        decode_rate(engine, 1, steps=1, warmup=1)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            decode_rate(engine, 1, steps=2, warmup=0)
+        decode_rate(engine, 1, steps=2, warmup=2, around=prof)
     finally:
         engine.graphs = graphs
     ev = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)

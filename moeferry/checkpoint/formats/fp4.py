@@ -48,8 +48,11 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """E2M1 nibbles -> float32 values, computed on the codes' device (no host table, so no
-    host-to-device copy): magnitude code m in 0..7 is m/2 below 4, m-2 at 4..5, 2(m-4) at 6..7."""
+    """E2M1 nibbles -> float32 values. On the CPU a table lookup; on a device computed there (a
+    host table would need a host-to-device copy, which syncs): magnitude code m in 0..7 is
+    m/2 below 4, m-2 at 4..5, 2(m-4) at 6..7."""
+    if codes.device.type == "cpu":
+        return E2M1_VALUES[codes.long()]
     c = codes.to(torch.int32)
     m = (c & 7).float()
     mag = torch.where(m < 4, m * 0.5, torch.where(m < 6, m - 2.0, (m - 4.0) * 2.0))
