@@ -318,6 +318,13 @@ def bench_e2e(args, log):
     import moeferry
     from moeferry.engine.engine import Engine, PoolSizes
     log(f"moeferry from {Path(moeferry.__file__).parent}")
+    if args.dot_only:  # this branch without the GEMV kernels (tl.dot decode kernels only)
+        from moeferry.ops.triton import moe_gemm as G
+        from moeferry.ops.triton import quant_linear as Q
+        Q.GEMV_MAX_M = 0
+        for name, table in G.KERNEL_CONFIGS.items():
+            G.KERNEL_CONFIGS[name] = [(b, c) for b, c in table if not c.gemv]
+        log("  GEMV kernels off")
     t0 = time.perf_counter()
     engine = Engine(args.checkpoint, DEV.type, torch.bfloat16, PoolSizes(4096, 1, 8), progress=False)
     load_s = time.perf_counter() - t0
@@ -340,6 +347,7 @@ def main():
     ap.add_argument("--tag", default="")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--dot-only", action="store_true", help="e2e: without the GEMV kernels")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (set MOEFERRY_TRITON_INTERPRET=1)")
     args = ap.parse_args()
     global DEV, SMOKE
