@@ -35,8 +35,8 @@ for part in $parts; do
     dense) timeout ${DENSE_S:-120} python3 benchmarks/quant_decode.py dense --out "$R" > /dev/null 2>"$R/dense.err" ;;
   esac
   echo "== $part: $(( $(date +%s) - start )) s"
+  tar czf "$OUT/issue13.tgz" -C "$OUT" r  # after every part: what ran survives a cut-off call
 done
-tar czf "$OUT/issue13.tgz" -C "$OUT" r
 echo "==== summary"
 tail -n 15 "$R/tests.log" 2>/dev/null
 tail -n 15 "$R/moetests.log" 2>/dev/null
