@@ -1,7 +1,10 @@
 """Dense linear layers over packed quantized weights (Triton): y = x @ W^T, W [N, K] read in
 its device form and dequantized inside the kernel, never as a bf16 copy.
 
-One kernel serves decode and prefill. Programs tile (M rows of x) x (N rows of W) and, with
+Up to GEMV_MAX_M rows, `_quant_gemv_kernel` runs the per-format GEMV steps of
+gemv_formats.py on the CUDA cores (no tl.dot, no layout shuffles of the dequantized tile),
+with the same split-K as below. Beyond that, one tl.dot kernel serves decode and prefill.
+Programs tile (M rows of x) x (N rows of W) and, with
 split-K, also K: program (n, m, s) reduces k in [s * K_SPLIT, (s + 1) * K_SPLIT). Decode
 shapes (M <= 16) use the weight tile as the dot's first operand (SWAP, see moe_formats.py)
 and split K until the grid covers the GPU several times over, so the packed weight streams
@@ -22,7 +25,8 @@ turns a registry `PackedWeight` into the step's arguments as views (no copy of t
     fp4         uint8 [N, K/2]       e4m3 [N, K/16]          -            fp32 [N] (global)
     int4        uint8 [N, K/2]       fp16/bf16 [N, K/G]      uint8 | -     -
 
-`DENSE_KERNELS` maps a registry entry's `device_form` to its step; `quant_linear` runs one.
+`DENSE_KERNELS` maps a registry entry's `device_form` to its step (`GEMV_STEPS` to its GEMV
+step); `quant_linear` runs one.
 Under TRITON_INTERPRET=1 the dots run in fp32 (the interpreter's bf16 dot is wrong).
 """
 from __future__ import annotations
