@@ -7,15 +7,15 @@ whole-model decode.
 
 dense: Qwen3.6-35B-A3B dense shapes [N, K] (in_proj_qkv / q_proj 8192x2048, o_proj / out_proj
 2048x4096, shared expert 512x2048, NVFP4 lm_head 248320x2048) at M = 1, 4, 16 (decode) and
-M = 4096 (prefill); at M = 1 a sweep of GEMV tiles and the tl.dot decode kernel. Random device-form weights, rotated over enough copies that L2 (50 MB)
+M = 4096 (prefill); at M = 1 a sweep of tiles and split-K (GEMV tiles for forms that have one). Random device-form weights, rotated over enough copies that L2 (50 MB)
 serves none of them; each time is the median replay of a CUDA graph calling every copy once.
 Bytes = the packed weight and its scales; the bound is bytes over the measured HBM copy
 bandwidth. Baselines in the same run: bf16 cuBLAS (F.linear) on a bf16 weight of the same
 shape, and for FP8 torch._scaled_mm with per-token activation scales (W8A8: its relative
 error against the weight-only fp32 reference is reported too).
 
-moe: E=256, top-8, H=2048, I=512 (benchmarks/moe_kernels.py's cases), whole MoE call at decode
-T = 1 and 4: the tl.dot kernels with split-K against the per-pair GEMV kernels (a few tiles).
+moe: E=256, top-8, H=2048, I=512 (benchmarks/moe_kernels.py's cases), decode T = 1, 4, 16,
+the two GEMMs with split-K 1/2/4/8 on gate_up and 1/2 on down.
 
 e2e: the moeferry on PYTHONPATH (so the same script times main and this branch), the
 checkpoint loaded on cuda, prompts of 64 tokens, greedy decode timed over 24 steps after 4
@@ -114,13 +114,12 @@ def dense_candidates(form, m):
     if m > Q.DECODE_MAX_M:
         bm, bn, bk, swap = Q.PREFILL_TILES[form]
         return [Q.DenseConfig(128, 64, bk, 1, swap, 4, 3)]
-    dot = (64, Q.DECODE_TILES[form][1], 4, False)  # the tl.dot decode kernel (call 1's default)
-    if m > Q.GEMV_MAX_M:
-        return [dot, (32, 512, 4, True)]
-    if m > 1:
-        return [dot]
-    return [dot] + [(bn, bk, waves, True) for bn, bk in ((16, 512), (32, 256), (32, 512), (64, 512), (32, 1024))
-                    for waves in (0, 2, 4)]
+    from moeferry.ops.triton.gemv_formats import GEMV_STEPS
+    dot = [(bn, Q.DECODE_TILES[form][1], waves, False) for bn in (32, 64) for waves in (0, 4)]
+    if form not in GEMV_STEPS or m > Q.GEMV_MAX_M:
+        return dot if m == 1 else dot[-1:]
+    return dot[-1:] + [(bn, bk, waves, True) for bn, bk in ((16, 512), (32, 256), (32, 512), (64, 512), (32, 1024))
+                       for waves in (0, 2, 4)][:None if m == 1 else 3]
 
 
 def resolve(cand, op, m):
@@ -222,36 +221,37 @@ def scaled_mm(x, w, ref):
 def bench_moe(args, log):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import moe_kernels as MK
-
     from dataclasses import replace
 
-    from moeferry.ops.triton import moe_gemm as G
     bw = hbm_bandwidth()
     log(f"HBM copy {bw / 1e12:.2f} TB/s")
-    dot = G._DECODE[1][1]  # the tl.dot decode config (split-K) of T in 5..16
-    gemvs = [G._gemv(16, 512, 32, 512), G._gemv(32, 512, 32, 512), G._gemv(16, 256, 16, 512), G._gemv(32, 1024, 64, 512),
-             G._gemv(16, 512, 64, 256)]
     rows = []
-    for label, fmt in (("nvfp4", "nvfp4"), ("int4", "int4_awq"), ("fp8_tensor", "fp8_tensor"), ("fp8_block", "fp8_block"),
+    for label, fmt in (("fp8_tensor", "fp8_tensor"), ("nvfp4", "nvfp4"), ("int4", "int4_awq"), ("fp8_block", "fp8_block"),
                        ("bf16", "bf16")):
         case = MK.Case(fmt)
-        for t in (1, 4):
+        for t in (1, 4, 16):
+            base = case.config(t)
             res = []
-            for cfg in [dot] + gemvs[:5 if t == 1 else 2]:
-                cfg = replace(cfg, gate_up=G._fit(cfg.gate_up, case.buf.gate_up), down=G._fit(cfg.down, case.buf.down)) \
-                    if not cfg.gemv else cfg
-                nbytes, _, tm = case.decode(t, n=16, cfg=cfg)
-                res.append((tm, cfg))
-                if args.verbose:
-                    log(f"    {label} T={t} {cfg}: {tm * 1e6:.1f} us")
-            best_t, best = min(res, key=lambda r: r[0])
-            check = case.check(t, best, dot)
-            rows.append(dict(format=label, T=t, bytes=nbytes, t_dot=res[0][0], t_gemv_default=res[1][0], t_best=best_t,
-                             best=repr(best), check_rel=check))
-            log(f"  {label:10s} T={t} {nbytes / 2**20:6.1f} MiB  dot+split {res[0][0] * 1e6:6.1f} us ({100 * nbytes / res[0][0] / bw:3.0f}%)"
-                f"  gemv default {res[1][0] * 1e6:6.1f} us ({100 * nbytes / res[1][0] / bw:3.0f}%)"
-                f"  best {best_t * 1e6:6.1f} us ({100 * nbytes / best_t / bw:3.0f}%) "
-                f"{(best.gate_up.bn, best.gate_up.bk, best.down.bn, best.down.bk, best.gemv)}  check {check:.1e}")
+            for sg in (1, 2, 4, 8):
+                for sd in (1, 2):
+                    cfg = replace(base, gate_up=replace(base.gate_up, split=sg), down=replace(base.down, split=sd))
+                    nbytes, tg, tm = case.decode(t, n=16, cfg=cfg)
+                    res.append((tm, tg, sg, sd, cfg))
+            best = min(res, key=lambda r: r[0])
+            diff = case.check(t, best[4], replace(base, gate_up=replace(base.gate_up, split=1),
+                                                   down=replace(base.down, split=1)))
+            d = next(r for r in res if (r[2], r[3]) == (base.gate_up.split, base.down.split))
+            one = next(r for r in res if (r[2], r[3]) == (1, 1))
+            rows.append(dict(format=label, T=t, bytes=nbytes, default=(d[2], d[3]), t_moe_default=d[0], t_gemm_default=d[1],
+                             t_moe_nosplit=one[0], best=(best[2], best[3]), t_moe_best=best[0], t_gemm_best=best[1],
+                             check_rel=diff))
+            log(f"  {label:14s} T={t:2d} {nbytes / 2**20:6.1f} MiB  no split: moe {one[0] * 1e6:6.1f} us ({100 * nbytes / one[0] / bw:3.0f}%)"
+                f"  default {d[2:4]}: moe {d[0] * 1e6:6.1f} us ({100 * nbytes / d[0] / bw:3.0f}%) gemm {d[1] * 1e6:6.1f}"
+                f"  best split {best[2:4]}: moe {best[0] * 1e6:6.1f} us ({100 * nbytes / best[0] / bw:3.0f}%)"
+                f" gemm {best[1] * 1e6:6.1f} us ({100 * nbytes / best[1] / bw:3.0f}%)  check {diff:.1e}")
+            if args.verbose:
+                for r in res:
+                    log(f"    split gate_up {r[2]} down {r[3]}: moe {r[0] * 1e6:.1f} us gemm {r[1] * 1e6:.1f} us")
         del case
         torch.cuda.empty_cache()
     return dict(hbm_Bps=bw, rows=rows)
@@ -318,13 +318,6 @@ def bench_e2e(args, log):
     import moeferry
     from moeferry.engine.engine import Engine, PoolSizes
     log(f"moeferry from {Path(moeferry.__file__).parent}")
-    if args.dot_only:  # this branch without the GEMV kernels (tl.dot decode kernels only)
-        from moeferry.ops.triton import moe_gemm as G
-        from moeferry.ops.triton import quant_linear as Q
-        Q.GEMV_MAX_M = 0
-        for name, table in G.KERNEL_CONFIGS.items():
-            G.KERNEL_CONFIGS[name] = [(b, c) for b, c in table if not c.gemv]
-        log("  GEMV kernels off")
     t0 = time.perf_counter()
     engine = Engine(args.checkpoint, DEV.type, torch.bfloat16, PoolSizes(4096, 1, 8), progress=False)
     load_s = time.perf_counter() - t0
@@ -347,7 +340,6 @@ def main():
     ap.add_argument("--tag", default="")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--dot-only", action="store_true", help="e2e: without the GEMV kernels")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (set MOEFERRY_TRITON_INTERPRET=1)")
     args = ap.parse_args()
     global DEV, SMOKE

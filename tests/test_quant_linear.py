@@ -1,8 +1,8 @@
 """Quantized dense layers (QuantLinear -> Triton kernel of the format's device form) against
 the CPU reference: the registry's dequantization, then an fp32 matmul.
 
-Interpreter cases (every registry format; decode M=1/5 with split-K, prefill M=40; N not a
-multiple of the tile; fp8 block edges; int4 with and without zero points) run in one worker
+Interpreter cases (every registry format; decode M=1/5 with split-K, the fp8 GEMV at M=1/3,
+prefill M=40; N not a multiple of the tile; K not a multiple of the k-step; fp8 block edges; int4 with and without zero points) run in one worker
 subprocess with TRITON_INTERPRET=1 (tests/interpreter_workers.py), each reported as a test.
 GPU cases (`-m gpu`) run the compiled kernels at Qwen3.6 shapes and skip without CUDA.
 """
@@ -56,6 +56,7 @@ for _fmt in FORMATS:
     CASES[f"{_fmt}-decode"] = (_fmt, 1, 72, 256, None)
     CASES[f"{_fmt}-prefill"] = (_fmt, 40, 48, 128, None)
 CASES["fp8_tensor-batch5-perrow"] = ("fp8_tensor", 5, 40, 96, {"per_channel": True})
+CASES["fp8_tensor-gemv-batch3"] = ("fp8_tensor", 3, 40, 200, None)
 CASES["fp8_block-edges"] = ("fp8_block", 3, 200, 320, {"block_size": (128, 128)})
 CASES["int4_ct-asym-g64"] = ("int4_ct", 2, 64, 256, {"group_size": 64, "symmetric": False})
 CASES["int4_awq-g32-prefill"] = ("int4_awq", 20, 40, 128, {"group_size": 32, "symmetric": False})

@@ -9,6 +9,9 @@
 3. `_down_kernel`: per (block, BN columns of H) `inter @ down[s]^T`, times the routing
    weight, written per pair to `y [T*topk, H]`.
 4. `_reduce_kernel`: out[t] = sum over the token's resident pairs of y (fp32 sum).
+With split-K (GemmConfig.split > 1, decode) each GEMM program reduces one slice of K and
+writes fp32 partial sums: gate_up's are added up and SiLU-multiplied by `_silu_reduce_kernel`,
+down's by `_reduce_kernel` together with the pairs.
 
 Weights are read through the format's step (moe_formats.py), which dequantizes inside the
 kernel; the math is bf16 (the activations' dtype) with fp32 accumulation. Decode (few
@@ -27,7 +30,6 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .gemv_formats import GEMV_STEPS
 from .moe_formats import SlotMatrix
 from .moe_prep import Routing, RoutingScratch, prepare_routing
 
@@ -154,59 +156,6 @@ def _reduce_kernel(y_ptr, out_ptr, pair_slot_ptr, H, stride_out, num_pairs, SPLI
     tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
-def _gate_up_gemv_kernel(x_ptr, stride_x, inter_ptr, w_ptr, s_ptr, z_ptr, rs_ptr, pair_slot_ptr, H, I,
-                         STEP: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
-                         HAS_Z: tl.constexpr, TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Decode: one program per (pair, BN columns of I) on the CUDA cores; inter [pairs, I]."""
-    pair = tl.program_id(0)
-    slot = tl.load(pair_slot_ptr + pair)
-    if slot < 0:
-        return
-    slot = slot.to(tl.int64)
-    x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
-    n0 = tl.program_id(1) * BN
-    acc_g = tl.zeros((BN, 1), tl.float32)
-    acc_u = tl.zeros((BN, 1), tl.float32)
-    for k0 in range(0, H, BK):
-        acc_g = STEP(acc_g, x_row, stride_x, 1, w_ptr, s_ptr, z_ptr, slot, n0, k0, 2 * I, H, I, 1, BN, BK, G, GN, HAS_Z)
-        acc_u = STEP(acc_u, x_row, stride_x, 1, w_ptr, s_ptr, z_ptr, slot, n0 + I, k0, 2 * I, H, I, 1, BN, BK, G, GN,
-                     HAS_Z)
-    g = tl.sum(acc_g, axis=1)
-    u = tl.sum(acc_u, axis=1)
-    offs_n = n0 + tl.arange(0, BN)
-    mask_n = offs_n < I
-    if ROW_SCALE:
-        g *= tl.load(rs_ptr + slot * 2 * I + offs_n, mask=mask_n, other=0.0)
-        u *= tl.load(rs_ptr + slot * 2 * I + I + offs_n, mask=mask_n, other=0.0)
-    h = g / (1.0 + tl.exp(-g)) * u
-    tl.store(inter_ptr + pair.to(tl.int64) * I + offs_n, h.to(inter_ptr.dtype.element_ty), mask=mask_n)
-
-
-@triton.jit
-def _down_gemv_kernel(inter_ptr, y_ptr, w_ptr, s_ptr, z_ptr, rs_ptr, pair_slot_ptr, pair_w_ptr, H, I,
-                      STEP: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
-                      HAS_Z: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Decode: y[pair, n0:n0+BN] = weight(pair) * inter[pair] @ down[slot]^T."""
-    pair = tl.program_id(0)
-    slot = tl.load(pair_slot_ptr + pair)
-    if slot < 0:
-        return
-    slot = slot.to(tl.int64)
-    n0 = tl.program_id(1) * BN
-    acc = tl.zeros((BN, 1), tl.float32)
-    for k0 in range(0, I, BK):
-        acc = STEP(acc, inter_ptr + pair.to(tl.int64) * I, I, 1, w_ptr, s_ptr, z_ptr, slot, n0, k0, H, I, H, 1, BN, BK,
-                   G, GN, HAS_Z)
-    o = tl.sum(acc, axis=1)
-    offs_n = n0 + tl.arange(0, BN)
-    mask_n = offs_n < H
-    if ROW_SCALE:
-        o *= tl.load(rs_ptr + slot * H + offs_n, mask=mask_n, other=0.0)
-    o *= tl.load(pair_w_ptr + pair)
-    tl.store(y_ptr + pair.to(tl.int64) * H + offs_n, o.to(y_ptr.dtype.element_ty), mask=mask_n)
-
-
 # -- configs --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GemmConfig:
@@ -224,44 +173,35 @@ class MoEConfig:
     block_m: int
     gate_up: GemmConfig
     down: GemmConfig
-    gemv: bool = False  # per-pair CUDA-core kernels (few tokens); block_m only sizes the routing prep
-
-
-GEMV_MAX_TOKENS = 4
-
-
-def _gemv(gu_bn: int, gu_bk: int, d_bn: int, d_bk: int, warps: int = 4) -> MoEConfig:
-    return MoEConfig(16, GemmConfig(gu_bn, gu_bk, warps, 3), GemmConfig(d_bn, d_bk, warps, 3), gemv=True)
 
 
 # (max tokens, config); the first row whose bound >= T wins; KERNEL_CONFIGS[kernel name]
-# replaces the table for one kernel. Picked by `benchmarks/moe_kernels.py --sweep` on an
-# H200 at Qwen3.6 shapes (E=256, k=8, H=2048, I=512); see benchmarks/README.md.
-_DECODE = [
-    (GEMV_MAX_TOKENS, _gemv(16, 512, 32, 512)),
-    (16, MoEConfig(16, GemmConfig(64, 128, 4, 4, swap=True, split=2), GemmConfig(64, 128, 4, 4, swap=True))),
-    (32, MoEConfig(16, GemmConfig(64, 128, 4, 4, swap=True), GemmConfig(64, 128, 4, 4, swap=True))),
-    (512, MoEConfig(32, GemmConfig(64, 64, 4, 4, 8), GemmConfig(64, 64, 4, 4, 8))),
-]
+# replaces the table for one kernel. Picked by `benchmarks/moe_kernels.py --sweep` (tiles) and
+# `benchmarks/quant_decode.py moe` (split-K of gate_up at T = 1, 4, 16) on an H200 at Qwen3.6
+# shapes (E=256, k=8, H=2048, I=512); see benchmarks/README.md. Split-K of down never won.
+def _decode(split_1: int, split_4: int, split_16: int) -> list[tuple[int, MoEConfig]]:
+    def cfg(bn, split):
+        return MoEConfig(16, GemmConfig(bn, 128, 4, 4, swap=True, split=split), GemmConfig(64, 128, 4, 4, swap=True))
+    return [(1, cfg(32, split_1)), (4, cfg(32, split_4)), (32, cfg(64, split_16)),
+            (512, MoEConfig(32, GemmConfig(64, 64, 4, 4, 8), GemmConfig(64, 64, 4, 4, 8)))]
 
 
 def _prefill(bm: int, gu_bn: int, swap: bool) -> MoEConfig:
     return MoEConfig(bm, GemmConfig(gu_bn, 64, 8, 3, 8, swap), GemmConfig(128, 64, 8, 3, 8, swap))
 
 
-CONFIGS: list[tuple[int, MoEConfig]] = _DECODE + [(1 << 62, _prefill(128, 64, False))]
+CONFIGS: list[tuple[int, MoEConfig]] = _decode(1, 1, 1) + [(1 << 62, _prefill(128, 64, False))]
 KERNEL_CONFIGS: dict[str, list[tuple[int, MoEConfig]]] = {
-    "dense": _DECODE + [(4096, _prefill(64, 128, True)), (1 << 62, _prefill(128, 64, True))],
-    "fp8_row": CONFIGS,
-    "fp8_block": _DECODE + [(1 << 62, _prefill(128, 64, True))],
-    "fp4": _DECODE + [(1 << 62, _prefill(128, 128, True))],
-    "int4": _DECODE + [(1 << 62, _prefill(64, 128, True))],
+    "dense": _decode(1, 2, 1) + [(4096, _prefill(64, 128, True)), (1 << 62, _prefill(128, 64, True))],
+    "fp8_row": _decode(1, 1, 2) + [(1 << 62, _prefill(128, 64, False))],
+    "fp8_block": _decode(4, 4, 1) + [(1 << 62, _prefill(128, 64, True))],
+    "fp4": _decode(2, 1, 2) + [(1 << 62, _prefill(128, 128, True))],
+    "int4": _decode(2, 2, 1) + [(1 << 62, _prefill(64, 128, True))],
 }
-# interpreter: small tiles; the GEMV (T<=2), split-K (T=3), both orientations (T=3 and T>32 swapped, T=20) are exercised
+# interpreter: small tiles; split-K in both orientations (T <= 2 swapped, T in 3..32 not), T > 32 swapped
 INTERPRET_CONFIGS: list[tuple[int, MoEConfig]] = [
-    (2, MoEConfig(16, GemmConfig(32, 64), GemmConfig(32, 32), gemv=True)),
-    (16, MoEConfig(16, GemmConfig(32, 64, swap=True, split=2), GemmConfig(64, 32, swap=True, split=2))),
-    (32, MoEConfig(16, GemmConfig(32, 64), GemmConfig(64, 32, group_m=2))),
+    (2, MoEConfig(16, GemmConfig(32, 64, swap=True, split=2), GemmConfig(64, 32, swap=True, split=2))),
+    (32, MoEConfig(16, GemmConfig(32, 64, split=2), GemmConfig(64, 32, group_m=2))),
     (1 << 62, MoEConfig(32, GemmConfig(32, 64, swap=True), GemmConfig(64, 32, group_m=2, swap=True))),
 ]
 
@@ -288,9 +228,6 @@ def choose_config(num_tokens: int, gate_up: SlotMatrix, down: SlotMatrix) -> MoE
     else:
         table = KERNEL_CONFIGS.get(gate_up.kernel.name, CONFIGS)
     cfg = next(c for bound, c in table if num_tokens <= bound)
-    if cfg.gemv:  # any K (even for nibble-packed forms); BN no wider than the output
-        return replace(cfg, gate_up=replace(cfg.gate_up, bn=min(cfg.gate_up.bn, max(16, triton.next_power_of_2(gate_up.part)))),
-                       down=replace(cfg.down, bn=min(cfg.down.bn, max(16, triton.next_power_of_2(down.n)))))
     return replace(cfg, gate_up=_fit(cfg.gate_up, gate_up), down=_fit(cfg.down, down))
 
 
@@ -347,24 +284,6 @@ def down_weighted(inter: torch.Tensor, down: SlotMatrix, r: Routing, cfg: MoECon
     return y
 
 
-def gemv_experts(x: torch.Tensor, gate_up: SlotMatrix, down: SlotMatrix, r: Routing, cfg: MoEConfig) -> torch.Tensor:
-    """y [1, T * topk, H] through the per-pair GEMV kernels (rows of non-resident pairs unwritten)."""
-    i, h, pairs = down.k, down.n, r.num_tokens * r.topk
-    inter = torch.empty(pairs, i, dtype=x.dtype, device=x.device)
-    y = torch.empty(1, pairs, h, dtype=x.dtype, device=x.device)
-    for m, g, out_n in ((gate_up, cfg.gate_up, i), (down, cfg.down, h)):
-        w, s, z, rs = m.kernel_args()
-        consts = dict(STEP=GEMV_STEPS[m.kernel.name], ROW_SCALE=m.kernel.has_row_scale, G=m.group, GN=m.group_n,
-                      HAS_Z=m.z is not None, BN=g.bn, BK=g.bk, num_warps=g.num_warps, num_stages=g.num_stages)
-        grid = (pairs, triton.cdiv(out_n, g.bn))
-        if m is gate_up:
-            _gate_up_gemv_kernel[grid](x, x.stride(0), inter, w, s, z, rs, r.pair_slot, x.shape[1], i, TOPK=r.topk,
-                                       **consts)
-        else:
-            _down_gemv_kernel[grid](inter, y, w, s, z, rs, r.pair_slot, r.pair_w, h, i, **consts)
-    return y
-
-
 def reduce_pairs(y: torch.Tensor, r: Routing, out: torch.Tensor) -> torch.Tensor:
     """out [T, H] = sum over each token's resident pairs (and the K splits) of y [SPLIT, T * topk, H]."""
     split, pairs, h = y.shape
@@ -387,6 +306,4 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up
     cfg = config or choose_config(x.shape[0], gate_up, down)
     r = prepare_routing(ids, weights, table_row, scratch, cfg.block_m, shared_slot, shared_weight)
     out = torch.empty_like(x)
-    if cfg.gemv:
-        return reduce_pairs(gemv_experts(x, gate_up, down, r, cfg), r, out)
     return reduce_pairs(down_weighted(gate_up_silu(x, gate_up, r, cfg), down, r, cfg), r, out)

@@ -1,8 +1,8 @@
 """Dense linear layers over packed quantized weights (Triton): y = x @ W^T, W [N, K] read in
 its device form and dequantized inside the kernel, never as a bf16 copy.
 
-Up to GEMV_MAX_M rows, `_quant_gemv_kernel` runs the per-format GEMV steps of
-gemv_formats.py on the CUDA cores (no tl.dot, no layout shuffles of the dequantized tile),
+Up to GEMV_MAX_M rows, `_quant_gemv_kernel` runs the GEMV step of the form (gemv_formats.py;
+fp8_row only, where it wins) on the CUDA cores (no tl.dot, no layout shuffles of the dequantized tile),
 with the same split-K as below. Beyond that, one tl.dot kernel serves decode and prefill.
 Programs tile (M rows of x) x (N rows of W) and, with
 split-K, also K: program (n, m, s) reduces k in [s * K_SPLIT, (s + 1) * K_SPLIT). Decode
@@ -182,10 +182,10 @@ class DenseConfig:
 
 
 DECODE_MAX_M = 16  # split-K only here: one row of tiles, so the counters cover every tile
-GEMV_MAX_M = 4     # up to this many rows: the CUDA-core GEMV kernel
+GEMV_MAX_M = 4     # up to this many rows: the CUDA-core GEMV kernel (forms in GEMV_STEPS)
 MIN_BN = 16
 # GEMV: (bn, bk) per form, split-K to DECODE_WAVES x SMs programs
-GEMV_TILES = {"dense": (32, 256), "fp8_row": (32, 512), "fp8_block": (32, 512), "fp4": (32, 512), "int4": (32, 512)}
+GEMV_TILES = {"fp8_row": (16, 512)}
 # decode: (bn, bk) per form; split-K fills DECODE_WAVES x SMs programs. Prefill: (bm, bn, bk, swap).
 DECODE_TILES = {"dense": (64, 128), "fp8_row": (64, 256), "fp8_block": (64, 128), "fp4": (64, 128), "int4": (64, 128)}
 DECODE_WAVES = 4
@@ -219,14 +219,14 @@ def _fit_bk(bk: int, op: DenseOperands) -> int:
 def choose_config(m: int, op: DenseOperands, device: torch.device) -> DenseConfig:
     form = op.kernel.name
     if interpreting():  # small tiles; split-K, the GEMV and both orientations of the dot are exercised
-        if m <= GEMV_MAX_M:
+        if m <= GEMV_MAX_M and form in GEMV_STEPS:
             return DenseConfig(triton.next_power_of_2(m), 32, 64, min(3, triton.cdiv(op.k, 64)), gemv=True)
         bk = _fit_bk(32, op)
         if m <= DECODE_MAX_M:
             return DenseConfig(16, 32, bk, min(3, triton.cdiv(op.k, bk)), True)
         return DenseConfig(32, 32, bk, 1, False)
     if m <= DECODE_MAX_M:
-        gemv = m <= GEMV_MAX_M
+        gemv = m <= GEMV_MAX_M and form in GEMV_TILES
         bn, bk = (GEMV_TILES if gemv else DECODE_TILES)[form]
         bn = min(bn, max(MIN_BN, triton.next_power_of_2(op.n)))
         bk = min(bk, max(32, triton.next_power_of_2(op.k))) if gemv else _fit_bk(bk, op)
