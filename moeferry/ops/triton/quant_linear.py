@@ -187,10 +187,11 @@ MIN_BN = 16
 # GEMV: (bn, bk) per form, split-K to DECODE_WAVES x SMs programs
 GEMV_TILES = {"fp8_row": (16, 512)}
 # decode: (bn, bk) per form; split-K fills DECODE_WAVES x SMs programs. Prefill: (bm, bn, bk, swap).
+# Picked on an H200 by `benchmarks/quant_decode.py dense` (benchmarks/README.md).
 DECODE_TILES = {"dense": (64, 128), "fp8_row": (64, 256), "fp8_block": (64, 128), "fp4": (64, 128), "int4": (64, 128)}
 DECODE_WAVES = 4
 PREFILL_TILES = {"dense": (128, 128, 64, False), "fp8_row": (128, 128, 64, False), "fp8_block": (128, 128, 64, True),
-                 "fp4": (128, 128, 128, True), "int4": (64, 128, 128, True)}
+                 "fp4": (128, 128, 128, True), "int4": (128, 64, 128, True)}
 
 
 @functools.lru_cache(maxsize=8)
