@@ -173,6 +173,11 @@ CASES["int4_ct-asymmetric-T3"] = (check_moe, dict(fmt="int4_ct", t=3, e=8, k=2, 
                                                   params={"group_size": 64, "symmetric": False}))
 CASES["fp8_tensor-per-channel-T3"] = (check_moe, dict(fmt="fp8_tensor", t=3, e=8, k=2, seed=5,
                                                       params={"per_channel": True}))
+CASES["fp8_block-T2-permuted-missing-shared"] = (check_moe, dict(
+    fmt="fp8_block", t=2, e=16, k=4, slots=20, missing=3, shared=True, seed=6, params={"block_size": (32, 32)}))
+CASES["int4_ct-asymmetric-T2-missing"] = (check_moe, dict(fmt="int4_ct", t=2, e=8, k=4, missing=2, seed=7,
+                                                               params={"group_size": 32, "symmetric": False}))
+CASES["nvfp4-T20"] = (check_moe, dict(fmt="nvfp4", t=20, e=8, k=2, seed=8))
 CASES["prep-T1"] = (check_prep, dict(t=1, k=2))
 CASES["prep-T3-shared"] = (check_prep, dict(t=3, k=4, shared=True))
 CASES["prep-T64"] = (check_prep, dict(t=64, k=4, block_m=32))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import traceback
 
 import torch
 
@@ -30,6 +31,18 @@ log = logging.getLogger(__name__)
 def default_sizes(max_batch: int) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if s < max_batch]
     return sizes + [max_batch]
+
+
+def sync_site(e: BaseException) -> str:
+    """' at FILE:LINE in FUNC: `code`' for the innermost moeferry frame of an exception's
+    traceback: the op that synchronised (or failed) during warm-up or capture."""
+    frames = [(f, f.filename.replace("\\", "/")) for f in traceback.extract_tb(e.__traceback__)]
+    frames = [(f, p) for f, p in frames if "moeferry/" in p and "site-packages" not in p]
+    if not frames:
+        return ""
+    f, path = frames[-1]
+    path = path[path.rfind("moeferry/"):]
+    return f" at {path}:{f.lineno} in {f.name}: `{(f.line or '').strip()}`"
 
 
 class DecodeGraphs:
@@ -118,7 +131,7 @@ class DecodeGraphs:
                 out = self.model.forward(batch, self.kv_pool, self.state_pool)
         except RuntimeError as e:
             torch.cuda.synchronize()
-            self.disabled = f"decode step cannot be captured ({str(e).splitlines()[0]})"
+            self.disabled = f"decode step cannot be captured ({str(e).splitlines()[0]}){sync_site(e)}"
             log.warning("CUDA graphs off: %s", self.disabled)
             return False
         self.pool = graph.pool()

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moeferry.checkpoint.formats import PackedWeight
+from moeferry.checkpoint.formats import FORMATS, PackedWeight
+from moeferry.ops.triton import use_triton
 
 
 class Linear:
@@ -26,15 +27,34 @@ class Linear:
 
 
 class QuantLinear:
-    """A weight kept in its packed checkpoint format; the reference path dequantizes it on
-    the fly for each call (never the whole model at load)."""
+    """A weight kept in its packed checkpoint format. On CUDA (or under
+    MOEFERRY_TRITON_INTERPRET=1) a Triton GEMM of the format's device form reads the packed
+    weight and dequantizes tiles in registers (`moeferry.ops.triton.quant_linear`); elsewhere
+    the reference path dequantizes the weight for each call (never the whole model at load)."""
 
     def __init__(self, packed: PackedWeight, fmt: str):
         self.packed, self.format = packed, fmt
+        self.device_form = FORMATS[fmt].device_form
         self.out_features, self.in_features = packed.out_features, packed.in_features
+        self._operands = None  # kernel operands (views of `packed`), built on the first kernel call
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            op = self._kernel_operands()
+            if op is not None:
+                from moeferry.ops.triton.quant_linear import quant_linear
+                return quant_linear(x, op)
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dense(x.dtype))
+
+    def _kernel_operands(self):
+        if self._operands is None:
+            from moeferry.ops.triton.quant_linear import dense_operands, supported
+            op = dense_operands(self.packed, self.device_form)
+            self._operands = op if supported(op) else False
+        return self._operands or None
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         return self.packed.dequantize(dtype)

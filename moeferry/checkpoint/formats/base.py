@@ -88,11 +88,11 @@ class QuantFormat:
     """
 
     name: ClassVar[str]
+    device_form: ClassVar[str]  # kernel layout of `packed(...)`: dense, fp8_row, fp8_block, fp4, int4
     tensor_suffixes: ClassVar[tuple[str, ...]]
     optional_suffixes: ClassVar[tuple[str, ...]] = ()
     suffix_aliases: ClassVar[Mapping[str, str]] = {}
     default_params: ClassVar[QuantParams] = QuantParams()
-    device_form: ClassVar[str]  # dense, fp8_row, fp8_block, fp4 or int4
 
     def moe_kernel(self):
         """The fused-MoE kernel (and slot layout) of this format's device form."""

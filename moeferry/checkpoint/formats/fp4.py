@@ -48,7 +48,15 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    return E2M1_VALUES.to(codes.device)[codes.long()]
+    """E2M1 nibbles -> float32 values. On the CPU a table lookup; on a device computed there (a
+    host table would need a host-to-device copy, which syncs): magnitude code m in 0..7 is
+    m/2 below 4, m-2 at 4..5, 2(m-4) at 6..7."""
+    if codes.device.type == "cpu":
+        return E2M1_VALUES[codes.long()]
+    c = codes.to(torch.int32)
+    m = (c & 7).float()
+    mag = torch.where(m < 4, m * 0.5, torch.where(m < 6, m - 2.0, (m - 4.0) * 2.0))
+    return torch.where((c & 8) != 0, -mag, mag)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -82,6 +90,7 @@ class Fp4Weight(PackedWeight):
 
 
 class _Nvfp4Base(QuantFormat):
+    device_form = "fp4"
     packed_name: str
     global_name: str
     input_name: str
@@ -133,7 +142,6 @@ class Nvfp4Format(_Nvfp4Base):
     """ModelOpt NVFP4QTensor math."""
 
     name = "nvfp4"
-    device_form = "fp4"
     tensor_suffixes = ("weight", "weight_scale", "weight_scale_2", "input_scale")
     optional_suffixes = ("input_scale",)
     packed_name, global_name, input_name = "weight", "weight_scale_2", "input_scale"
@@ -161,7 +169,6 @@ class Nvfp4CtFormat(_Nvfp4Base):
     """compressed-tensors NVFP4 (llm-compressor tensor_group strategy) math."""
 
     name = "nvfp4_ct"
-    device_form = "fp4"
     tensor_suffixes = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
     optional_suffixes = ("input_global_scale",)
     packed_name, global_name, input_name = "weight_packed", "weight_global_scale", "input_global_scale"

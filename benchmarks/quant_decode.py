@@ -1,0 +1,358 @@
+"""Quantized checkpoints on the GPU (issue 13): dense-layer kernels, MoE decode split-K, and
+whole-model decode.
+
+    python benchmarks/quant_decode.py dense [--out DIR]      # QuantLinear kernels per device form
+    python benchmarks/quant_decode.py moe [--out DIR]        # MoE decode GEMMs, split-K sweep
+    python benchmarks/quant_decode.py e2e CKPT [--out DIR]   # decode tok/s b1/b4, graphs on/off
+
+dense: Qwen3.6-35B-A3B dense shapes [N, K] (in_proj_qkv / q_proj 8192x2048, o_proj / out_proj
+2048x4096, shared expert 512x2048, NVFP4 lm_head 248320x2048) at M = 1, 4, 16 (decode) and
+M = 4096 (prefill); at M = 1 a sweep of tiles and split-K (GEMV tiles for forms that have one). Random device-form weights, rotated over enough copies that L2 (50 MB)
+serves none of them; each time is the median replay of a CUDA graph calling every copy once.
+Bytes = the packed weight and its scales; the bound is bytes over the measured HBM copy
+bandwidth. Baselines in the same run: bf16 cuBLAS (F.linear) on a bf16 weight of the same
+shape, and for FP8 torch._scaled_mm with per-token activation scales (W8A8: its relative
+error against the weight-only fp32 reference is reported too).
+
+moe: E=256, top-8, H=2048, I=512 (benchmarks/moe_kernels.py's cases), decode T = 1, 4, 16,
+the two GEMMs with split-K 1/2/4/8 on gate_up and 1/2 on down.
+
+e2e: the moeferry on PYTHONPATH (so the same script times main and this branch), the
+checkpoint loaded on cuda, prompts of 64 tokens, greedy decode timed over 24 steps after 4
+warm-up steps, batch 1 and 4; prints whether decode runs in CUDA graphs (or why not).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEV = torch.device("cuda")
+SMOKE = False  # --smoke: tiny shapes on the CPU under MOEFERRY_TRITON_INTERPRET=1 (checks the script)
+
+
+def ev_time(fn, iters=20, warmup=3):
+    if SMOKE:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def graph_time(fns, reps=10):
+    """Median seconds per fn over replays of one CUDA graph that calls every fn once."""
+    if SMOKE:
+        return ev_time(lambda: [f() for f in fns]) / len(fns)
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        for f in fns:
+            f()
+    return ev_time(gr.replay, iters=reps) / len(fns)
+
+
+def hbm_bandwidth():
+    if SMOKE:
+        return 1e10
+    src = torch.randn(1 << 29, device=DEV)  # 2 GiB
+    dst = torch.empty_like(src)
+    t = ev_time(lambda: dst.copy_(src), iters=10)
+    del src, dst
+    return 2 * (1 << 29) * 4 / t
+
+
+# -- dense ----------------------------------------------------------------------------------
+SHAPES = {"qkv 8192x2048": (8192, 2048), "o_proj 2048x4096": (2048, 4096), "shared 512x2048": (512, 2048)}
+FORMS = ("fp8_row", "fp4", "int4", "fp8_block", "dense")  # most used first (a time limit may cut the run)
+
+
+def random_packed(form, n, k, g):
+    from moeferry.checkpoint.formats import DenseWeight, Fp4Weight, Fp8BlockWeight, Fp8Weight, Int4Weight
+
+    def uni(*s):
+        return torch.rand(*s, generator=g, device=DEV)
+
+    def u8(*s):
+        return torch.randint(0, 256, s, generator=g, device=DEV, dtype=torch.uint8)
+
+    def e4m3(*s):
+        return (torch.randn(*s, generator=g, device=DEV) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+    if form == "dense":
+        return DenseWeight(n, k, (torch.randn(n, k, generator=g, device=DEV) * 0.03).bfloat16())
+    if form == "fp8_row":
+        return Fp8Weight(n, k, e4m3(n, k), uni(1).expand(n).contiguous() * 5e-4 + 2e-4)
+    if form == "fp8_block":
+        return Fp8BlockWeight(n, k, e4m3(n, k), uni(math.ceil(n / 128), k // 128) * 5e-4 + 2e-4, (128, 128))
+    if form == "fp4":
+        return Fp4Weight(n, k, u8(n, k // 2), (uni(n, k // 16) * 3 + 0.5).to(torch.float8_e4m3fn), uni(1) * 4e-3 + 2e-3)
+    return Int4Weight(n, k, u8(n, k // 2), (uni(n, k // 128) * 4e-3 + 1e-3).half(),
+                      torch.randint(0, 16, (n, k // 128), generator=g, device=DEV, dtype=torch.uint8), 128)
+
+
+def dense_candidates(form, m):
+    from moeferry.ops.triton import quant_linear as Q
+    if m > Q.DECODE_MAX_M:
+        bm, bn, bk, swap = Q.PREFILL_TILES[form]
+        return [Q.DenseConfig(128, 64, bk, 1, swap, 4, 3)]
+    from moeferry.ops.triton.gemv_formats import GEMV_STEPS
+    dot = [(bn, Q.DECODE_TILES[form][1], waves, False) for bn in (32, 64) for waves in (0, 4)]
+    if form not in GEMV_STEPS or m > Q.GEMV_MAX_M:
+        return dot if m == 1 else dot[-1:]
+    return dot[-1:] + [(bn, bk, waves, True) for bn, bk in ((16, 512), (32, 256), (32, 512), (64, 512), (32, 1024))
+                       for waves in (0, 2, 4)][:None if m == 1 else 3]
+
+
+def resolve(cand, op, m):
+    """A sweep candidate as a DenseConfig for this operand (decode: waves -> split)."""
+    import triton
+
+    from moeferry.ops.triton import quant_linear as Q
+    if isinstance(cand, Q.DenseConfig):
+        return Q.DenseConfig(min(cand.bm, max(16, triton.next_power_of_2(m))), cand.bn, Q._fit_bk(cand.bk, op),
+                             1, cand.swap, cand.num_warps, cand.num_stages)
+    bn, bk, waves, gemv = cand
+    bn = min(bn, max(16, triton.next_power_of_2(op.n)))
+    bk = min(bk, max(32, triton.next_power_of_2(op.k))) if gemv else Q._fit_bk(bk, op)
+    tiles, steps = triton.cdiv(op.n, bn), triton.cdiv(op.k, bk)
+    sms = 4 if SMOKE else Q._num_sms(0)
+    split = 1 if waves == 0 else max(1, min(steps, triton.cdiv(waves * sms, tiles)))
+    return Q.DenseConfig(triton.next_power_of_2(m) if gemv else 16, bn, bk, split, True, gemv=gemv)
+
+
+def bench_dense(args, log):
+    import torch.nn.functional as F
+
+    from moeferry.ops.triton import quant_linear as Q
+    bw = hbm_bandwidth()
+    log(f"{'cpu' if SMOKE else torch.cuda.get_device_name()}: HBM copy {bw / 1e12:.2f} TB/s; SMs {4 if SMOKE else Q._num_sms(0)}")
+    g = torch.Generator(device=DEV).manual_seed(0)
+    rows = []
+    shapes = {"smoke 48x256": (48, 256)} if SMOKE else dict(SHAPES)
+    for form in (("fp4",) if SMOKE else FORMS):
+        fshapes = dict(shapes, **({"lm_head 248320x2048": (248320, 2048)} if form == "fp4" and not SMOKE else {}))
+        for label, (n, k) in fshapes.items():
+            one = random_packed(form, n, k, g)
+            nbytes = one.nbytes
+            copies = max(1, min(24, math.ceil(300e6 / nbytes)))
+            ops = [Q.dense_operands(one, form)] + [Q.dense_operands(random_packed(form, n, k, g), form)
+                                                  for _ in range(copies - 1)]
+            ref_w = one.dequantize(torch.float32)
+            bf16_ws = [torch.randn(n, k, generator=g, device=DEV).bfloat16() for _ in range(max(1, min(24, math.ceil(300e6 / (2 * n * k)))))]
+            for m in (1, 4, 16, 4096):
+                if (m == 4096 and n > 8192) or (SMOKE and m == 4096):
+                    continue
+                x = torch.randn(m, k, generator=g, device=DEV).bfloat16()
+                ref = x.float() @ ref_w.t()
+                default = Q.choose_config(m, ops[0], DEV)
+                res = []
+                for cand in [default] + dense_candidates(form, m):
+                    cfg = cand if cand is default else resolve(cand, ops[0], m)
+                    try:
+                        out = Q.quant_linear(x, ops[0], cfg)
+                        err = ((out.float() - ref).norm() / ref.norm()).item()
+                        t = graph_time([lambda o=o, c=cfg: Q.quant_linear(x, o, c) for o in ops])
+                    except Exception as e:  # a config that does not compile: report, keep going
+                        log(f"  {form} {label} M={m} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                        continue
+                    res.append((t, cfg, err))
+                    if args.verbose:
+                        log(f"    {form} {label} M={m} {cfg}: {t * 1e6:.1f} us err {err:.2e}")
+                t_def, _, err_def = res[0]
+                t_best, c_best, err_best = min(res, key=lambda r: r[0])
+                t_cublas = graph_time([lambda w=w: F.linear(x, w) for w in bf16_ws])
+                row = dict(form=form, shape=label, M=m, bytes=nbytes, t_default=t_def, err_default=err_def,
+                           t_best=t_best, best=repr(c_best), err_best=err_best, t_cublas_bf16=t_cublas,
+                           frac_default=nbytes / t_def / bw, frac_best=nbytes / t_best / bw)
+                if form == "fp8_row" and m in (1, 4096):
+                    row.update(scaled_mm(x, one, ref))
+                rows.append(row)
+                extra = f" scaled_mm {row['t_scaled_mm'] * 1e6:.1f} us err {row['err_scaled_mm']:.1e}" if "t_scaled_mm" in row else ""
+                if m <= 16:
+                    log(f"  {form:9s} {label:20s} M={m:4d}: default {t_def * 1e6:7.1f} us ({100 * row['frac_default']:3.0f}% HBM)"
+                        f" best {t_best * 1e6:7.1f} us ({100 * row['frac_best']:3.0f}%) {c_best}  err {err_def:.1e}"
+                        f"  cuBLAS-bf16 {t_cublas * 1e6:.1f} us{extra}")
+                else:
+                    fl = 2 * m * n * k
+                    log(f"  {form:9s} {label:20s} M={m:4d}: default {fl / t_def / 1e12:5.0f} TFLOP/s best {fl / t_best / 1e12:5.0f}"
+                        f" {c_best} err {err_def:.1e}  cuBLAS-bf16 {fl / t_cublas / 1e12:.0f}{extra}")
+            del ops, bf16_ws
+            torch.cuda.empty_cache()
+    return dict(hbm_Bps=bw, rows=rows)
+
+
+def scaled_mm(x, w, ref):
+    """W8A8 through torch._scaled_mm: x quantized per token (amax / 448), W per row."""
+    wt = w.weight.t()  # [K, N] column-major view, as _scaled_mm wants
+
+    def run():
+        sa = (x.float().abs().amax(-1, keepdim=True) / 448.0).clamp(min=1e-12)
+        xq = (x.float() / sa).to(torch.float8_e4m3fn)
+        return torch._scaled_mm(xq, wt, scale_a=sa, scale_b=w.scale.float()[None, :], out_dtype=torch.bfloat16)
+
+    try:
+        out = run()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        return dict(t_scaled_mm=ev_time(run), err_scaled_mm=err)
+    except Exception as e:
+        return dict(scaled_mm_error=f"{type(e).__name__}: {str(e)[:200]}")
+
+
+# -- moe ------------------------------------------------------------------------------------
+def bench_moe(args, log):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import moe_kernels as MK
+    from dataclasses import replace
+
+    bw = hbm_bandwidth()
+    log(f"HBM copy {bw / 1e12:.2f} TB/s")
+    rows = []
+    for label, fmt in (("fp8_tensor", "fp8_tensor"), ("nvfp4", "nvfp4"), ("int4", "int4_awq"), ("fp8_block", "fp8_block"),
+                       ("bf16", "bf16")):
+        case = MK.Case(fmt)
+        for t in (1, 4, 16):
+            base = case.config(t)
+            res = []
+            for sg in (1, 2, 4, 8):
+                for sd in (1, 2):
+                    cfg = replace(base, gate_up=replace(base.gate_up, split=sg), down=replace(base.down, split=sd))
+                    nbytes, tg, tm = case.decode(t, n=16, cfg=cfg)
+                    res.append((tm, tg, sg, sd, cfg))
+            best = min(res, key=lambda r: r[0])
+            diff = case.check(t, best[4], replace(base, gate_up=replace(base.gate_up, split=1),
+                                                   down=replace(base.down, split=1)))
+            d = next(r for r in res if (r[2], r[3]) == (base.gate_up.split, base.down.split))
+            one = next(r for r in res if (r[2], r[3]) == (1, 1))
+            rows.append(dict(format=label, T=t, bytes=nbytes, default=(d[2], d[3]), t_moe_default=d[0], t_gemm_default=d[1],
+                             t_moe_nosplit=one[0], best=(best[2], best[3]), t_moe_best=best[0], t_gemm_best=best[1],
+                             check_rel=diff))
+            log(f"  {label:14s} T={t:2d} {nbytes / 2**20:6.1f} MiB  no split: moe {one[0] * 1e6:6.1f} us ({100 * nbytes / one[0] / bw:3.0f}%)"
+                f"  default {d[2:4]}: moe {d[0] * 1e6:6.1f} us ({100 * nbytes / d[0] / bw:3.0f}%) gemm {d[1] * 1e6:6.1f}"
+                f"  best split {best[2:4]}: moe {best[0] * 1e6:6.1f} us ({100 * nbytes / best[0] / bw:3.0f}%)"
+                f" gemm {best[1] * 1e6:6.1f} us ({100 * nbytes / best[1] / bw:3.0f}%)  check {diff:.1e}")
+            if args.verbose:
+                for r in res:
+                    log(f"    split gate_up {r[2]} down {r[3]}: moe {r[0] * 1e6:.1f} us gemm {r[1] * 1e6:.1f} us")
+        del case
+        torch.cuda.empty_cache()
+    return dict(hbm_Bps=bw, rows=rows)
+
+
+# -- whole model ----------------------------------------------------------------------------
+def sync():
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_rate(engine, batch, prompt_len=64, steps=24, warmup=4, around=None):
+    """tok/s of greedy decode steps after `warmup` steps; `around` (a context manager, e.g. a
+    profiler) wraps only the timed steps."""
+    from moeferry.model.batch import SeqChunk
+    gen = torch.Generator().manual_seed(batch)
+    total = prompt_len + warmup + steps + 1
+    with engine.cache.sequences([total] * batch) as held:
+        pages, slots = [b.pages for b in held], [b.state_slot for b in held]
+        prompts = [torch.randint(0, engine.spec.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+        toks = engine.forward([SeqChunk(p, 0, pages[i], slots[i]) for i, p in enumerate(prompts)]).argmax(-1).tolist()
+        pos = prompt_len
+
+        def step():
+            nonlocal toks, pos
+            out = engine.forward([SeqChunk([toks[i]], pos, pages[i], slots[i]) for i in range(batch)])
+            toks = out.argmax(-1).tolist()
+            pos += 1
+
+        for _ in range(warmup):
+            step()
+        sync()
+        with around or contextlib.nullcontext():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            sync()
+            return batch * steps / (time.perf_counter() - t0)
+
+
+def profile_step(engine, log, top=15):
+    """Kernel time of two eager batch-1 decode steps by kernel name (graphs off)."""
+    from torch.profiler import ProfilerActivity, profile
+    graphs, engine.graphs = engine.graphs, None
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    try:
+        decode_rate(engine, 1, steps=2, warmup=2, around=prof)
+    finally:
+        engine.graphs = graphs
+    ev = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in ev)
+    log(f"  eager b1 profile: {total / 2:.0f} us kernel time per step")
+    for e in ev[:top]:
+        log(f"    {e.device_time_total / 2:8.1f} us  x{e.count // 2:4d}  {e.key[:90]}")
+
+
+def bench_e2e(args, log):
+    import moeferry
+    from moeferry.engine.config import EngineConfig
+    from moeferry.engine.engine import Engine
+    log(f"moeferry from {Path(moeferry.__file__).parent}")
+    t0 = time.perf_counter()
+    engine = Engine.build(EngineConfig(args.checkpoint, DEV.type, "bfloat16", num_tokens=4096, num_state_slots=8))
+    load_s = time.perf_counter() - t0
+    out = dict(load_s=load_s, checkpoint=args.checkpoint)
+    for b in (1, 4):
+        out[f"b{b}"] = decode_rate(engine, b)
+    g = engine.graphs
+    out["graphs"] = "off" if g is None else (g.disabled or f"on (sizes {sorted(g.graphs)})")
+    log(f"  load {load_s:.1f} s  decode b1 {out['b1']:.1f} tok/s  b4 {out['b4']:.1f} tok/s  graphs: {out['graphs']}")
+    if args.profile:
+        profile_step(engine, log)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=("dense", "moe", "e2e"))
+    ap.add_argument("checkpoint", nargs="?")
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (set MOEFERRY_TRITON_INTERPRET=1)")
+    args = ap.parse_args()
+    global DEV, SMOKE
+    if args.smoke:
+        DEV, SMOKE = torch.device("cpu"), True
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"quant_{args.what}{args.tag}"
+    logf = open(out / f"{name}.log", "w")
+
+    def log(s):
+        print(s, flush=True)
+        logf.write(s + "\n")
+        logf.flush()
+
+    res = {"dense": bench_dense, "moe": bench_moe, "e2e": bench_e2e}[args.what](args, log)
+    (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

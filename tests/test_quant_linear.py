@@ -1,0 +1,141 @@
+"""Quantized dense layers (QuantLinear -> Triton kernel of the format's device form) against
+the CPU reference: the registry's dequantization, then an fp32 matmul.
+
+Interpreter cases (every registry format; decode M=1/5 with split-K, the fp8 GEMV at M=1/3,
+prefill M=40; N not a multiple of the tile; K not a multiple of the k-step; fp8 block edges; int4 with and without zero points) run in one worker
+subprocess with TRITON_INTERPRET=1 (tests/interpreter_workers.py), each reported as a test.
+GPU cases (`-m gpu`) run the compiled kernels at Qwen3.6 shapes and skip without CUDA.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import pytest
+import torch
+
+from tests.interpreter_workers import run_workers
+
+pytest.importorskip("triton")
+
+from moeferry.checkpoint.formats import FORMATS, QuantParams  # noqa: E402
+from moeferry.model.linear import QuantLinear  # noqa: E402
+
+WORKERS = 1
+
+
+def _rel(out, ref):
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def check_linear(fmt, m, n, k, device="cpu", params=None, dtype=torch.bfloat16, tol=1e-2, seed=0):
+    """QuantLinear(x) vs x @ dequantize(W)^T in fp32; returns the relative error."""
+    gen = torch.Generator().manual_seed(seed)
+    f = FORMATS[fmt]
+    params = QuantParams(**params) if params else None
+    w = torch.randn(n, k, generator=gen) * 0.05
+    packed = f.packed(f.quantize(w.bfloat16() if fmt == "bf16" else w, params), params)
+    lin = QuantLinear(packed.to(device), fmt)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    ref = x.float() @ packed.dequantize(torch.float32).t()
+    out = lin(x.to(device))
+    assert out.shape == (m, n) and out.dtype == dtype
+    if lin._operands:  # split-K counters are re-armed: a second call gives the same result
+        assert not lin._operands.counters.any(), "split-K counters left armed"
+        assert torch.equal(lin(x.to(device)), out), "second call differs"
+    err = _rel(out.cpu(), ref)
+    assert err < tol, f"{fmt} m={m} n={n} k={k}: rel err {err:.3g} >= {tol}"
+    return err
+
+
+# name -> (format, m, n, k, params)
+CASES = {}
+for _fmt in FORMATS:
+    CASES[f"{_fmt}-decode"] = (_fmt, 1, 72, 256, None)
+    CASES[f"{_fmt}-prefill"] = (_fmt, 40, 48, 128, None)
+CASES["fp8_tensor-batch5-perrow"] = ("fp8_tensor", 5, 40, 96, {"per_channel": True})
+CASES["fp8_tensor-gemv-batch3"] = ("fp8_tensor", 3, 40, 200, None)
+CASES["fp8_block-edges"] = ("fp8_block", 3, 200, 320, {"block_size": (128, 128)})
+CASES["int4_ct-asym-g64"] = ("int4_ct", 2, 64, 256, {"group_size": 64, "symmetric": False})
+CASES["int4_awq-g32-prefill"] = ("int4_awq", 20, 40, 128, {"group_size": 32, "symmetric": False})
+CASES["nvfp4-k32"] = ("nvfp4", 3, 24, 32, None)
+
+
+def _worker(shard: int, nshards: int) -> None:
+    try:  # the interpreter's int-overflow checks triple its cost; compiled kernels have none
+        import dataclasses
+
+        import triton.runtime.interpreter as ti
+        ti.interpreter_builder.options = dataclasses.replace(ti.interpreter_builder.options, sanitize_overflow=False)
+    except Exception:
+        pass
+    torch.set_num_threads(1)
+    for name in sorted(CASES)[shard::nshards]:
+        fmt, m, n, k, params = CASES[name]
+        try:
+            err = check_linear(fmt, m, n, k, params=params, seed=hash(name) % 1000)
+            res = {"case": name, "ok": True, "msg": f"err {err:.3g}"}
+        except Exception as ex:  # report, keep going
+            import traceback
+            res = {"case": name, "ok": False, "msg": f"{type(ex).__name__}: {ex}\n{traceback.format_exc()[-2000:]}"}
+        print("RESULT " + json.dumps(res), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_workers(__file__, WORKERS, MOEFERRY_TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_interpreted(interpreted, case):
+    results, logs = interpreted
+    assert case in results, f"worker gave no result for {case}:\n{logs}"
+    assert results[case]["ok"], results[case]["msg"]
+
+
+def test_cpu_uses_reference(monkeypatch):
+    """On CPU tensors without the interpreter switch, QuantLinear never builds kernel operands."""
+    monkeypatch.delenv("MOEFERRY_TRITON_INTERPRET", raising=False)
+    check_linear("nvfp4", 3, 32, 64, tol=1e-2)
+    f = FORMATS["int4_awq"]
+    lin = QuantLinear(f.packed(f.quantize(torch.randn(16, 128))), "int4_awq")
+    lin(torch.randn(2, 128, dtype=torch.bfloat16))
+    assert lin._operands is None
+
+
+def test_device_forms_have_kernels():
+    from moeferry.ops.triton.quant_linear import DENSE_KERNELS
+    for name, f in FORMATS.items():
+        assert f.device_form in DENSE_KERNELS, name
+
+
+# -- GPU: compiled kernels at real shapes ------------------------------------------------------
+@functools.lru_cache(maxsize=4)
+def _gpu_weight(fmt, n, k):
+    f = FORMATS[fmt]
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)) * 0.05
+    return f.packed(f.quantize(w.bfloat16() if fmt == "bf16" else w))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("n,k", [(2048, 4096), (1000, 2048)])
+def test_gpu_real_shapes(fmt, n, k):
+    """Decode (split-K) and prefill shapes at Qwen3.6 sizes: bf16 activations and weight
+    tiles, fp32 accumulation, against the fp32 reference."""
+    packed = _gpu_weight(fmt, n, k)
+    lin = QuantLinear(packed.to("cuda"), fmt)
+    ref_w = packed.dequantize(torch.float32)
+    for m in (1, 4, 16, 300):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        out = lin(x.cuda())
+        err = _rel(out.cpu(), x.float() @ ref_w.t())
+        assert err < 1e-2, f"{fmt} m={m} n={n} k={k}: rel err {err:.3g}"
+        assert not lin._operands.counters.any(), "split-K counters left armed"
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--worker":
+    _worker(int(sys.argv[2]), int(sys.argv[3]))
