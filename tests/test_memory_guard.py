@@ -50,3 +50,12 @@ def test_oom_without_a_cache_to_shrink_fails_only_that_step(model, reference, mo
     assert _generate(llm) == reference  # the engine keeps serving
     assert llm.engine.stats()["memory"]["oom_caught"] == 1
     llm.engine.cache.check()
+
+
+def test_requested_bytes_reads_the_failed_allocation():
+    from moeferry.memory.guard import requested_bytes
+
+    msg = "CUDA out of memory. Tried to allocate 604.00 MiB. GPU 0 has a total capacity of 139.80 GiB"
+    assert requested_bytes(msg) == 604 * 2**20
+    assert requested_bytes("Tried to allocate 3.83 GiB.") == int(3.83 * 2**30)
+    assert requested_bytes("injected out-of-memory error in step 3") == 0

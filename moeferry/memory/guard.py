@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 
 import torch
 
@@ -23,6 +24,16 @@ from moeferry.memory.plan import human_bytes
 log = logging.getLogger("moeferry.memory")
 
 MAX_RETRIES = 4
+
+
+_TRIED = re.compile(r"Tried to allocate (\d+(?:\.\d+)?) (GiB|MiB|KiB|B)")
+_UNIT = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
+
+
+def requested_bytes(message: str) -> int:
+    """The allocation an out-of-memory error says failed (0 when it does not say)."""
+    m = _TRIED.search(message)
+    return int(float(m.group(1)) * _UNIT[m.group(2)]) if m else 0
 
 
 class StepOutOfMemory(RuntimeError):
@@ -69,7 +80,8 @@ class OomGuard:
         if not slot_bytes or have <= self.min_slots:
             log.error("out of memory (%s); the %s backend has no expert cache to shrink", why, experts.name)
             return False
-        drop = max(1, -(-self.shrink_bytes // slot_bytes), have // 10)
+        need = max(self.shrink_bytes, requested_bytes(why))  # the failed allocation, when the error says
+        drop = max(1, -(-need // slot_bytes), have // 10)
         target = max(self.min_slots, have - drop)
         freed = experts.shrink(target)
         self._release()

@@ -11,6 +11,7 @@ fetched into slots.
 """
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
 
 import torch
@@ -148,28 +149,33 @@ class ExpertCache:
             self.fetch(layer, list(range(n)), banks[layer], keep=set())
             self.counters[layer].bytes_fetched = 0  # boot fill is not traffic
 
-    def shrink(self, num_slots: int) -> int:
-        """Keep `num_slots` slots (evicting least recently used experts, freeing device memory);
-        returns the bytes freed."""
+    def shrink(self, num_slots: int, banks: dict[int, SlotBuffer]) -> int:
+        """Keep `num_slots` slots, holding the most recently used experts; returns the bytes freed.
+        The old slots are released before the smaller buffer is allocated and the survivors are
+        copied back from their host banks, so shrinking needs no device memory beyond the result
+        (it runs when the device is out of memory)."""
         if num_slots >= self.num_slots:
             return 0
-        keep_keys = list(self.policy.order)[-num_slots:] if num_slots else []
-        survivors = [(k, int(self.host_table[self.row_of[k[0]], k[1]])) for k in keep_keys]
+        survivors = list(self.policy.order)[-num_slots:] if num_slots else []
+        device = self.buffer.gate_up.w.device
         before = self.buffer.nbytes
-        new = SlotBuffer.allocate_like(self.buffer, num_slots)
-        for i, (_, s) in enumerate(survivors):
-            new.copy_slots([i], self.buffer, [s])
-        self.buffer = new
+        layout = SlotBuffer.allocate_like(self.buffer, 1, device="meta")
+        self.buffer = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.buffer = SlotBuffer.allocate_like(layout, num_slots, device=device)
         self.host_table.fill_(-1)
         self.owner = [None] * num_slots
         self.policy = POLICIES[self.policy.name]()
-        for i, (key, _) in enumerate(survivors):
-            self.host_table[self.row_of[key[0]], key[1]] = i
-            self.owner[i] = key
-            self.policy.insert(key)
+        for i, (layer, e) in enumerate(survivors):
+            self.buffer.copy_slots([i], banks[layer], [e])
+            self.host_table[self.row_of[layer], e] = i
+            self.owner[i] = (layer, e)
+            self.policy.insert((layer, e))
         self.free_slots = list(range(num_slots - 1, len(survivors) - 1, -1))
         self.table.table.copy_(self.host_table)
-        return before - new.nbytes
+        return before - self.buffer.nbytes
 
     def stats(self) -> dict:
         total = LayerCounters()

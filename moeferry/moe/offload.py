@@ -154,7 +154,7 @@ class OffloadBackend:
         have = sum(c.num_slots for c in caches)
         freed = 0
         for c in caches:
-            freed += c.shrink(max(1, num_slots * c.num_slots // max(have, 1)))
+            freed += c.shrink(max(1, num_slots * c.num_slots // max(have, 1)), self.banks)
         for ex in self.executors.values():
             ex.bind()
         return freed
