@@ -54,6 +54,27 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def _plan(cfg: EngineConfig, spec, model, experts, device, dtype, free_at_start: int
+          ) -> tuple[MemoryPlan | None, EngineSizes, int]:
+    """(plan, sizes, guard bytes): the measured plan where one is needed, else the given sizes."""
+    if not needs_plan(cfg, device, experts.requested_slots()):
+        return None, derive_sizes(cfg, spec.max_position_embeddings), 0
+    experts.finish(experts.probe_slots())  # offload: a small cache to probe with
+    plan, transients = make_engine_plan(cfg, spec, model, experts, device, dtype, free_at_start)
+    log.info(describe_plan(plan))
+    sizes = EngineSizes(plan.kv_pages, plan.page_size, plan.state_slots, plan.context_limit, plan.expert_slots)
+    return plan, sizes, transients.worst
+
+
+def _decode_graphs(cfg: EngineConfig, model, cache: CacheManager, sizes: EngineSizes, device) -> DecodeGraphs | None:
+    """CUDA graphs of the decode step: resident experts only (the offload backends read the
+    router's choices on the host in every layer, which a graph cannot)."""
+    if not (cfg.cuda_graphs and device.type == "cuda" and not cfg.offloads_experts):
+        return None
+    max_pages = min(sizes.num_pages, -(-sizes.max_seq_len // sizes.page_size))
+    return DecodeGraphs(model, cache.kv, cache.states, sizes.num_state_slots, max_pages, sizes.page_size, device)
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig, spec, model, experts, cache: CacheManager, sizes: EngineSizes,
                  graphs: DecodeGraphs | None, plan: MemoryPlan | None = None, guard_bytes: int = 0):
@@ -77,16 +98,7 @@ class Engine:
         experts = make_backend(cfg, spec, device, dtype)                         # 2. place
         model = load_model(reader, spec, dtype, device, experts, progress=cfg.progress)
         report("planning memory", 0.8)
-        plan, guard_bytes = None, 0                                              # 3. plan
-        if needs_plan(cfg, device, experts.requested_slots()):
-            experts.finish(experts.probe_slots())  # offload: a small cache to probe with
-            plan, transients = make_engine_plan(cfg, spec, model, experts, device, dtype, free_at_start)
-            log.info(describe_plan(plan))
-            sizes = EngineSizes(plan.kv_pages, plan.page_size, plan.state_slots, plan.context_limit,
-                                plan.expert_slots)
-            guard_bytes = transients.worst
-        else:
-            sizes = derive_sizes(cfg, spec.max_position_embeddings)
+        plan, sizes, guard_bytes = _plan(cfg, spec, model, experts, device, dtype, free_at_start)  # 3. plan
         report("allocating pools", 0.9)
         experts.finish(plan.expert_slots if plan is not None and cfg.offloads_experts   # 4. allocate
                        else experts.requested_slots())
@@ -95,13 +107,8 @@ class Engine:
             torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.gpu_memory_limit / total), device)
         cache = CacheManager.build(spec, sizes.num_pages, sizes.page_size, sizes.num_state_slots, cfg.prefix_cache,
                                    dtype, device)
-        sizes = EngineSizes(sizes.num_pages, sizes.page_size, sizes.num_state_slots, sizes.max_seq_len,
-                            experts.expert_slots)
-        graphs = None
-        if cfg.cuda_graphs and device.type == "cuda" and not cfg.offloads_experts:
-            max_pages = min(sizes.num_pages, -(-sizes.max_seq_len // sizes.page_size))
-            graphs = DecodeGraphs(model, cache.kv, cache.states, sizes.num_state_slots, max_pages, sizes.page_size,
-                                  device)
+        sizes = replace(sizes, expert_slots=experts.expert_slots)
+        graphs = _decode_graphs(cfg, model, cache, sizes, device)
         engine = cls(cfg, spec, model, experts, cache, sizes, graphs, plan, guard_bytes)
         report("warming up", 0.95)
         engine.warm_up()                                                         # 5. warm up
