@@ -31,6 +31,14 @@ class RequestRejected(ValueError):
         self.code, self.param = code, param
 
 
+def step_failure(e: BaseException) -> str:
+    """What a client is told when its step failed: the kind of failure, not the exception's text
+    (which can hold paths and internals; the log has it)."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return "the engine ran out of device memory in this step (OutOfMemoryError); retry the request"
+    return f"the engine step failed ({type(e).__name__}); the details are in the server log"
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running_requests: int = 8
@@ -56,6 +64,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self.num_preemptions = 0
         self.num_steps = 0
+        self.cached_prompt_tokens = 0  # prompt tokens clients were told came from the cache
 
     # --- public API ---------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -98,7 +107,7 @@ class Scheduler:
             log.exception("step failed for %d requests", len(plan))
             for r, _ in plan:
                 self._finish(r, "error")
-                events.append(self._event(r, [], None, error=f"engine step failed: {type(e).__name__}: {e}"))
+                events.append(self._event(r, [], None, error=step_failure(e)))
             return events
         ready = []
         for (r, n), row in zip(plan, logits):
@@ -121,7 +130,10 @@ class Scheduler:
             "state_slots_total": self.states.num_slots,
             "state_slots_used": self.states.num_slots - self.states.slots.num_free,
             "preemptions": self.num_preemptions,
-            "prefix_cache_hit_tokens": self.prefix.hit_tokens if self.prefix else 0,
+            # what clients are told (usage.prompt_tokens_details.cached_tokens, counted at the first
+            # token, as /v1/stats tokens.cached is); reused also counts re-admissions after preemption
+            "prefix_cache_hit_tokens": self.cached_prompt_tokens,
+            "prefix_cache_reused_tokens": self.prefix.hit_tokens if self.prefix else 0,
             "steps": self.num_steps,
         }
 
@@ -253,6 +265,8 @@ class Scheduler:
         events = []
         for req, tok, lp in zip(reqs, tokens, logprobs):
             req.output_ids.append(tok)
+            if len(req.output_ids) == 1:
+                self.cached_prompt_tokens += req.cached_tokens
             reason = self._finish_reason(req, tok)
             if reason is not None:
                 self._finish(req, reason)

@@ -15,7 +15,6 @@ from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from moeferry.server.generation import Generation, Piece
 from moeferry.server.protocol import (ApiError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
@@ -39,7 +38,9 @@ def _server(request: Request):
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
     cfg = _server(request).cfg
-    return ModelList(data=[ModelCard(id=cfg.served_model_name, max_model_len=cfg.max_seq_len, root=cfg.model_dir)])
+    # `root` is the served name: the model's path on this machine is none of a client's business.
+    return ModelList(data=[ModelCard(id=cfg.served_model_name, max_model_len=cfg.max_seq_len,
+                                     root=cfg.served_model_name)])
 
 
 def _check_request(server, body: SamplingFields) -> None:
@@ -83,7 +84,7 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-def render_chat(tokenizer, body: ChatCompletionRequest) -> list[int]:
+def render_chat(tokenizer, body: ChatCompletionRequest, max_tokens: int | None = None) -> list[int]:
     kwargs = dict(body.chat_template_kwargs or {})
     reserved = RESERVED_TEMPLATE_KWARGS & kwargs.keys()
     if reserved:
@@ -98,7 +99,7 @@ def render_chat(tokenizer, body: ChatCompletionRequest) -> list[int]:
     except Exception as e:  # noqa: BLE001 - a template refusing these messages is the client's error
         raise bad_request(f"the chat template could not render these messages: {type(e).__name__}: {e}",
                           param="messages") from None
-    return tokenizer.encode(text)
+    return tokenizer.encode(text, max_tokens)
 
 
 def _usage(gen: Generation, cache_report: bool) -> Usage:
@@ -131,7 +132,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     front = server.frontend
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = front.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-    ids = await run_in_threadpool(render_chat, front.tokenizer, body)
+    ids = await front.tokenize("messages", render_chat, body)
     front.check_prompt(ids, "messages")
     gen = await front.start(ids, params, "chatcmpl")
     cache_report = server.cfg.enable_cache_report
@@ -167,14 +168,14 @@ async def _chat_chunks(gen: Generation, model: str, include_usage: bool, cache_r
 # ---------------------------------------------------------------- completions
 
 
-def completion_prompt(tokenizer, prompt) -> list[int]:
+def completion_prompt(tokenizer, prompt, max_tokens: int | None = None) -> list[int]:
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(prompt, max_tokens)
     if prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise bad_request(f"a list of {len(prompt)} prompts is not supported yet: send one request per prompt",
                               param="prompt")
-        return completion_prompt(tokenizer, prompt[0])
+        return completion_prompt(tokenizer, prompt[0], max_tokens)
     return list(prompt)
 
 
@@ -204,7 +205,7 @@ async def completions(body: CompletionRequest, request: Request):
     _check_request(server, body)
     front = server.frontend
     params = front.sampling_params(body, body.max_tokens, body.logprobs)
-    ids = await run_in_threadpool(completion_prompt, front.tokenizer, body.prompt)
+    ids = await front.tokenize("prompt", completion_prompt, body.prompt)
     front.check_prompt(ids, "prompt")
     gen = await front.start(ids, params, "cmpl")
     cache_report = server.cfg.enable_cache_report
@@ -242,7 +243,13 @@ async def _completion_chunks(gen: Generation, model: str, include_usage: bool,
 
 
 def _event(model) -> str:
-    return f"data: {model.model_dump_json(exclude_none=True)}\n\n"
+    """One SSE event. Unset fields are left out, except that every choice carries `finish_reason` and
+    `logprobs` (null until set), as OpenAI's chunks do."""
+    data = model.model_dump(exclude_none=True)
+    for choice in data.get("choices", ()):
+        choice.setdefault("logprobs", None)
+        choice.setdefault("finish_reason", None)
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 def _sse(chunks: AsyncIterator[str], gen: Generation) -> StreamingResponse:
@@ -285,6 +292,13 @@ async def _collect(gen: Generation, request: Request) -> list[Piece] | None:
         gen.close()
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote a client's text, lone surrogates included."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(e: ApiError) -> JSONResponse:
     headers = {"Retry-After": "1"} if e.status == 503 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    return _AsciiJSONResponse(e.body(), status_code=e.status, headers=headers)
