@@ -1,8 +1,8 @@
 """Fault injection for the reliability tests: off unless MOEFERRY_FAULT_INJECT is set when the worker starts.
 
-The variable lists `kind@token_id` pairs, e.g. `oom@4000,error@4001`. A step whose batch holds a
-chunk with that token id then raises inside the engine's forward pass, the way a real failure of
-the step would: `oom` raises torch.OutOfMemoryError, `error` a RuntimeError. The variable is read
+The variable lists `kind@token_id` pairs, e.g. `oom@4000,error@4001`. A step whose batch holds the
+first chunk of a prompt (position 0) with that token id then raises inside the engine's forward
+pass, the way a real failure of the step would (generated tokens never trigger it): `oom` raises torch.OutOfMemoryError, `error` a RuntimeError. The variable is read
 once, at worker start; the server never reads it otherwise.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ def install_from_env(scheduler) -> None:
 
     def faulty_forward(chunks, *args, **kwargs):
         for chunk in chunks:
-            hit = next((t for t in chunk.tokens if t in triggers), None)
+            hit = next((t for t in chunk.tokens if t in triggers), None) if chunk.start == 0 else None
             if hit is not None:
                 raise KINDS[triggers[hit]](hit)
         return forward(chunks, *args, **kwargs)
