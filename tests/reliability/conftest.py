@@ -10,7 +10,7 @@ import pytest
 from tests.reliability.harness import FUZZ_NAME
 from tests.test_server import model_copy, start_server
 
-FUZZ_ARGS = ["--served-model-name", FUZZ_NAME, "--max-seq-len-override", "256", "--num-tokens", "768",
+FUZZ_ARGS = ["--served-model-name", FUZZ_NAME, "--max-seq-len-override", "256", "--num-tokens", "320",
              "--max-running-requests", "4", "--max-extend-tokens", "64", "--max-output-tokens", "8",
              "--sampling-defaults", "openai"]
 
