@@ -77,7 +77,8 @@ def run(args) -> dict:
     engine = FakeEngine(args.kv_tokens, 2 * args.max_running + 8)
     sched = Scheduler(engine, SchedulerConfig(max_running_requests=args.max_running,
                                               max_extend_tokens=args.max_extend_tokens,
-                                              max_seq_len=args.context, enable_prefix_cache=True))
+                                              max_seq_len=args.context, enable_prefix_cache=True,
+                                              max_wait_steps=args.max_wait_steps))
     streams = {}
     for r in workload(args.streams, args.seed, args.max_tokens, (args.prompt_min, args.prompt_max)):
         sched.add(r)
@@ -118,6 +119,8 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-min", type=int, default=10)
     p.add_argument("--prompt-max", type=int, default=800)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-wait-steps", type=int, default=SchedulerConfig.max_wait_steps,
+                   help="0 = never make a running request yield (first come, first served to the end)")
     p.add_argument("--max-steps", type=int, default=200_000)
     args = p.parse_args(argv)
     args.max_tokens = [None if x == "none" else int(x) for x in args.max_tokens.split(",")]

@@ -62,6 +62,8 @@ class Request:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.generator = torch.Generator().manual_seed(seed)
         self.arrival: int = 0
+        self.queued_at = 0  # scheduler step at which it last entered the waiting queue
+        self.admitted_at = 0  # scheduler step at which it last started running
 
     @property
     def all_ids(self) -> list[int]:
