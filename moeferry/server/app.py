@@ -220,7 +220,8 @@ def serve(cfg: ServeConfig) -> int:
     # On a shutdown signal, running requests get a moment to finish, then an error (before uvicorn's
     # graceful shutdown gives up on their connections).
     drain_s = GRACEFUL_SHUTDOWN_S / 2
-    uv = HttpServer(http_config(app, cfg.host, cfg.port, cfg.log_level), on_exit=lambda: server.supervisor.drain(drain_s))
+    uv = HttpServer(http_config(app, cfg.host, cfg.port, cfg.log_level),
+                    on_exit=lambda: server.supervisor.drain(drain_s))
     try:
         uv.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it already shut down on

@@ -2,8 +2,9 @@
 
 The variable lists `kind@token_id` pairs, e.g. `oom@4000,error@4001`. A step whose batch holds the
 first chunk of a prompt (position 0) with that token id then raises inside the engine's forward
-pass, the way a real failure of the step would (generated tokens never trigger it): `oom` raises torch.OutOfMemoryError, `error` a RuntimeError. The variable is read
-once, at worker start; the server never reads it otherwise.
+pass, the way a real failure of the step would (generated tokens never trigger it): `oom` raises
+torch.OutOfMemoryError, `error` a RuntimeError. The variable is read once, at worker start; the
+server never reads it otherwise.
 """
 from __future__ import annotations
 

@@ -140,7 +140,8 @@ def _read_response(sock: socket.socket) -> tuple[int, bytes]:
         assert chunk, "connection closed"
         data += chunk
     head, _, rest = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
     while len(rest) < length:
         chunk = sock.recv(65536)
         assert chunk, "connection closed"

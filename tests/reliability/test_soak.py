@@ -96,6 +96,11 @@ def run_one(url: str, item: dict) -> dict:
     return out
 
 
+def _p99(values: list[float]) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(len(values) * 0.99))]
+
+
 def test_adversarial_soak(fuzz_server, soak):
     n = SOAK_REQUESTS if soak else CI_REQUESTS
     plan = make_plan(n, seed=15)
@@ -121,8 +126,10 @@ def test_adversarial_soak(fuzz_server, soak):
         "server_errors": len(server_errors), "wrong_status": len(wrong), "nondeterministic_keys": len(nondeterministic),
         "worker_deaths": after["restarts"] - before["restarts"],
         "latency_p50_s": round(latencies[len(latencies) // 2], 3),
-        "latency_p99_s": round(latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))], 3),
+        "latency_p99_s": round(_p99(latencies), 3),
         "latency_max_s": round(latencies[-1], 3),
+        "latency_p99_by_kind_s": {k: round(_p99([r["latency_s"] for r in results if r["kind"] == k]), 3)
+                                  for k in sorted({r["kind"] for r in results})},
         "api_peak_rss_mib": round(mem.peak), "api_rss_after_mib": round(rss_mib(fuzz_server.proc.pid)),
         "aborted": stats["requests"]["aborted"], "preemptions": stats["scheduler"].get("preemptions"),
     }
