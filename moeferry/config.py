@@ -94,6 +94,16 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds") from None
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def _device(text: str) -> str:
     if text in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", text):
         return text
@@ -116,6 +126,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})")
     g.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"port to listen on (default: {DEFAULT_PORT})")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity (default: info)")
+    g.add_argument("--worker-stall-timeout", type=_positive_seconds, default=60.0, metavar="SECONDS",
+                   help="an engine worker that makes no progress this long while it has requests is killed, "
+                   "its requests fail with an error saying so, and a new worker starts; /health reports it "
+                   "as stalled after min(5, SECONDS/2) s. Must exceed the longest single step (default: 60)")
 
     g = p.add_argument_group("experts")
     g.add_argument("--moe-backend", choices=("auto",) + MOE_BACKENDS, default="auto",
@@ -293,6 +307,7 @@ class ServeConfig:
     reasoning_parser: str | None = None
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
+    worker_stall_timeout: float = 60.0
 
     @property
     def model_dir(self) -> str:
@@ -335,6 +350,7 @@ class ServeConfig:
             max_output_tokens=args.max_output_tokens, sampling_defaults=args.sampling_defaults,
             enable_cache_report=args.enable_cache_report,
             **_resolve_api(args, path),
+            worker_stall_timeout=args.worker_stall_timeout,
         )
 
     def table(self) -> str:
@@ -362,6 +378,7 @@ class ServeConfig:
             ("max output", f"{self.max_output_tokens} tokens" if self.max_output_tokens else "rest of the context"),
             ("sampling defaults", self.sampling_defaults),
             ("cache report", "on" if self.enable_cache_report else "off"),
+            ("worker watchdog", f"replaced after {self.worker_stall_timeout:g} s without progress"),
             ("listen", f"http://{self.host}:{self.port}"),
             ("tool calls", self.tool_call_parser or "off (text)"),
             ("reasoning", self.reasoning_parser or "off (text)"),

@@ -10,6 +10,12 @@ from moeferry.checkpoint.synthetic import make_model
 
 torch.set_num_threads(2)
 
+
+def pytest_addoption(parser):
+    parser.addoption("--soak", action="store_true", default=False,
+                     help="tests/reliability: run the long adversarial soak (a few hundred requests) instead of "
+                          "its short CI version, and write its numbers to $TMPDIR/moeferry-soak.json")
+
 CHECKPOINTS = {
     "qwen3_moe": dict(arch="qwen3_moe", expert_layout="per-expert"),
     "qwen3_moe-fused": dict(arch="qwen3_moe", expert_layout="fused"),

@@ -102,3 +102,34 @@ def test_validation_messages(field, value, needle):
     with pytest.raises(SamplingParamError) as e:
         SamplingParams(**{field: value}).validate()
     assert e.value.param == field and needle in str(e.value)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-8, 1e-6])
+def test_tiny_temperatures_are_greedy_not_token_zero(temperature):
+    """Dividing logits by 1e-40 overflows to inf and the softmax to NaN (which argmaxed to token 0)."""
+    torch.manual_seed(1)
+    logits = torch.randn(4, V) * 3
+    logits[:, 0] = -5.0  # token 0 is never the best
+    rs = reqs(*[SamplingParams(temperature=temperature, seed=s) for s in range(4)])
+    got = draw(logits, rs, 20)
+    assert (got == logits.argmax(-1)).all()
+
+
+def test_sampling_is_finite_over_the_accepted_range_edges():
+    """Extreme but valid parameters: the draw stays among the tokens the parameters allow, never NaN's token 0."""
+    torch.manual_seed(2)
+    logits = torch.randn(3, V) * 3
+    logits[:, 0] = -5.0
+    prompt = (5, 6, 7, 8)
+    tiny_rep, huge_rep, hot = (SamplingParams(repetition_penalty=1e-40, seed=1),
+                               SamplingParams(repetition_penalty=10.0, temperature=100.0, seed=2),
+                               SamplingParams(temperature=100.0, top_p=1e-40, seed=3))
+    got = draw(logits, reqs(tiny_rep, huge_rep, hot, prompt=prompt), 50)
+    # repetition 1e-40 makes every positive prompt token's logit huge: only those can be drawn
+    boosted = {t for t in prompt if logits[0, t] > 0}
+    assert boosted and set(got[:, 0].tolist()) <= boosted
+    assert 0 not in set(got[:, 1].tolist()) or logits[1].argmax() == 0
+    assert len(set(got[:, 1].tolist())) > 5  # temperature 100 is close to uniform, and finite
+    assert (got[:, 2] == logits[2].argmax()).all()  # top_p 1e-40 keeps the best token only
+    b = build_sampling_batch(reqs(tiny_rep, prompt=prompt), V, {0}, "cpu")
+    assert torch.isfinite(apply_penalties(logits[:1], b)).all()

@@ -40,14 +40,15 @@ def free_port() -> int:
 class ServerProcess:
     """`moeferry serve` in a subprocess; its output goes to a log file shown on failure."""
 
-    def __init__(self, model_dir: Path, args: list[str], log_path: Path):
+    def __init__(self, model_dir: Path, args: list[str], log_path: Path, env: dict | None = None):
         self.port = free_port()
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "moeferry.cli", "serve", "--model", str(model_dir), "--port", str(self.port),
                "--device", "cpu", *args]
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=None if env is None else {**os.environ, **env})
         self.http = httpx.Client(base_url=self.url, timeout=30.0)
 
     def log(self, tail: int | None = 6000) -> str:
@@ -99,8 +100,8 @@ def model_copy(checkpoint, dest: Path, **generation) -> Path:
     return dest
 
 
-def start_server(model_dir: Path, args: list[str], log_path: Path) -> ServerProcess:
-    server = ServerProcess(model_dir, args, log_path)
+def start_server(model_dir: Path, args: list[str], log_path: Path, env: dict | None = None) -> ServerProcess:
+    server = ServerProcess(model_dir, args, log_path, env)
     try:
         server.wait_ok()
     except BaseException:

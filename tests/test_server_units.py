@@ -78,10 +78,12 @@ def test_chat_messages_for_the_template():
 
 def test_completion_prompt_forms():
     class Tok:
-        def encode(self, text):
+        def encode(self, text, max_tokens=None):
+            assert max_tokens in (None, 64)  # the context bound is passed on to the tokenizer
             return [ord(c) for c in text]
 
     assert completion_prompt(Tok(), "ab") == [97, 98]
+    assert completion_prompt(Tok(), ["ab"], max_tokens=64) == [97, 98]
     assert completion_prompt(Tok(), [5, 6]) == [5, 6]
     assert completion_prompt(Tok(), [[5, 6]]) == [5, 6]
     assert completion_prompt(Tok(), ["ab"]) == [97, 98]

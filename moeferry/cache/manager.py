@@ -162,7 +162,7 @@ class CacheManager:
             "prefix_cache_tokens": (self.prefix.num_pages * ps) if self.prefix else 0,
             "state_slots_total": self.states.num_slots,
             "state_slots_used": self.states.num_slots - self.states.slots.num_free,
-            "prefix_cache_hit_tokens": self.hit_tokens,
+            "prefix_cache_reused_tokens": self.hit_tokens,  # matched at admissions, re-admissions included
         }
 
     def check(self) -> None:

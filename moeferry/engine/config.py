@@ -42,6 +42,7 @@ class EngineConfig:
     max_running_requests: int = 8
     max_extend_tokens: int = 8192
     prefix_cache: bool = True
+    max_wait_steps: int = 256           # a queued request waits about this long for a running one to yield (0: off)
     # CUDA graphs
     cuda_graphs: bool = True
     progress: bool = False              # progress bars while loading

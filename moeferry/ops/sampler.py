@@ -2,14 +2,22 @@
 
 Order: penalties (repetition on prompt+output, presence/frequency on output), min_tokens
 (EOS/stop ids masked), temperature, top-k, top-p, min-p, then a draw with each row's own
-generator (exponential race, reproducible per seed). Greedy rows (temperature 0) take argmax
-of the penalised logits. Logprobs are of the raw model distribution.
+generator (exponential race, reproducible per seed). Greedy rows take argmax of the penalised
+logits. Logprobs are of the raw model distribution.
+
+Numerically safe over the whole accepted range: temperatures below GREEDY_BELOW are greedy (dividing
+by 1e-40 overflows fp32 to inf, and a softmax of infs is NaN), and penalised logits are clamped to
++-LOGIT_LIMIT (a repetition penalty of 1e-40 would otherwise make them inf), so every row keeps a
+finite, well-defined distribution.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+GREEDY_BELOW = 1e-5
+LOGIT_LIMIT = 1e30  # / GREEDY_BELOW stays far below fp32's max (3.4e38)
 
 
 @dataclass
@@ -32,12 +40,16 @@ def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(b.seen, penalised, logits)
     logits = logits - b.frequency[:, None] * b.output_counts - b.presence[:, None] * (b.output_counts > 0)
-    return logits.masked_fill(b.banned, float("-inf"))
+    return logits.clamp(-LOGIT_LIMIT, LOGIT_LIMIT).masked_fill(b.banned, float("-inf"))
+
+
+def is_greedy(temperature: torch.Tensor) -> torch.Tensor:
+    return temperature < GREEDY_BELOW
 
 
 def filter_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Temperature, then top-k / top-p / min-p masking (excluded tokens get -inf)."""
-    temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
+    temp = torch.where(is_greedy(b.temperature), torch.ones_like(b.temperature), b.temperature)
     logits = logits / temp[:, None]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
@@ -63,7 +75,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         if g is not None:
             noise[i].exponential_(generator=g)
     drawn = (filtered.softmax(-1) / noise).argmax(-1)
-    return torch.where(b.temperature > 0, drawn, greedy)
+    return torch.where(is_greedy(b.temperature), greedy, drawn)
 
 
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

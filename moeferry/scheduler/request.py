@@ -59,6 +59,8 @@ class Request:
         self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self._generator: torch.Generator | None = None
         self.arrival: int = 0
+        self.queued_at = 0  # scheduler step at which it last entered the waiting queue
+        self.admitted_at = 0  # scheduler step at which it last started running
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The request's random stream on the sampling device (made on first use from its seed)."""

@@ -18,7 +18,7 @@ class SamplingParamError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below ops.sampler.GREEDY_BELOW) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = off
     min_p: float = 0.0
@@ -43,7 +43,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        from moeferry.ops.sampler import GREEDY_BELOW
+
+        return self.temperature < GREEDY_BELOW
 
     def replace(self, **changes) -> "SamplingParams":
         return replace(self, **changes)

@@ -4,6 +4,14 @@ Limits per step: at most `max_running_requests` sequences, at most `max_extend_t
 tokens (long prompts are chunked across steps), and only KV pages / state slots that are
 actually free. KV grows with the sequence; when pages run out the youngest running request
 is preempted (its computed tokens go to the prefix cache, it is re-queued and recomputed).
+
+Fairness (docs/reliability.md has the measurements behind it):
+- admission is first come, first served;
+- waiting is bounded: when the head of the queue has waited `max_wait_steps` steps, the request
+  that has run longest since its admission (at least `max_wait_steps` steps) yields its place and
+  goes to the back of the queue; its KV and state stay in the prefix cache, so it resumes cheaply.
+  Without this, requests that run to the end of the context hold the pool for thousands of steps
+  while the queue gets no token at all.
 """
 from __future__ import annotations
 
@@ -28,6 +36,14 @@ class RequestRejected(ValueError):
         self.code, self.param = code, param
 
 
+def step_failure(e: BaseException) -> str:
+    """What a client is told when its step failed: the kind of failure, not the exception's text
+    (which can hold paths and internals; the log has it)."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return "the engine ran out of device memory in this step (OutOfMemoryError); retry the request"
+    return f"the engine step failed ({type(e).__name__}); the details are in the server log"
+
+
 class Scheduler:
     """Drives `engine` (its config's scheduler limits, its resolved sizes, its cache manager)."""
 
@@ -42,6 +58,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self.num_preemptions = 0
         self.num_steps = 0
+        self.cached_prompt_tokens = 0  # prompt tokens clients were told came from the cache
 
     # --- public API ---------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -58,6 +75,7 @@ class Scheduler:
         if req.max_new_tokens is None or req.max_new_tokens > room:
             req.max_new_tokens, req.clamped = room, True
         req.arrival = next(self._arrivals)
+        req.queued_at = self.num_steps
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> None:
@@ -84,7 +102,7 @@ class Scheduler:
             log.exception("step failed for %d requests", len(plan))
             for r, _ in plan:
                 self._finish(r, "error")
-                events.append(self._event(r, [], None, error=f"engine step failed: {type(e).__name__}: {e}"))
+                events.append(self._event(r, [], None, error=step_failure(e)))
             return events
         ready = []
         for (r, n), row in zip(plan, logits):
@@ -99,10 +117,14 @@ class Scheduler:
 
     def stats(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting), **self.cache.stats(),
+                # what clients are told (usage.prompt_tokens_details.cached_tokens, counted at the first
+                # token, as /v1/stats tokens.cached is); reused also counts re-admissions after preemption
+                "prefix_cache_hit_tokens": self.cached_prompt_tokens,
                 "preemptions": self.num_preemptions, "steps": self.num_steps, **self.engine.stats()}
 
     # --- scheduling ---------------------------------------------------------------------
     def _schedule(self) -> list[tuple[Request, int]]:
+        self._bound_waiting()
         budget = self.cfg.max_extend_tokens
         plan: list[tuple[Request, int]] = []
         for req in list(self.running):
@@ -116,6 +138,8 @@ class Scheduler:
                 continue
             budget -= n if prefill else 0
             plan.append((req, n))
+        # A request planned above can be the victim of a later one's preemption: it is not in this step.
+        plan = [(r, n) for r, n in plan if r.state is RequestState.RUNNING]
         while self.waiting and len(self.running) < self.cfg.max_running_requests and budget > 0:
             req = self.waiting[0]
             if not self._admit(req):
@@ -126,6 +150,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.state = RequestState.RUNNING
+            req.admitted_at = self.num_steps
             self.running.append(req)
             budget -= n
             plan.append((req, n))
@@ -142,14 +167,29 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, req: Request) -> None:
-        log.info("preempting request %s (%d tokens computed) to free KV pages", req.request_id, req.num_computed)
+    def _bound_waiting(self) -> None:
+        """The head of the queue has waited max_wait_steps: the request running longest since its
+        admission (for at least as long) yields its place and goes to the back of the queue."""
+        wait = self.cfg.max_wait_steps
+        if not wait or not self.waiting or self.num_steps - self.waiting[0].queued_at < wait:
+            return
+        served = [r for r in self.running if self.num_steps - r.admitted_at >= wait]
+        if served:
+            self._preempt(min(served, key=lambda r: r.admitted_at), to_back=True)
+
+    def _preempt(self, req: Request, to_back: bool = False) -> None:
+        why = "to let a long-waiting request run" if to_back else "to free KV pages"
+        log.info("preempting request %s (%d tokens computed) %s", req.request_id, req.num_computed, why)
         self._release(req, keep_in_cache=True)
         self.running.remove(req)
         req.state = RequestState.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        req.queued_at = self.num_steps
+        if to_back:
+            self.waiting.append(req)
+        else:
+            self.waiting.appendleft(req)
 
     def _admit(self, req: Request) -> bool:
         """Give req a state slot and whatever prefix the cache holds for it."""
@@ -181,6 +221,8 @@ class Scheduler:
         events = []
         for req, tok, lp in zip(reqs, tokens, logprobs):
             req.output_ids.append(tok)
+            if len(req.output_ids) == 1:
+                self.cached_prompt_tokens += req.cached_tokens
             reason = self._finish_reason(req, tok)
             if reason is not None:
                 self._finish(req, reason)

@@ -21,7 +21,6 @@ from typing import Any, AsyncIterator, Literal, Optional, Union
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.concurrency import run_in_threadpool
 
 from moeferry.server.chat_plan import ChatPlan, plan_chat
 from moeferry.server.generation import Generation
@@ -228,7 +227,7 @@ def _plan(server, body: CountTokensRequest) -> ChatPlan:
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
     server = _server(request)
     plan = _plan(server, body)
-    ids, _ = await run_in_threadpool(plan.render, server.frontend.tokenizer, chat_messages(body))
+    ids, _ = await server.frontend.tokenize("messages", plan.render, chat_messages(body))
     return {"input_tokens": len(ids)}
 
 
@@ -243,7 +242,7 @@ async def messages(body: MessagesRequest, request: Request):
                             top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences)
     params = forced_tool_params(front.sampling_params(fields, body.max_tokens, None), plan, front.tokenizer,
                                 server.cfg.model_dir)
-    ids, prompt_text = await run_in_threadpool(plan.render, front.tokenizer, chat_messages(body))
+    ids, prompt_text = await front.tokenize("messages", plan.render, chat_messages(body))
     front.check_prompt(ids, "messages")
     gen = await front.start(ids, params, "msg")
     msg_id = "msg_" + gen.request_id.split("-", 1)[1]

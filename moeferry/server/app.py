@@ -1,9 +1,11 @@
 """Wiring: ServeConfig -> tokenizer, supervisor (engine worker), frontend, FastAPI app, uvicorn."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
+import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -15,6 +17,7 @@ from moeferry.config import ServeConfig
 from moeferry.server import anthropic_api, control, metrics, openai_api, tokens_api
 from moeferry.server.access import add_access_control
 from moeferry.server.generation import Frontend, model_sampling_defaults
+from moeferry.server.heap import release_free_memory
 from moeferry.server.messages import Ready, WorkerSpec
 from moeferry.server.openai_api import error_response
 from moeferry.server.protocol import ApiError
@@ -26,6 +29,8 @@ log = logging.getLogger("moeferry.server")
 # A body larger than this is refused (413) before it is read: a 131072-token prompt as JSON
 # token ids is about 1 MiB.
 MAX_BODY_BYTES = 32 * 2**20
+BODY_IDLE_TIMEOUT_S = 30.0  # a client that stops sending its body mid-way gets a 408 after this
+RELEASE_AFTER_BYTES = 2**20  # after a body this large, give the freed memory back to the OS
 
 
 @dataclass
@@ -56,6 +61,7 @@ def build_server(cfg: ServeConfig, tokenizer=None, factory: str | None = None, *
     if defaults:
         log.info("sampling defaults from generation_config.json: %s",
                  ", ".join(f"{k}={v}" for k, v in defaults.items()))
+    supervisor_kwargs.setdefault("stall_timeout_s", cfg.worker_stall_timeout)
     supervisor = Supervisor(worker_spec(cfg, factory), cfg.log_level, on_ready=_on_ready, **supervisor_kwargs)
     stats = ServerStats()
     frontend = Frontend(supervisor, tokenizer, max_seq_len=cfg.max_seq_len, vocab_size=cfg.vocab_size,
@@ -102,10 +108,15 @@ def api_error_response(path: str, e: ApiError):
 
 
 class BodyLimit:
-    """ASGI middleware: refuse request bodies over `limit` bytes, so no client can exhaust memory."""
+    """ASGI middleware: read the whole request body before the app sees it, so that
 
-    def __init__(self, app, limit: int = MAX_BODY_BYTES):
-        self.app, self.limit = app, limit
+    - a body over `limit` bytes is a 413 whether it announces its length or is sent chunked;
+    - a client that stops sending mid-body gets a 408 after `idle_s` instead of holding the request;
+    - the memory a large body (and its parsing and tokenizing) took is given back to the OS afterwards.
+    """
+
+    def __init__(self, app, limit: int = MAX_BODY_BYTES, idle_s: float = BODY_IDLE_TIMEOUT_S):
+        self.app, self.limit, self.idle_s = app, limit, idle_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -114,18 +125,62 @@ class BodyLimit:
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await api_error_response(scope.get("path", ""), too_large)(scope, receive, send)
-        seen = 0
+        chunks, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.idle_s)
+            except asyncio.TimeoutError:
+                return await api_error_response(scope.get("path", ""), ApiError(
+                    408, f"no request body data for {self.idle_s:.0f} s", code="request_timeout"))(scope, receive, send)
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:  # a chunked body without Content-Length
+                del chunks
+                return await api_error_response(scope.get("path", ""), too_large)(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        del chunks
 
-        async def limited_receive():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:  # a chunked body without Content-Length
-                    raise too_large
-            return message
+        async def replay():
+            return body.pop() if body else await receive()
 
-        await self.app(scope, limited_receive, send)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            if size >= RELEASE_AFTER_BYTES:
+                del body
+                release_free_memory()
+
+
+class CatchAll:
+    """ASGI middleware: an unexpected exception is a 500 with a reference, never the exception's text,
+    and the connection stays usable (Starlette's own handler re-raises, which drops it)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:  # noqa: BLE001 - logged with its reference; the client gets the reference only
+            ref = uuid.uuid4().hex[:12]
+            log.exception("unexpected error in %s %s (reference %s)", scope.get("method"), scope.get("path"), ref)
+            if not started:
+                await api_error_response(scope.get("path", ""), ApiError(
+                    500, f"internal server error (reference {ref}; the details are in the server log)",
+                    "server_error", code="internal_error"))(scope, receive, send)
 
 
 def create_app(server: Server) -> FastAPI:
@@ -157,13 +212,8 @@ def create_app(server: Server) -> FastAPI:
         return api_error_response(request.url.path, ApiError(exc.status_code, str(exc.detail),
                                                              "invalid_request_error"))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        log.exception("unexpected error in %s %s", request.method, request.url.path)
-        return api_error_response(request.url.path, ApiError(
-            500, f"internal server error: {type(exc).__name__}: {exc}", "server_error", code="internal_error"))
-
     app.add_middleware(BodyLimit)
+    app.add_middleware(CatchAll)
     add_access_control(app, server.cfg.api_key, server.cfg.cors_origins, api_error_response)
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
@@ -175,13 +225,16 @@ def create_app(server: Server) -> FastAPI:
 
 def serve(cfg: ServeConfig) -> int:
     """Run the server until a shutdown signal."""
-    import uvicorn
+    from moeferry.server.http import GRACEFUL_SHUTDOWN_S, HttpServer, http_config
 
     log.info("moeferry serve: resolved configuration\n%s", cfg.table())
     server = build_server(cfg)
     app = create_app(server)
-    uv = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None,
-                                       log_level=cfg.log_level, timeout_graceful_shutdown=5))
+    # On a shutdown signal, running requests get a moment to finish, then an error (before uvicorn's
+    # graceful shutdown gives up on their connections).
+    drain_s = GRACEFUL_SHUTDOWN_S / 2
+    uv = HttpServer(http_config(app, cfg.host, cfg.port, cfg.log_level),
+                    on_exit=lambda: server.supervisor.drain(drain_s))
     try:
         uv.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it already shut down on

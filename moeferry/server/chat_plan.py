@@ -39,8 +39,9 @@ class ChatPlan:
     def reads_tools(self) -> bool:
         return self.tool_parser is not None and self.tools is not None and self.tools_read
 
-    def render(self, tokenizer, messages: list[dict]) -> tuple[list[int], str]:
-        """(prompt ids, prompt text); template errors are the client's (400)."""
+    def render(self, tokenizer, messages: list[dict], max_tokens: int | None = None) -> tuple[list[int], str]:
+        """(prompt ids, prompt text); template errors are the client's (400); `max_tokens`: the
+        context, which text provably longer than (from its byte length) is refused before tokenizing."""
         try:
             text = tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True,
                                                  **self.template_kwargs)
@@ -50,7 +51,7 @@ class ChatPlan:
         if (self.forced_tool is not None or self.answer_only) and opens_reasoning(text):
             text += "\n" + END_THINK + "\n\n"
         text += self.prefix
-        return tokenizer.encode(text), text
+        return tokenizer.encode(text, max_tokens), text
 
     @property
     def prefix(self) -> str:

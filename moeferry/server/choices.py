@@ -17,7 +17,7 @@ MAX_CHOICES = 16
 
 async def start_choices(frontend, prompt_ids: list[int], params: SamplingParams, prefix: str, n: int) -> list:
     if not 1 <= n <= MAX_CHOICES:
-        raise bad_request(f"n must be in [1, {MAX_CHOICES}], got {n}", param="n", code="invalid_value")
+        raise bad_request(f"n must be at least 1 and at most {MAX_CHOICES}, got {n}", param="n", code="invalid_value")
     gens = []
     try:
         for i in range(n):

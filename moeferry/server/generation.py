@@ -17,6 +17,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from starlette.concurrency import run_in_threadpool
+
 from moeferry.scheduler.request import Request, TokenEvent, TokenLogprob
 from moeferry.scheduler.sampling import SamplingParamError, SamplingParams
 from moeferry.server.messages import Accepted, Rejected
@@ -24,8 +26,13 @@ from moeferry.server.protocol import ApiError, SamplingFields, bad_request
 from moeferry.server.stats import ServerStats
 from moeferry.server.supervisor import Supervisor, Unavailable, WorkerDied
 from moeferry.text.detokenizer import IncrementalDetokenizer
+from moeferry.text.tokenizer import InvalidText, TextTooLong
 
 log = logging.getLogger("moeferry.api")
+
+# Prompts tokenized at once (each in a worker thread, without the GIL); more wait their turn, so a
+# burst of huge prompts cannot take every core and every thread from the API process.
+MAX_CONCURRENT_TOKENIZE = 2
 
 # generation_config.json key -> SamplingParams field, for --sampling-defaults model.
 MODEL_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -61,7 +68,7 @@ def engine_failure(message: str) -> ApiError:
 
 
 def worker_died(item: WorkerDied) -> ApiError:
-    return ApiError(503, item.message, "server_error", None, "worker_died")
+    return ApiError(503, item.message, "server_error", None, item.code)
 
 
 class Frontend:
@@ -74,6 +81,23 @@ class Frontend:
         self.default_max_tokens = default_max_tokens
         self.defaults = sampling_defaults
         self.stats = stats
+        self._tokenizing = asyncio.Semaphore(MAX_CONCURRENT_TOKENIZE)
+
+    # ------------------------------------------------------------ prompts
+
+    async def tokenize(self, param: str, render, *args) -> list[int]:
+        """render(tokenizer, *args, max_tokens=...) -> token ids, run off the event loop (bounded).
+        Text that is not valid Unicode, or that is provably longer than the context from its byte
+        length alone (checked before tokenizing), is a 400."""
+        async with self._tokenizing:
+            try:
+                return await run_in_threadpool(render, self.tokenizer, *args, max_tokens=self.max_seq_len)
+            except InvalidText as e:
+                raise bad_request(f"{param}: {e}", param=param, code="invalid_text") from None
+            except TextTooLong as e:
+                raise bad_request(f"This model's maximum context length is {self.max_seq_len} tokens. However, "
+                                  f"your prompt has at least {e.min_tokens} tokens. Please shorten it.",
+                                  param=param, code="context_length_exceeded") from None
 
     @property
     def max_seq_len(self) -> int:
@@ -110,13 +134,13 @@ class Frontend:
     def check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:
             raise bad_request("the prompt is empty", param=param)
-        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param)
-        if len(ids) >= self.max_seq_len:
+        if len(ids) >= self.max_seq_len:  # first: a huge prompt is refused without a scan of its ids
             raise bad_request(f"This model's maximum context length is {self.max_seq_len} tokens. However, your "
                               f"prompt has {len(ids)} tokens, leaving no room for output. Please shorten it.",
                               param=param, code="context_length_exceeded")
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param)
 
     # ------------------------------------------------------------ running
 

@@ -3,7 +3,8 @@
 API -> worker: Submit, Abort, Shutdown.
 Worker -> API: Progress (while loading), Ready (once, with what the engine resolved),
 Accepted / Rejected (an answer to every Submit), Events (token events from one step),
-StatsUpdate (scheduler counters, at most a few times a second), BootFailed (then it exits).
+StatsUpdate (scheduler counters, at most a few times a second), BootFailed (then it exits),
+Heartbeat (while it has work, between steps: the supervisor's watchdog).
 """
 from __future__ import annotations
 
@@ -84,3 +85,9 @@ class Events:
 @dataclass(frozen=True)
 class StatsUpdate:
     stats: dict
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Sent between steps while the worker has work, at least every HEARTBEAT_S; `steps` counts them."""
+    steps: int

@@ -15,7 +15,6 @@ from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from moeferry.server.chat_plan import ChatPlan, finish_reason, plan_chat
 from moeferry.server.choices import merge, start_choices
@@ -42,8 +41,9 @@ def _server(request: Request):
 async def list_models(request: Request) -> ModelList:
     server = _server(request)
     cfg = server.cfg
+    # `root` is the served name: the model's path on this machine is none of a client's business.
     return ModelList(data=[ModelCard(id=cfg.served_model_name, max_model_len=server.frontend.max_seq_len,
-                                     root=cfg.model_dir)])
+                                     root=cfg.served_model_name)])
 
 
 def _check_request(server, body: SamplingFields) -> None:
@@ -134,7 +134,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     params = structured_params(params, body.response_format, server.cfg.model_dir)
     plan = chat_plan(server, body)
     params = forced_tool_params(params, plan, front.tokenizer, server.cfg.model_dir)
-    ids, prompt_text = await run_in_threadpool(plan.render, front.tokenizer, chat_messages(body))
+    ids, prompt_text = await front.tokenize("messages", plan.render, chat_messages(body))
     front.check_prompt(ids, "messages")
     gens = await start_choices(front, ids, params, "chatcmpl", body.n or 1)
     cache_report = server.cfg.enable_cache_report
@@ -199,14 +199,14 @@ async def _chat_chunks(gen: Generation, index: int, model: str, output: ChatOutp
 # ---------------------------------------------------------------- completions
 
 
-def completion_prompt(tokenizer, prompt) -> list[int]:
+def completion_prompt(tokenizer, prompt, max_tokens: int | None = None) -> list[int]:
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(prompt, max_tokens)
     if prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise bad_request(f"a list of {len(prompt)} prompts is not supported yet: send one request per prompt",
                               param="prompt")
-        return completion_prompt(tokenizer, prompt[0])
+        return completion_prompt(tokenizer, prompt[0], max_tokens)
     return list(prompt)
 
 
@@ -236,7 +236,7 @@ async def completions(body: CompletionRequest, request: Request):
     _check_request(server, body)
     front = server.frontend
     params = front.sampling_params(body, body.max_tokens, body.logprobs)
-    ids = await run_in_threadpool(completion_prompt, front.tokenizer, body.prompt)
+    ids = await front.tokenize("prompt", completion_prompt, body.prompt)
     front.check_prompt(ids, "prompt")
     gens = await start_choices(front, ids, params, "cmpl", body.n or 1)
     cache_report = server.cfg.enable_cache_report
@@ -277,7 +277,13 @@ async def _completion_chunks(gen: Generation, index: int, model: str) -> AsyncIt
 
 
 def _event(model) -> str:
-    return f"data: {model.model_dump_json(exclude_none=True)}\n\n"
+    """One SSE event. Unset fields are left out, except that every choice carries `finish_reason` and
+    `logprobs` (null until set), as OpenAI's chunks do."""
+    data = model.model_dump(exclude_none=True)
+    for choice in data.get("choices", ()):
+        choice.setdefault("logprobs", None)
+        choice.setdefault("finish_reason", None)
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 async def _with_usage(chunks: AsyncIterator[str], gens: list[Generation], model: str, include_usage: bool,
@@ -330,6 +336,13 @@ async def _collect(gen: Generation, request: Request) -> list[Piece] | None:
         gen.close()
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote a client's text, lone surrogates included."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(e: ApiError) -> JSONResponse:
     headers = {"Retry-After": "1"} if e.status == 503 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    return _AsciiJSONResponse(e.body(), status_code=e.status, headers=headers)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 
 class ApiError(Exception):
@@ -35,7 +35,7 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 # Ranges are checked by SamplingParams.validate(); these bounds only keep integers inside what the
@@ -58,9 +58,9 @@ class SamplingFields(_Request):
     min_tokens: Optional[int] = Field(default=None, le=_INT32)
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
-    ignore_eos: Optional[bool] = None
+    ignore_eos: Optional[StrictBool] = None
     n: Optional[int] = None
-    stream: bool = False
+    stream: StrictBool = False  # strict: "yes", "1" or 1 is a 400, not true
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # an end-user id for the caller's own bookkeeping; logged, nothing else
     logit_bias: Optional[dict[str, float]] = None
@@ -127,7 +127,7 @@ class ResponseFormat(_Request):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, le=_INT32)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     tools: Optional[list[Tool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
@@ -146,7 +146,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    echo: StrictBool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
 

@@ -7,6 +7,16 @@ a backoff. More than `max_restarts_per_minute` deaths within a minute put the su
 terminal `error` state (with the reason) instead of restarting forever. The API process never
 exits because of any of this.
 
+A watchdog guards against a worker that is alive but makes no progress (stopped with SIGSTOP,
+stuck in a step): while requests are in flight the worker sends a `Heartbeat` between steps. After
+`stall_report_s` without any message the state becomes `stalled` (on /health, new requests get a
+503); after `stall_timeout_s` the worker is killed, its requests fail with a message saying why,
+and a new one starts as after any death. A worker that speaks again before that is `ok` again.
+
+`drain` (on a shutdown signal) stops taking requests, lets the running ones finish for a moment
+and then ends the rest with a clear "shutting down" error, so no client is left with a cut
+connection.
+
 Consumers register a *sink* per request: a callable that receives, from the monitor thread,
 `Accepted`, `Rejected`, every `TokenEvent` of the request, or `WorkerDied`.
 """
@@ -24,17 +34,21 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moeferry.server import worker
-from moeferry.server.messages import (Abort, Accepted, BootFailed, Events, Progress, Ready, Rejected, Shutdown,
-                                      StatsUpdate, Submit, WorkerSpec)
+from moeferry.server.messages import (Abort, Accepted, BootFailed, Events, Heartbeat, Progress, Ready, Rejected,
+                                      Shutdown, StatsUpdate, Submit, WorkerSpec)
 
 log = logging.getLogger("moeferry.supervisor")
 
-LOADING, OK, RESTARTING, ERROR, STOPPED = "loading", "ok", "restarting", "error", "stopped"
+LOADING, OK, STALLED, RESTARTING, ERROR = "loading", "ok", "stalled", "restarting", "error"
+STOPPING, STOPPED = "stopping", "stopped"
+STALL_REPORT_S = 5.0  # silence (with requests in flight) before /health says stalled
 
 
 @dataclass(frozen=True)
 class WorkerDied:
+    """The end of every request in flight when its worker is gone (or the server shuts down)."""
     message: str
+    code: str = "worker_died"
 
 
 class Unavailable(Exception):
@@ -81,6 +95,8 @@ class _Worker:
         child.close()  # our copy; the worker's death now shows as EOF on self.conn
         self.outbox: queue.Queue = queue.Queue()
         self.boot_failure: str | None = None
+        self.stall: str | None = None  # why the watchdog killed it
+        self.last_heard = time.monotonic()
         threading.Thread(target=self._send_loop, name=f"worker-{generation}-outbox", daemon=True).start()
 
     @property
@@ -106,12 +122,16 @@ class _Worker:
 
 class Supervisor:
     def __init__(self, spec: WorkerSpec, log_level: str = "info", max_restarts_per_minute: int = 5,
-                 backoff_s: float = 0.5, max_backoff_s: float = 10.0, on_ready: Callable[[Ready], None] | None = None):
+                 backoff_s: float = 0.5, max_backoff_s: float = 10.0, on_ready: Callable[[Ready], None] | None = None,
+                 stall_timeout_s: float = 60.0):
         self.spec = spec
         self.log_level = log_level
         self.max_restarts_per_minute = max_restarts_per_minute
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.on_ready = on_ready
+        self.stall_timeout_s = stall_timeout_s
+        self.stall_report_s = min(STALL_REPORT_S, stall_timeout_s / 2)
+        self._busy_since = time.monotonic()  # when the first of the requests in flight arrived
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._sinks: dict[str, Callable] = {}
@@ -145,6 +165,8 @@ class Supervisor:
         with self._lock:
             if self.state != OK:
                 raise Unavailable(self.state, self._unavailable_message())
+            if not self._sinks:
+                self._busy_since = time.monotonic()
             self._sinks[request.request_id] = sink
             self._worker.send(Submit(request))
 
@@ -153,6 +175,21 @@ class Supervisor:
         with self._lock:
             if self._sinks.pop(request_id, None) is not None and self._worker is not None:
                 self._worker.send(Abort(request_id))
+
+    def drain(self, timeout: float) -> int:
+        """Stop taking requests; wait up to `timeout` for those in flight, then end the rest with a
+        "shutting down" error. Returns how many were ended."""
+        with self._lock:
+            if self.state in (STOPPING, STOPPED):
+                return 0
+            self.state = STOPPING
+        deadline = time.monotonic() + timeout
+        while self._sinks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        failed = self._fail_all(WorkerDied("the server is shutting down; retry the request", "server_shutting_down"))
+        if failed:
+            log.warning("shutting down: %d request(s) still running were ended", failed)
+        return failed
 
     def stop(self, timeout: float = 5.0) -> None:
         """Shut the worker down (gracefully, then by force)."""
@@ -169,7 +206,7 @@ class Supervisor:
             log.warning("worker %s did not stop in %.0f s; killing it", w.pid, timeout)
             w.process.kill()
             w.process.join(timeout)
-        self._fail_all(WorkerDied("the server is shutting down"))
+        self._fail_all(WorkerDied("the server is shutting down; retry the request", "server_shutting_down"))
 
     # ------------------------------------------------------------ monitor thread
 
@@ -181,6 +218,8 @@ class Supervisor:
             return f"the engine worker is restarting ({self.reason}); retry shortly"
         if self.state == ERROR:
             return f"the engine worker failed and is not restarting: {self.reason}"
+        if self.state == STALLED:
+            return f"the engine worker is not responding ({self.reason}); retry shortly"
         return "the server is shutting down"
 
     def _monitor(self) -> None:
@@ -202,7 +241,7 @@ class Supervisor:
             w.close()
             if self._stop.is_set():
                 return
-            cause = w.boot_failure or describe_exit(w.process.exitcode)
+            cause = w.boot_failure or w.stall or describe_exit(w.process.exitcode)
             self.spec = smaller_plan(self.spec, self.worker_stats)
             delay = self._on_death(w, cause)
             if delay is None or self._stop.wait(delay):
@@ -218,8 +257,10 @@ class Supervisor:
                 if not w.conn.poll(0.2):
                     if not w.process.is_alive() or self._stop.is_set():
                         return
+                    self._watch(w)
                     continue
                 msg = w.conn.recv()
+                self._heard(w)
             except (EOFError, OSError):
                 return
             except Exception:  # noqa: BLE001 - an unreadable message must not kill the monitor
@@ -229,6 +270,30 @@ class Supervisor:
                 self._dispatch(w, msg)
             except Exception:  # noqa: BLE001
                 log.exception("dispatching %s failed", type(msg).__name__)
+
+    def _heard(self, w: _Worker) -> None:
+        w.last_heard = time.monotonic()
+        if self.state == STALLED:
+            with self._lock:
+                if self.state == STALLED:
+                    self.state, self.reason = OK, None
+            log.warning("worker %s is responding again", w.pid)
+
+    def _watch(self, w: _Worker) -> None:
+        """The watchdog: a worker silent while requests are in flight is stalled, then replaced."""
+        if not self._sinks or self.state not in (OK, STALLED) or w.stall is not None:
+            return
+        silent = time.monotonic() - max(w.last_heard, self._busy_since)
+        if silent >= self.stall_timeout_s:
+            w.stall = (f"no progress for {silent:.0f} s with {len(self._sinks)} request(s) in flight "
+                       f"(--worker-stall-timeout {self.stall_timeout_s:g})")
+            log.error("worker %s is stalled: %s; killing it", w.pid, w.stall)
+            w.process.kill()  # a stopped (SIGSTOP) process dies of SIGKILL too
+        elif silent >= self.stall_report_s and self.state == OK:
+            with self._lock:
+                self.state = STALLED
+                self.reason = f"worker pid {w.pid} made no progress for {silent:.0f} s with requests in flight"
+            log.warning("%s", self.reason)
 
     def _dispatch(self, w: _Worker, msg) -> None:
         if isinstance(msg, Events):
@@ -257,6 +322,8 @@ class Supervisor:
             log.info("engine worker pid %d is ready", msg.pid)
             if self.on_ready is not None:
                 self.on_ready(msg)
+        elif isinstance(msg, Heartbeat):
+            pass  # its arrival is the point (see _heard)
         elif isinstance(msg, BootFailed):
             w.boot_failure = f"boot failed: {msg.reason}"
         else:
@@ -282,6 +349,10 @@ class Supervisor:
                 self.state = RESTARTING
                 self.reason = f"worker pid {w.pid} died ({cause})"
                 text = f"the engine worker died ({cause}) and is restarting; retry the request"
+                if w.stall is not None:
+                    self.reason = f"worker pid {w.pid} was stalled and is being replaced ({w.stall})"
+                    text = (f"the engine worker stopped making progress ({w.stall}); it is being replaced, "
+                            "retry the request")
         failed = self._fail_all(WorkerDied(text))
         if self.state == ERROR:
             log.error("%s; %d in-flight request(s) failed", self.reason, failed)

@@ -23,12 +23,14 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
-from moeferry.server.messages import (Abort, Accepted, BootFailed, Events, Progress, Ready, Rejected, Shutdown,
-                                      StatsUpdate, Submit, WorkerSpec)
+from moeferry.server import faults
+from moeferry.server.messages import (Abort, Accepted, BootFailed, Events, Heartbeat, Progress, Ready, Rejected,
+                                      Shutdown, StatsUpdate, Submit, WorkerSpec)
 
 log = logging.getLogger("moeferry.worker")
 
 STATS_INTERVAL_S = 0.25
+HEARTBEAT_S = 0.5  # while busy; the supervisor's watchdog counts silence from here
 IDLE_WAIT_S = 1.0
 MAX_EMPTY_FAILURES = 3  # step() failures in a row with no request left to blame
 
@@ -70,6 +72,7 @@ def main(conn: Connection, spec: WorkerSpec, log_level: str = "info") -> None:
     try:
         factory = _load_factory(spec.factory)
         scheduler, info = factory(spec, lambda phase, fraction: send(Progress(phase, fraction)))
+        faults.install_from_env(scheduler)  # tests only: off unless MOEFERRY_FAULT_INJECT is set
     except BaseException as e:  # noqa: BLE001 - anything at boot is reported, then we exit
         log.error("worker boot failed:\n%s", traceback.format_exc())
         send(BootFailed(f"{type(e).__name__}: {e}"))
@@ -102,6 +105,8 @@ class Loop:
         self.last_stats = 0.0
         self.sent_stats: dict | None = None
         self.empty_failures = 0
+        self.steps = 0
+        self.last_beat = 0.0
         threading.Thread(target=self._read, args=(conn,), name="worker-inbox", daemon=True).start()
 
     def _read(self, conn: Connection) -> None:
@@ -119,6 +124,7 @@ class Loop:
                 return
             if self.scheduler.has_work:
                 self._step()
+                self._heartbeat()
             self._report_stats()
 
     def _drain(self, block: bool) -> bool:
@@ -152,8 +158,8 @@ class Loop:
             return
         except Exception as e:  # noqa: BLE001 - one request's failure stays with it
             log.exception("admitting request %s failed", rid)
-            self.send(Rejected(rid, "internal_error", f"the engine could not admit the request: "
-                                                      f"{type(e).__name__}: {e}"))
+            self.send(Rejected(rid, "internal_error", f"the engine could not admit the request "
+                                                      f"({type(e).__name__}); the details are in the server log"))
             return
         self.live.add(rid)
         self.send(Accepted(rid))
@@ -172,7 +178,9 @@ class Loop:
             events = self.scheduler.step()
         except Exception as e:  # noqa: BLE001 - the batch fails, the worker lives
             log.exception("engine step failed; failing the %d request(s) in it", len(self.live))
-            self._fail_live(f"the engine step failed: {type(e).__name__}: {e}")
+            from moeferry.scheduler.scheduler import step_failure
+
+            self._fail_live(step_failure(e))
             return
         self.empty_failures = 0
         events = [ev for ev in events if ev.request_id in self.live]
@@ -181,6 +189,13 @@ class Loop:
                 self.live.discard(ev.request_id)
         if events:
             self.send(Events(events))
+
+    def _heartbeat(self) -> None:
+        self.steps += 1
+        now = time.monotonic()
+        if now - self.last_beat >= HEARTBEAT_S:
+            self.last_beat = now
+            self.send(Heartbeat(self.steps))
 
     def _fail_live(self, message: str) -> None:
         from moeferry.scheduler.request import TokenEvent

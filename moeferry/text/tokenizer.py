@@ -14,6 +14,27 @@ class TemplateError(ValueError):
     """The chat template rejected the conversation (raise_exception in the template)."""
 
 
+class InvalidText(ValueError):
+    """Text that is not valid Unicode (a lone surrogate such as JSON's "\\ud800")."""
+
+
+class TextTooLong(ValueError):
+    """Text whose byte length alone proves it has more tokens than allowed (found without tokenizing)."""
+
+    def __init__(self, min_tokens: int, limit: int):
+        super().__init__(f"at least {min_tokens} tokens (limit {limit})")
+        self.min_tokens, self.limit = min_tokens, limit
+
+
+def utf8(text: str) -> bytes:
+    """text as UTF-8; InvalidText if it holds a lone surrogate."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidText(f"the text is not valid Unicode: {e.reason} at character {e.start} "
+                          f"({text[e.start:e.end].encode('unicode_escape').decode()})") from None
+
+
 def _raise(message: str):
     raise TemplateError(message)
 
@@ -63,6 +84,12 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
+        # Bytes one token can cover at most: a text of B bytes has at least B / bytes_per_token tokens.
+        # A normalizer may shorten the text before it is split (NFC composes up to 3 code points into one,
+        # e.g. Hangul jamo, 9 bytes -> 3), hence the factor 3 when there is one.
+        longest = max((len(t.encode("utf-8", "replace")) for t in tokenizer.get_vocab(with_added_tokens=True)),
+                      default=1)
+        self.max_bytes_per_token = max(longest, 1) * (3 if tokenizer.normalizer is not None else 1)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, extra_eos_ids: list[int] | tuple[int, ...] = ()) -> "Tokenizer":
@@ -82,8 +109,19 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def min_tokens(self, num_bytes: int) -> int:
+        """A lower bound on the tokens of any text of num_bytes UTF-8 bytes."""
+        return -(-num_bytes // self.max_bytes_per_token)
+
+    def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """Token ids of text. InvalidText for a lone surrogate; TextTooLong, before any tokenizing, when
+        the byte length alone proves the text has more than max_tokens tokens. The work runs without
+        the GIL (encode_batch releases it, encode does not), so other threads keep running."""
+        data = utf8(text)
+        if max_tokens is not None and self.min_tokens(len(data)) > max_tokens:
+            raise TextTooLong(self.min_tokens(len(data)), max_tokens)
+        del data
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
