@@ -18,6 +18,7 @@ the KV read) over the measured device-to-device copy bandwidth (bytes read + wri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -68,8 +69,9 @@ def ours_prefill(engine, n: int, gen) -> float:
         return n / (time.perf_counter() - t)
 
 
-def ours_decode(engine, batch: int, prompt_len: int, steps: int, gen, warmup: int = 3):
-    """(tok/s, distinct experts per layer in one step, KV bytes read per step)."""
+def ours_decode(engine, batch: int, prompt_len: int, steps: int, gen, warmup: int = 3, around=None):
+    """(tok/s, distinct experts per layer in one step, KV bytes read per step); `around` (a context
+    manager, e.g. a profiler) wraps only the timed steps."""
     total = prompt_len + warmup + steps + 1
     with engine.cache.sequences([total] * batch) as held:
         pages, slots = [b.pages for b in held], [b.state_slot for b in held]
@@ -88,11 +90,12 @@ def ours_decode(engine, batch: int, prompt_len: int, steps: int, gen, warmup: in
         for _ in range(warmup):
             step()
         sync(engine.device)
-        t = time.perf_counter()
-        for _ in range(steps):
-            step()
-        sync(engine.device)
-        rate = batch * steps / (time.perf_counter() - t)
+        with around or contextlib.nullcontext():
+            t = time.perf_counter()
+            for _ in range(steps):
+                step()
+            sync(engine.device)
+            rate = batch * steps / (time.perf_counter() - t)
         experts = count_experts(engine, [SeqChunk([toks[i]], pos, pages[i], slots[i]) for i in range(batch)])
         return rate, experts, pos
 

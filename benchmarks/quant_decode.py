@@ -24,7 +24,6 @@ warm-up steps, batch 1 and 4; prints whether decode runs in CUDA graphs (or why 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import sys
@@ -32,6 +31,8 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark modules
 
 DEV = torch.device("cuda")
 SMOKE = False  # --smoke: tiny shapes on the CPU under MOEFERRY_TRITON_INTERPRET=1 (checks the script)
@@ -219,7 +220,6 @@ def scaled_mm(x, w, ref):
 
 # -- moe ------------------------------------------------------------------------------------
 def bench_moe(args, log):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import moe_kernels as MK
     from dataclasses import replace
 
@@ -264,32 +264,10 @@ def sync():
 
 
 def decode_rate(engine, batch, prompt_len=64, steps=24, warmup=4, around=None):
-    """tok/s of greedy decode steps after `warmup` steps; `around` (a context manager, e.g. a
-    profiler) wraps only the timed steps."""
-    from moeferry.model.batch import SeqChunk
-    gen = torch.Generator().manual_seed(batch)
-    total = prompt_len + warmup + steps + 1
-    with engine.cache.sequences([total] * batch) as held:
-        pages, slots = [b.pages for b in held], [b.state_slot for b in held]
-        prompts = [torch.randint(0, engine.spec.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
-        toks = engine.forward([SeqChunk(p, 0, pages[i], slots[i]) for i, p in enumerate(prompts)]).argmax(-1).tolist()
-        pos = prompt_len
-
-        def step():
-            nonlocal toks, pos
-            out = engine.forward([SeqChunk([toks[i]], pos, pages[i], slots[i]) for i in range(batch)])
-            toks = out.argmax(-1).tolist()
-            pos += 1
-
-        for _ in range(warmup):
-            step()
-        sync()
-        with around or contextlib.nullcontext():
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            sync()
-            return batch * steps / (time.perf_counter() - t0)
+    """tok/s of greedy decode steps after `warmup` steps (`decode_prefill.ours_decode`); `around`
+    (a context manager, e.g. a profiler) wraps only the timed steps."""
+    from decode_prefill import ours_decode
+    return ours_decode(engine, batch, prompt_len, steps, torch.Generator().manual_seed(batch), warmup, around)[0]
 
 
 def profile_step(engine, log, top=15):

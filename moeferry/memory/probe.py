@@ -143,7 +143,7 @@ def probe_transients(model, spec, cfg, context: int, dtype: torch.dtype, device:
     worst_decode = _extrapolate(steps["decode@1"], steps.get(f"decode@{depth1}", 0), depth1, context - 1)
     spread = abs(steps["prefill@0"] - steps["prefill@0 again"])
     margin = meter.fragmentation + meter.outside + 2 * spread
-    del cache
+    cache = None  # the temporary pools go before the real ones are sized
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -50,7 +50,7 @@ def use_kernels(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401 - installed?
     except ImportError:
         return False
     return True

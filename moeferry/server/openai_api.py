@@ -136,7 +136,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     params = forced_tool_params(params, plan, front.tokenizer, server.cfg.model_dir)
     ids, prompt_text = await front.tokenize("messages", plan.render, chat_messages(body))
     front.check_prompt(ids, "messages")
-    gens = await start_choices(front, ids, params, "chatcmpl", body.n or 1)
+    gens = await start_choices(front, ids, params, "chatcmpl", 1 if body.n is None else body.n)
     cache_report = server.cfg.enable_cache_report
     model = server.cfg.served_model_name
     if body.stream:
@@ -238,7 +238,7 @@ async def completions(body: CompletionRequest, request: Request):
     params = front.sampling_params(body, body.max_tokens, body.logprobs)
     ids = await front.tokenize("prompt", completion_prompt, body.prompt)
     front.check_prompt(ids, "prompt")
-    gens = await start_choices(front, ids, params, "cmpl", body.n or 1)
+    gens = await start_choices(front, ids, params, "cmpl", 1 if body.n is None else body.n)
     cache_report = server.cfg.enable_cache_report
     model = server.cfg.served_model_name
     if body.stream:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from moeferry.server.chat_plan import plan_chat
@@ -46,7 +46,12 @@ def _tokenize(server, body: TokenizeRequest) -> list[int]:
     from moeferry.server.openai_api import chat_messages
     from moeferry.server.protocol import ChatCompletionRequest
 
-    chat = ChatCompletionRequest(model=server.cfg.served_model_name, messages=body.messages, tools=body.tools)
+    try:
+        chat = ChatCompletionRequest(model=server.cfg.served_model_name, messages=body.messages, tools=body.tools)
+    except ValidationError as e:  # e.g. no messages: the client's error, as on /v1/chat/completions
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err.get("loc", ())) or "messages"
+        raise bad_request(f"{param}: {err.get('msg')}", param=param) from None
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     plan = plan_chat(server.cfg, tok, tools, None, None, body.chat_template_kwargs)
     if not body.add_generation_prompt:
