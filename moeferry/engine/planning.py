@@ -34,9 +34,14 @@ def free_memory(device: torch.device) -> int:
 
 
 def used_memory(device: torch.device, free_at_start: int) -> int:
-    """What this process took since `free_at_start` (the placed weights)."""
+    """What this process holds since `free_at_start` and keeps: the placed weights, plus (CUDA)
+    memory outside the allocator that appeared since (kernel modules, library workspaces)."""
     if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        allocated = torch.cuda.memory_allocated(device)
+        outside = free_at_start - free_memory(device) - torch.cuda.memory_reserved(device)
+        return allocated + max(outside, 0)
     return max(free_at_start - available_host_ram(), 0)
 
 
@@ -75,16 +80,17 @@ def plan_request(cfg: EngineConfig, device: torch.device, context: int) -> PlanR
 
 def make_engine_plan(cfg: EngineConfig, spec, model, experts, device: torch.device, dtype: torch.dtype,
                      free_at_start: int) -> tuple[MemoryPlan, Transients]:
-    weights = used_memory(device, free_at_start)
     context = context_limit(cfg, spec.max_position_embeddings)
     transients = probe_transients(model, spec, cfg, context, dtype, device)
+    weights = used_memory(device, free_at_start)  # after the probe: the kernels it loaded stay
     graphs = transients.decode if (device.type == "cuda" and cfg.cuda_graphs and not cfg.offloads_experts) else 0
     where = "device" if device.type == "cuda" else "host (CPU mode)"
     inputs = PlanInputs(
         usable=usable_memory(free_at_start if cfg.gpu_memory_limit is None or device.type == "cuda" else None,
                              cfg.memory_ratio, cfg.gpu_memory_limit),
-        weights=Term(weights, f"measured: {where} memory after loading"
-                              + (" (incl. every expert)" if not cfg.offloads_experts else "")),
+        weights=Term(weights, f"measured: {where} memory after loading and the probe"
+                              + (" (incl. every expert)" if not cfg.offloads_experts else "")
+                              + (", allocator + outside it" if device.type == "cuda" else "")),
         expert_slot_bytes=experts.slot_bytes, experts_total=experts.experts_total,
         staging=Term(experts.staging_bytes, "derived: 2 x staging slots" if experts.staging_bytes else "none"),
         kv_bytes_per_token=kv_bytes_per_token(len(spec.attention_layers), spec.num_kv_heads, spec.head_dim, dtype),
@@ -92,8 +98,7 @@ def make_engine_plan(cfg: EngineConfig, spec, model, experts, device: torch.devi
         state_slots=state_slots_for(cfg),
         transient=Term(transients.worst, transients.note),
         graphs=Term(graphs, "measured: decode step at the largest batch (shared graph pool)" if graphs else "none"),
-        margin=Term(transients.margin, "measured: allocator fragmentation + memory outside the allocator + "
-                                       "2 x run-to-run spread"),
+        margin=Term(transients.margin, "measured: allocator fragmentation + 2 x run-to-run spread"),
         context_tokens=context)
     return make_plan(inputs, plan_request(cfg, device, context)), transients
 

@@ -12,8 +12,9 @@ small temporary pools:
 
 Each peak is the allocator's peak minus the memory held before the step (CUDA); on the CPU it
 is the process's peak resident set (VmHWM, reset before each step). Memory outside the
-allocator that a step made appear (cuBLAS workspaces, kernel modules) goes to the margin. The margin is measured too: allocator fragmentation at the
-peak, memory outside the allocator, and twice the run-to-run spread of a repeated step.
+allocator that a step made appear (cuBLAS workspaces, kernel modules) is logged and stays: the
+plan counts it with the weights, measured after the probe. The margin is measured too: the
+allocator's fragmentation at the peak and twice the run-to-run spread of a repeated step.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ CPU_PROBE_TOKENS = 64  # longest chunk / depth the probe runs through the CPU re
 class Transients:
     worst: int              # bytes: the largest step, extrapolated to full depth
     decode: int             # bytes: the largest decode batch (what a CUDA graph pool holds)
-    margin: int             # bytes: measured fragmentation + outside-allocator + 2 x spread
+    margin: int             # bytes: measured fragmentation + 2 x spread
     note: str               # how it was measured (for the plan table)
     steps: dict             # each step's measured peak
 
@@ -68,7 +69,7 @@ class PeakMeter:
         reserved_peak = torch.cuda.max_memory_reserved(self.device) - reserved0
         grown = free0 - torch.cuda.mem_get_info(self.device)[0] - (torch.cuda.memory_reserved(self.device) - reserved0)
         self.fragmentation = max(self.fragmentation, reserved_peak - peak)
-        self.outside = max(self.outside, grown)  # counted once, in the margin
+        self.outside = max(self.outside, grown)  # logged; the plan measures it after the probe
         return max(peak, 0)
 
     def _cpu(self, fn) -> int:
@@ -142,7 +143,7 @@ def probe_transients(model, spec, cfg, context: int, dtype: torch.dtype, device:
     worst_prefill = int(scale * _extrapolate(steps["prefill@0"], steps.get(f"prefill@{depth1}", 0), depth1, deepest))
     worst_decode = _extrapolate(steps["decode@1"], steps.get(f"decode@{depth1}", 0), depth1, context - 1)
     spread = abs(steps["prefill@0"] - steps["prefill@0 again"])
-    margin = meter.fragmentation + meter.outside + 2 * spread
+    margin = meter.fragmentation + 2 * spread  # memory outside the allocator: measured into the weights term
     cache = None  # the temporary pools go before the real ones are sized
     gc.collect()
     if device.type == "cuda":
