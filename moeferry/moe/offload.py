@@ -208,7 +208,8 @@ class OffloadExperts:
             fetch, on_cpu = self.b.split.divide(misses, ids)
         else:
             fetch, on_cpu = misses, []
-        streaming = self.staging is not None and len(fetch) > STAGING_SLOTS and x.shape[0] * ids.shape[1] > len(needed)
+        # a prefill-sized chunk (more tokens than a staging half) missing more experts than a half holds
+        streaming = self.staging is not None and len(fetch) > STAGING_SLOTS and x.shape[0] > STAGING_SLOTS
         if streaming:  # a big prefill chunk: hits in place, misses through staging, the cache untouched
             out = self._run(self.cache.buffer, x, ids, weights, self.cache.row(self.layer))
             leftover = fetch
