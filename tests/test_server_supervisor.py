@@ -154,3 +154,24 @@ def test_restart_limit_ends_in_error_with_the_reason(checkpoint):
         assert "fake checkpoint is corrupt" in sup.reason and "not restarting" in sup.reason
     finally:
         sup.stop()
+
+
+def refused_plan_at_boot(spec, progress):
+    from moeferry.memory.plan import PlanRefused
+    raise PlanRefused("the pools do not fit: kv 2.50 GiB + experts 7.00 GiB > usable 8.00 GiB")
+
+
+def test_a_refused_plan_is_not_restarted(checkpoint):
+    """A boot failure no restart can fix (here a memory plan that does not fit) ends in error at
+    once, with the plan's numbers in the reason."""
+    spec = worker_spec(_config(str(checkpoint("qwen3_5_moe"))), factory=f"{__name__}:refused_plan_at_boot")
+    sup = Supervisor(spec, "warning", max_restarts_per_minute=5, backoff_s=0.05)
+    sup.start()
+    try:
+        deadline = time.monotonic() + 120
+        while sup.state != ERROR and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sup.state == ERROR and sup.restarts == 0
+        assert "usable 8.00 GiB" in sup.reason and "not restarting" in sup.reason
+    finally:
+        sup.stop()

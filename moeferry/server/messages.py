@@ -62,6 +62,7 @@ class Ready:
 @dataclass(frozen=True)
 class BootFailed:
     reason: str
+    permanent: bool = False  # the same configuration would fail the same way: do not restart
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,7 @@ class _Worker:
         child.close()  # our copy; the worker's death now shows as EOF on self.conn
         self.outbox: queue.Queue = queue.Queue()
         self.boot_failure: str | None = None
+        self.boot_permanent = False  # the failure does not go away with a restart
         self.stall: str | None = None  # why the watchdog killed it
         self.last_heard = time.monotonic()
         threading.Thread(target=self._send_loop, name=f"worker-{generation}-outbox", daemon=True).start()
@@ -326,6 +327,7 @@ class Supervisor:
             pass  # its arrival is the point (see _heard)
         elif isinstance(msg, BootFailed):
             w.boot_failure = f"boot failed: {msg.reason}"
+            w.boot_permanent = msg.permanent
         else:
             log.error("unexpected message %r from worker %s", type(msg).__name__, w.pid)
 
@@ -340,7 +342,12 @@ class Supervisor:
             self._worker = None
             self.worker_stats = {}
             self.progress = None
-            if recent > self.max_restarts_per_minute:
+            if w.boot_permanent:
+                self.state = ERROR
+                self.reason = (f"worker pid {w.pid} {cause}; not restarting: the same configuration would fail "
+                               "the same way")
+                text = f"the engine cannot start ({cause})"
+            elif recent > self.max_restarts_per_minute:
                 self.state = ERROR
                 self.reason = (f"worker pid {w.pid} died ({cause}); {recent} deaths within a minute, "
                                f"more than the limit of {self.max_restarts_per_minute}: not restarting")

@@ -75,11 +75,21 @@ def main(conn: Connection, spec: WorkerSpec, log_level: str = "info") -> None:
         faults.install_from_env(scheduler)  # tests only: off unless MOEFERRY_FAULT_INJECT is set
     except BaseException as e:  # noqa: BLE001 - anything at boot is reported, then we exit
         log.error("worker boot failed:\n%s", traceback.format_exc())
-        send(BootFailed(f"{type(e).__name__}: {e}"))
+        send(BootFailed(f"{type(e).__name__}: {e}", permanent=_permanent(e)))
         sys.exit(1)
     send(Ready(pid=os.getpid(), **info))
     log.info("worker %d ready", os.getpid())
     Loop(scheduler, conn, send).run()
+
+
+def _permanent(e: BaseException) -> bool:
+    """A boot failure a restart cannot fix: a memory plan that cannot fit, host RAM too small for
+    the expert banks, a broken checkpoint."""
+    from moeferry.checkpoint.reader import CheckpointError
+    from moeferry.memory.plan import PlanRefused
+    from moeferry.moe.bank import HostRamError
+
+    return isinstance(e, (PlanRefused, HostRamError, CheckpointError))
 
 
 class _Sender:
