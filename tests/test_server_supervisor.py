@@ -175,3 +175,25 @@ def test_a_refused_plan_is_not_restarted(checkpoint):
         assert "usable 8.00 GiB" in sup.reason and "not restarting" in sup.reason
     finally:
         sup.stop()
+
+
+def test_a_plan_that_cannot_fit_is_refused_at_boot_with_its_numbers(checkpoint):
+    """The real worker: an offload engine with a 1 MiB budget (CPU mode: --gpu-memory-limit is the
+    host budget) cannot even hold its weights; the plan is refused with every term and the server
+    reports it instead of restarting."""
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    cfg = ServeConfig.from_args(p.parse_args(["--model", str(checkpoint("qwen3_5_moe")), "--device", "cpu",
+                                              "--moe-backend", "offload", "--moe-cache-size", "4",
+                                              "--gpu-memory-limit", "1MiB"]))
+    sup = Supervisor(worker_spec(cfg), "warning", backoff_s=0.05)
+    sup.start()
+    try:
+        deadline = time.monotonic() + 120
+        while sup.state != ERROR and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sup.state == ERROR and sup.restarts == 0, sup.reason
+        assert "PlanRefused" in sup.reason and "usable" in sup.reason and "weights" in sup.reason
+        assert "1.00 MiB" in sup.reason and "not restarting" in sup.reason
+    finally:
+        sup.stop()
