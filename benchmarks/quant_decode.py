@@ -33,52 +33,30 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark modules
+import moe_kernels as MK  # noqa: E402  (its timing helpers and MoE cases)
 
 DEV = torch.device("cuda")
 SMOKE = False  # --smoke: tiny shapes on the CPU under MOEFERRY_TRITON_INTERPRET=1 (checks the script)
 
 
 def ev_time(fn, iters=20, warmup=3):
+    """Median seconds of fn (`moe_kernels.ev_time`; one host-timed call under --smoke)."""
     if SMOKE:
         t = time.perf_counter()
         fn()
         return time.perf_counter() - t
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
+    return MK.ev_time(fn, iters, warmup)
 
 
 def graph_time(fns, reps=10):
     """Median seconds per fn over replays of one CUDA graph that calls every fn once."""
     if SMOKE:
         return ev_time(lambda: [f() for f in fns]) / len(fns)
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        for f in fns:
-            f()
-    return ev_time(gr.replay, iters=reps) / len(fns)
+    return MK.graph_time(fns, reps)
 
 
 def hbm_bandwidth():
-    if SMOKE:
-        return 1e10
-    src = torch.randn(1 << 29, device=DEV)  # 2 GiB
-    dst = torch.empty_like(src)
-    t = ev_time(lambda: dst.copy_(src), iters=10)
-    del src, dst
-    return 2 * (1 << 29) * 4 / t
+    return 1e10 if SMOKE else MK.hbm_bandwidth()
 
 
 # -- dense ----------------------------------------------------------------------------------
@@ -220,7 +198,6 @@ def scaled_mm(x, w, ref):
 
 # -- moe ------------------------------------------------------------------------------------
 def bench_moe(args, log):
-    import moe_kernels as MK
     from dataclasses import replace
 
     bw = hbm_bandwidth()
