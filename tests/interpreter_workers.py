@@ -28,3 +28,25 @@ def run_workers(test_file: str, workers: int, **env_extra: str) -> tuple[dict, s
                 r = json.loads(line[7:])
                 results[r["case"]] = r
     return results, "\n".join(logs)
+
+
+def report_cases(names: list[str], run, shard: int, nshards: int) -> None:
+    """Worker side: run `run(name)` (returns the case's error) for this shard's share of `names`,
+    printing one `RESULT {json}` line per case; a failing case is reported and the rest go on."""
+    try:  # the interpreter's int-overflow checks triple its cost; compiled kernels have none
+        import dataclasses
+
+        import triton.runtime.interpreter as ti
+        ti.interpreter_builder.options = dataclasses.replace(ti.interpreter_builder.options, sanitize_overflow=False)
+    except Exception:
+        pass
+    import torch
+
+    torch.set_num_threads(1)
+    for name in sorted(names)[shard::nshards]:
+        try:
+            res = {"case": name, "ok": True, "msg": f"err {run(name):.3g}"}
+        except Exception as ex:  # report, keep going
+            import traceback
+            res = {"case": name, "ok": False, "msg": f"{type(ex).__name__}: {ex}\n{traceback.format_exc()[-2000:]}"}
+        print("RESULT " + json.dumps(res), flush=True)

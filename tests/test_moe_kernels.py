@@ -8,17 +8,13 @@ I=512, T up to 8192) run the compiled kernels here and skip without CUDA.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.interpreter_workers import run_workers
+from tests.interpreter_workers import report_cases, run_workers
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
@@ -188,23 +184,10 @@ CASES["executor-shared-own-buffer"] = (check_executor, dict(shared_i=32))
 
 # -- interpreter workers -------------------------------------------------------------------
 def _worker(shard: int, nshards: int) -> None:
-    try:  # the interpreter's int-overflow checks triple its cost; the GPU run has none either
-        import dataclasses
-
-        import triton.runtime.interpreter as ti
-        ti.interpreter_builder.options = dataclasses.replace(ti.interpreter_builder.options, sanitize_overflow=False)
-    except Exception:
-        pass
-    names = sorted(CASES)[shard::nshards]
-    for name in names:
+    def run(name):
         fn, kw = CASES[name]
-        try:
-            err = fn(**kw)
-            res = {"case": name, "ok": True, "msg": f"err {err:.3g}"}
-        except Exception as ex:  # report, keep going
-            import traceback
-            res = {"case": name, "ok": False, "msg": f"{type(ex).__name__}: {ex}\n{traceback.format_exc()[-2000:]}"}
-        print("RESULT " + json.dumps(res), flush=True)
+        return fn(**kw)
+    report_cases(list(CASES), run, shard, nshards)
 
 
 @pytest.fixture(scope="module")

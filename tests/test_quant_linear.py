@@ -9,13 +9,12 @@ GPU cases (`-m gpu`) run the compiled kernels at Qwen3.6 shapes and skip without
 from __future__ import annotations
 
 import functools
-import json
 import sys
 
 import pytest
 import torch
 
-from tests.interpreter_workers import run_workers
+from tests.interpreter_workers import report_cases, run_workers
 
 pytest.importorskip("triton")
 
@@ -64,23 +63,10 @@ CASES["nvfp4-k32"] = ("nvfp4", 3, 24, 32, None)
 
 
 def _worker(shard: int, nshards: int) -> None:
-    try:  # the interpreter's int-overflow checks triple its cost; compiled kernels have none
-        import dataclasses
-
-        import triton.runtime.interpreter as ti
-        ti.interpreter_builder.options = dataclasses.replace(ti.interpreter_builder.options, sanitize_overflow=False)
-    except Exception:
-        pass
-    torch.set_num_threads(1)
-    for name in sorted(CASES)[shard::nshards]:
+    def run(name):
         fmt, m, n, k, params = CASES[name]
-        try:
-            err = check_linear(fmt, m, n, k, params=params, seed=hash(name) % 1000)
-            res = {"case": name, "ok": True, "msg": f"err {err:.3g}"}
-        except Exception as ex:  # report, keep going
-            import traceback
-            res = {"case": name, "ok": False, "msg": f"{type(ex).__name__}: {ex}\n{traceback.format_exc()[-2000:]}"}
-        print("RESULT " + json.dumps(res), flush=True)
+        return check_linear(fmt, m, n, k, params=params, seed=hash(name) % 1000)
+    report_cases(list(CASES), run, shard, nshards)
 
 
 @pytest.fixture(scope="module")

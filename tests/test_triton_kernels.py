@@ -9,15 +9,13 @@ check the real Qwen3.6-35B-A3B shapes in bf16 against the reference on fp32 copi
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.interpreter_workers import run_workers
+from tests.interpreter_workers import report_cases, run_workers
 import torch
 
 pytest.importorskip("triton")
@@ -323,22 +321,7 @@ CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswi
 
 # -- interpreter workers -------------------------------------------------------------------
 def _worker(shard: int, nshards: int) -> None:
-    try:  # the interpreter's int-overflow checks triple its cost; compiled kernels have none
-        import dataclasses
-
-        import triton.runtime.interpreter as ti
-        ti.interpreter_builder.options = dataclasses.replace(ti.interpreter_builder.options, sanitize_overflow=False)
-    except Exception:
-        pass
-    torch.set_num_threads(1)
-    for name in sorted(CASES)[shard::nshards]:
-        try:
-            err = CASES[name]("cpu")
-            res = {"case": name, "ok": True, "msg": f"err {err:.3g}"}
-        except Exception as ex:  # report, keep going
-            import traceback
-            res = {"case": name, "ok": False, "msg": f"{type(ex).__name__}: {ex}\n{traceback.format_exc()[-2000:]}"}
-        print("RESULT " + json.dumps(res), flush=True)
+    report_cases(list(CASES), lambda name: CASES[name]("cpu"), shard, nshards)
 
 
 @pytest.fixture(scope="module")
