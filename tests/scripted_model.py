@@ -27,11 +27,29 @@ def scripted_config(model_dir: str, *extra: str):
                                                "--max-seq-len-override", "4096", *extra]))
 
 
-class ScriptedScheduler:
+class FakeSchedulerBase:
+    """What the worker loop drives (add / abort / has_work / step / stats), over a dict of live
+    requests; subclasses decide what add and step do."""
+
+    def __init__(self):
+        self.reqs: dict[str, list] = {}
+
+    def abort(self, request_id: str) -> None:
+        self.reqs.pop(request_id, None)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.reqs)
+
+    def stats(self) -> dict:
+        return {"running": len(self.reqs), "waiting": 0}
+
+
+class ScriptedScheduler(FakeSchedulerBase):
     def __init__(self, tokenizer: Tokenizer, max_seq_len: int):
+        super().__init__()
         self.tok, self.max_seq_len = tokenizer, max_seq_len
         self.eos = tokenizer.token_to_id("<|im_end|>")
-        self.reqs: dict[str, list] = {}
 
     def add(self, req) -> None:
         if len(req.prompt_ids) >= self.max_seq_len:
@@ -40,13 +58,6 @@ class ScriptedScheduler:
         start = prompt.rfind(OPEN)
         reply = prompt[start + len(OPEN):prompt.index(CLOSE, start)] if start >= 0 else "ok"
         self.reqs[req.request_id] = [req, self.tok.encode(reply) + [self.eos], 0]
-
-    def abort(self, request_id: str) -> None:
-        self.reqs.pop(request_id, None)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.reqs)
 
     def step(self) -> list[TokenEvent]:
         time.sleep(0.002)
@@ -61,9 +72,6 @@ class ScriptedScheduler:
             events.append(TokenEvent(rid, [script[n]], None, stop or length,
                                      "stop" if stop else "length" if length else None, len(req.prompt_ids), 0))
         return events
-
-    def stats(self) -> dict:
-        return {"running": len(self.reqs), "waiting": 0}
 
 
 def factory(spec, progress):

@@ -16,19 +16,19 @@ from moeferry.scheduler.request import TokenEvent
 from moeferry.scheduler.scheduler import RequestRejected
 from moeferry.server.app import build_server, worker_spec
 from moeferry.server.supervisor import ERROR, OK, Supervisor
-from scripted_model import serve_in_thread
+from scripted_model import FakeSchedulerBase, serve_in_thread
 
 ADD_FAILS, PROCESSING_FAILS, STEP_FAILS = 7, 13, 17  # prompt tokens that trigger each failure
 
 
-class FakeScheduler:
+class FakeScheduler(FakeSchedulerBase):
     """Echoes each prompt back one token per step. A prompt holding ADD_FAILS makes add() raise,
     PROCESSING_FAILS makes its own processing fail (an error event, as the real scheduler reports a
     per-request failure), STEP_FAILS makes the whole step() raise."""
 
     def __init__(self, max_seq_len: int):
+        super().__init__()
         self.max_seq_len = max_seq_len
-        self.reqs: dict[str, list] = {}
 
     def add(self, req) -> None:
         if ADD_FAILS in req.prompt_ids:
@@ -36,13 +36,6 @@ class FakeScheduler:
         if len(req.prompt_ids) >= self.max_seq_len // 2:
             raise RequestRejected("fake limit: prompt too long", "context_length_exceeded", "prompt")
         self.reqs[req.request_id] = [req, 0]
-
-    def abort(self, request_id: str) -> None:
-        self.reqs.pop(request_id, None)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.reqs)
 
     def step(self) -> list[TokenEvent]:
         time.sleep(0.02)
@@ -63,9 +56,6 @@ class FakeScheduler:
             events.append(TokenEvent(rid, [req.prompt_ids[n % len(req.prompt_ids)]], None, done,
                                      "length" if done else None, len(req.prompt_ids), 0))
         return events
-
-    def stats(self) -> dict:
-        return {"running": len(self.reqs), "waiting": 0}
 
 
 def fake_factory(spec, progress):
