@@ -131,14 +131,18 @@ def test_scheduler_rejection_is_a_400(fake_server):
     assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "prompt"
 
 
+def _wait_for_error(sup: Supervisor, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while sup.state != ERROR and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_restart_limit_ends_in_error_with_the_reason(checkpoint):
     spec = worker_spec(_config(str(checkpoint("qwen3_5_moe"))), factory=f"{__name__}:dies_at_boot")
     sup = Supervisor(spec, "warning", max_restarts_per_minute=1, backoff_s=0.05)
     sup.start()
     try:
-        deadline = time.monotonic() + 120
-        while sup.state != ERROR and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_for_error(sup)
         assert sup.state == ERROR
         assert sup.restarts == 1  # started twice, then gave up
         assert "fake checkpoint is corrupt" in sup.reason and "not restarting" in sup.reason
@@ -158,9 +162,7 @@ def test_a_refused_plan_is_not_restarted(checkpoint):
     sup = Supervisor(spec, "warning", max_restarts_per_minute=5, backoff_s=0.05)
     sup.start()
     try:
-        deadline = time.monotonic() + 120
-        while sup.state != ERROR and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_for_error(sup)
         assert sup.state == ERROR and sup.restarts == 0
         assert "usable 8.00 GiB" in sup.reason and "not restarting" in sup.reason
     finally:
@@ -179,9 +181,7 @@ def test_a_plan_that_cannot_fit_is_refused_at_boot_with_its_numbers(checkpoint):
     sup = Supervisor(worker_spec(cfg), "warning", backoff_s=0.05)
     sup.start()
     try:
-        deadline = time.monotonic() + 120
-        while sup.state != ERROR and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_for_error(sup)
         assert sup.state == ERROR and sup.restarts == 0, sup.reason
         assert "PlanRefused" in sup.reason and "usable" in sup.reason and "weights" in sup.reason
         assert "1.00 MiB" in sup.reason and "not restarting" in sup.reason
