@@ -14,26 +14,37 @@ offload backends' device slot cache). `device_bytes` is what the backend holds o
 """
 from __future__ import annotations
 
-from functools import partial
-
 from moeferry.moe.layer_experts import LayerExperts
-from moeferry.moe.offload import OffloadBackend
 from moeferry.moe.resident import ResidentBackend
+
+
+def _offload(name: str):
+    """The offload backends import the Triton kernel layouts (their slots), so only when chosen:
+    a CPU-only install without Triton still runs the resident backend."""
+    def make(cfg, spec, device, dtype):
+        try:
+            from moeferry.moe.offload import OffloadBackend
+        except ImportError as e:
+            raise RuntimeError(f"--moe-backend {name} needs Triton (its expert slots use the kernels' layouts): "
+                               f"{e}; install triton or use --moe-backend resident") from None
+        return OffloadBackend(cfg, spec, device, dtype, name=name)
+    return make
+
 
 EXPERT_BACKENDS = {
     "resident": ResidentBackend,
-    "offload": partial(OffloadBackend, name="offload"),
-    "cpu": partial(OffloadBackend, name="cpu"),
-    "hybrid": partial(OffloadBackend, name="hybrid"),
+    "offload": _offload("offload"),
+    "cpu": _offload("cpu"),
+    "hybrid": _offload("hybrid"),
 }
 
 
 def make_backend(cfg, spec, device, dtype):
     try:
-        cls = EXPERT_BACKENDS[cfg.moe_backend]
+        make = EXPERT_BACKENDS[cfg.moe_backend]
     except KeyError:
         raise ValueError(f"unknown expert backend {cfg.moe_backend!r}; known: {', '.join(EXPERT_BACKENDS)}") from None
-    return cls(cfg, spec, device, dtype)
+    return make(cfg, spec, device, dtype)
 
 
 __all__ = ["EXPERT_BACKENDS", "LayerExperts", "make_backend"]

@@ -11,10 +11,14 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from moeferry.moe.layer_experts import LayerExperts
-from moeferry.moe.slots import SlotBuffer
+
+if TYPE_CHECKING:  # slots import the Triton kernels: only the offload backends need them
+    from moeferry.moe.slots import SlotBuffer
 
 log = logging.getLogger("moeferry.moe")
 
@@ -62,8 +66,10 @@ def plan_loading(bank_bytes: int, layer_bytes: int, mode: str, available: int | 
     return threads if fits_parallel else 1
 
 
-def build_bank(experts: LayerExperts, pin: bool, threads: int = 1) -> SlotBuffer:
+def build_bank(experts: LayerExperts, pin: bool, threads: int = 1) -> "SlotBuffer":
     """One layer's bank: expert e in slot e, in pinned memory when `pin`."""
+    from moeferry.moe.slots import SlotBuffer
+
     bank = SlotBuffer.allocate(experts.format, experts.num_experts, experts.experts[0], "cpu", pin=pin)
 
     def put(e: int) -> None:
