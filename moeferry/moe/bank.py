@@ -73,7 +73,7 @@ def build_bank(experts: LayerExperts, pin: bool, threads: int = 1) -> "SlotBuffe
     bank = SlotBuffer.allocate(experts.format, experts.num_experts, experts.experts[0], "cpu", pin=pin)
 
     def put(e: int) -> None:
-        bank.write_packed(e, experts.slot_parts(e))
+        bank.write(e, experts.experts[e])
 
     if threads > 1:
         with ThreadPoolExecutor(threads) as pool:

@@ -3,8 +3,7 @@
 This is what the loader hands an expert backend, once per layer: every expert's (gate, up,
 down) `PackedWeight`s in the layer's registry format (unquantized checkpoints use the `bf16`
 entry's `DenseWeight`, in the model dtype). Backends turn it into device slots, pinned host
-banks, or CPU references; `slot_parts(e)` is expert e in slot form (the exact tensors a
-device slot of the format's kernel holds).
+banks (`SlotBuffer.from_experts` / `write`: the format's slot form), or CPU references.
 """
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeferry.checkpoint.formats import FORMATS, DenseWeight, PackedWeight
+from moeferry.checkpoint.formats import DenseWeight, PackedWeight
 
 ExpertWeights = tuple[PackedWeight, PackedWeight, PackedWeight]  # gate, up, down
 
@@ -34,15 +33,6 @@ class LayerExperts:
     @property
     def num_experts(self) -> int:
         return len(self.experts)
-
-    @property
-    def kernel(self):
-        return FORMATS[self.format].moe_kernel()
-
-    def slot_parts(self, e: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Expert e's (gate_up, down) slot tensors, as `SlotBuffer.write_packed` takes them."""
-        gate, up, down = self.experts[e]
-        return self.kernel.pack([gate, up])[0], self.kernel.pack([down])[0]
 
     @property
     def nbytes(self) -> int:

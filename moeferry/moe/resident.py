@@ -75,9 +75,7 @@ class ResidentBackend:
             from moeferry.moe.slots import SlotBuffer
             from moeferry.moe.triton_experts import TritonExperts
 
-            buf = SlotBuffer.allocate(experts.format, experts.num_experts, experts.experts[0], self.device)
-            for e in range(experts.num_experts):
-                buf.write_packed(e, experts.slot_parts(e))
+            buf = SlotBuffer.from_experts(experts.format, experts.experts, self.device)
             ex = TritonExperts(buf, torch.arange(experts.num_experts, dtype=torch.int32, device=self.device))
         elif experts.stacked is not None:
             gate_up, down = experts.stacked

@@ -13,12 +13,11 @@ from typing import Sequence
 
 import torch
 
-from moeferry.checkpoint.formats import FORMATS, PackedWeight
+from moeferry.checkpoint.formats import FORMATS
+from moeferry.moe.layer_experts import ExpertWeights
 from moeferry.ops.triton.moe_formats import DENSE, MoEKernel, SlotMatrix
 from moeferry.ops.triton.moe_gemm import MoEConfig, fused_moe
 from moeferry.ops.triton.moe_prep import RoutingScratch
-
-ExpertWeights = tuple[PackedWeight, PackedWeight, PackedWeight]  # gate, up, down
 
 
 def kernel_for(fmt) -> MoEKernel:
