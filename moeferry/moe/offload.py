@@ -136,12 +136,17 @@ class OffloadBackend:
             torch.cuda.empty_cache()
 
     @property
+    def distinct_caches(self) -> list[ExpertCache]:
+        """One cache per slot layout (`caches` maps each layer to its layout's cache)."""
+        return list(dict.fromkeys(self.caches.values()))
+
+    @property
     def expert_slots(self) -> int:
-        return sum(c.num_slots for c in set(self.caches.values()))
+        return sum(c.num_slots for c in self.distinct_caches)
 
     @property
     def device_bytes(self) -> int:
-        caches = sum(c.buffer.nbytes for c in set(self.caches.values()))
+        caches = sum(c.buffer.nbytes for c in self.distinct_caches)
         return caches + sum(b.nbytes for b in self.staging.values())
 
     @property
@@ -150,7 +155,7 @@ class OffloadBackend:
 
     def shrink(self, num_slots: int) -> int:
         """Elastic shrink (the OOM guard): keep `num_slots` slots in all; returns bytes freed."""
-        caches = list({id(c): c for c in self.caches.values()}.values())
+        caches = self.distinct_caches
         have = sum(c.num_slots for c in caches)
         freed = 0
         for c in caches:
@@ -160,8 +165,7 @@ class OffloadBackend:
         return freed
 
     def stats(self) -> dict:
-        caches = list({id(c): c for c in self.caches.values()}.values())
-        per = [c.stats() for c in caches]
+        per = [c.stats() for c in self.distinct_caches]
         hits, misses = sum(p["hits"] for p in per), sum(p["misses"] for p in per)
         out = {"backend": self.name, "slots": self.expert_slots, "slots_used": sum(p["slots_used"] for p in per),
                "device_bytes": self.device_bytes,
@@ -231,11 +235,11 @@ class OffloadExperts:
             return buf.run(x, ids, weights, row)
         return buf.run_reference(x, ids, weights, row)
 
-    def _row(self, mapping: dict[int, int]) -> torch.Tensor:
+    def _row(self, mapping: dict[int, int], device) -> torch.Tensor:
+        """A table row with only `mapping` (expert -> slot) present, on `device`."""
         row = torch.full((self.bank.num_slots,), -1, dtype=torch.int32)
-        for e, s in mapping.items():
-            row[e] = s
-        return row.to(self.b.device)
+        row[list(mapping)] = torch.tensor(list(mapping.values()), dtype=torch.int32)
+        return row.to(device)
 
     def _stream(self, x, ids, weights, experts: list[int]) -> torch.Tensor:
         """Experts that get no cache slot, in chunks through the two staging halves: the copy of
@@ -251,7 +255,8 @@ class OffloadExperts:
             if ready is not None:
                 torch.cuda.current_stream().wait_event(ready)
             base = (i % 2) * half
-            part = self._run(self.staging, x, ids, weights, self._row({e: base + j for j, e in enumerate(chunk)}))
+            row = self._row({e: base + j for j, e in enumerate(chunk)}, self.b.device)
+            part = self._run(self.staging, x, ids, weights, row)
             out = part if out is None else out + part
             if stream is not None:
                 freed[i % 2] = torch.cuda.current_stream().record_event()
@@ -264,14 +269,17 @@ class OffloadExperts:
         if stream is None:
             self.staging.copy_slots(dst, self.bank, chunk)
             return None
+        compute = torch.cuda.current_stream()
         with torch.cuda.stream(stream):
-            stream.wait_stream(torch.cuda.current_stream()) if freed[half] is None else stream.wait_event(freed[half])
+            if freed[half] is None:  # the half's last readers are earlier work of the compute stream
+                stream.wait_stream(compute)
+            else:
+                stream.wait_event(freed[half])
             self.staging.copy_slots(dst, self.bank, chunk)
             return stream.record_event()
 
     def _on_cpu(self, x, ids, weights, experts: list[int]) -> torch.Tensor:
         """Experts computed on the CPU from the bank (fp32), added on x's device."""
-        row = torch.full((self.bank.num_slots,), -1, dtype=torch.int32)
-        row[experts] = torch.tensor(experts, dtype=torch.int32)
+        row = self._row({e: e for e in experts}, "cpu")  # bank slot e holds expert e
         out = self.bank.run_reference(x.float().cpu(), ids.cpu(), weights.float().cpu(), row)
         return out.to(device=x.device, dtype=x.dtype)
