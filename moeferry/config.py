@@ -406,16 +406,9 @@ def _engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
 
     dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
     num_tokens = args.num_pages * args.page_size if args.num_pages is not None else args.num_tokens
-    backend = args.moe_backend
-    if (args.moe_cache_size or args.moe_cache_rate or args.moe_cache_auto) and backend == "resident":
-        raise ConfigError("--moe-cache-size/-rate/-auto size the expert cache of the offload backends; "
-                          "--moe-backend resident keeps every expert on the device")
-    if args.kv_reserve_tokens is not None and num_tokens is not None:
-        raise ConfigError("--kv-reserve-tokens is a floor the memory plan keeps; --num-tokens/--num-pages fix "
-                          "the KV size exactly: give one")
-    try:
+    try:  # EngineConfig checks the combinations (one place for serve and LLM)
         return EngineConfig(
-            model_dir=model_dir, device=device, dtype=dtype, moe_backend=backend,
+            model_dir=model_dir, device=device, dtype=dtype, moe_backend=args.moe_backend,
             moe_cache_size=args.moe_cache_size, moe_cache_rate=args.moe_cache_rate,
             moe_cache_auto=args.moe_cache_auto, moe_cache_policy=args.moe_cache_policy,
             moe_prefill_overlap=args.moe_prefill_overlap, moe_cpu_threads=args.moe_cpu_threads,

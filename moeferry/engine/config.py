@@ -56,8 +56,11 @@ class EngineConfig:
                (self.moe_cache_size, self.moe_cache_rate, self.moe_cache_auto or None)) > 1:
             raise ValueError("give at most one of moe_cache_size, moe_cache_rate, moe_cache_auto")
         if self.moe_backend == "resident" and (self.moe_cache_size or self.moe_cache_rate or self.moe_cache_auto):
-            raise ValueError("an expert cache size needs moe_backend offload, cpu or hybrid (resident keeps "
-                             "every expert on the device)")
+            raise ValueError("--moe-cache-size/-rate/-auto size the expert cache of the offload backends; "
+                             "--moe-backend resident keeps every expert on the device")
+        if self.kv_reserve_tokens is not None and self.num_tokens is not None:
+            raise ValueError("--kv-reserve-tokens is a floor the memory plan keeps; --num-tokens/--num-pages fix "
+                             "the KV size exactly: give one")
         if self.moe_cache_rate is not None and not 0 < self.moe_cache_rate <= 1:
             raise ValueError(f"moe_cache_rate must be in (0, 1], got {self.moe_cache_rate}")
         if self.moe_cpu_layers < 0:

@@ -63,9 +63,10 @@ class OomGuard:
             except torch.OutOfMemoryError as e:
                 self.caught += 1
                 self._release()
-                if attempt == MAX_RETRIES or not self._shrink(str(e).splitlines()[0]):
+                why = str(e).splitlines()[0]
+                if attempt == MAX_RETRIES or not self._shrink(why):
                     raise StepOutOfMemory(f"out of device memory in step {self.steps} and the expert cache cannot "
-                                          f"shrink further: {str(e).splitlines()[0]}") from None
+                                          f"shrink further: {why}") from None
         raise AssertionError("unreachable")
 
     def _release(self) -> None:
@@ -77,15 +78,15 @@ class OomGuard:
     def _shrink(self, why: str) -> bool:
         experts = self.engine.experts
         have = experts.expert_slots
-        slot_bytes = getattr(experts, "slot_bytes", 0)
+        slot_bytes = experts.slot_bytes  # 0: no cache of slots (resident)
         if not slot_bytes or have <= self.min_slots:
-            log.error("out of memory (%s); the %s backend has no expert cache to shrink", why, experts.name)
+            log.error("out of memory (%s); the %s backend cannot shrink its expert cache (%d slots)", why,
+                      experts.name, have)
             return False
         need = max(self.shrink_bytes, requested_bytes(why))  # the failed allocation, when the error says
         drop = max(1, -(-need // slot_bytes), have // 10)
         target = max(self.min_slots, have - drop)
-        freed = experts.shrink(target)
-        self._release()
+        freed = experts.shrink(target)  # releases the old slots itself
         self.engine.on_expert_cache_resized(target)
         record = {"step": self.steps, "slots_before": have, "slots_after": experts.expert_slots,
                   "bytes_freed": freed, "reason": why}
