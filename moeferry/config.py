@@ -160,9 +160,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-hybrid-max-fetch", type=_positive_int, metavar="N",
                    help="hybrid backend: at most N experts copied over PCIe per layer and step (default: no cap)")
     g.add_argument("--expert-load", choices=EXPERT_LOADS, default="auto",
-                   help="how the host expert banks are filled at boot: serial = one expert after another; "
-                   "parallel = several reader threads; auto = parallel when free host RAM holds the banks "
-                   "plus every reader's layer, else serial (default: auto)")
+                   help="how expert weights are read at boot (into the host banks of the offload backends): "
+                   "serial = one expert after another; parallel = several reader threads; auto = parallel when "
+                   "free host RAM holds the banks plus every reader's layer, else serial (default: auto)")
 
     g = p.add_argument_group("memory")
     g.add_argument("--memory-ratio", type=_fraction, metavar="FRACTION",

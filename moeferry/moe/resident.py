@@ -62,13 +62,16 @@ class ResidentBackend:
     name = "resident"
 
     def __init__(self, cfg, spec, device: torch.device, dtype: torch.dtype):
-        self.device, self.dtype = device, dtype
+        self.cfg, self.device, self.dtype = cfg, device, dtype
         self.layers: dict[int, object] = {}
         self.expert_slots = 0  # every expert has a slot
         self.load_threads = 1
 
     def prepare(self, bank_bytes: int, layer_bytes: int) -> None:
-        """Before the first layer (resident experts need no host banks)."""
+        """Before the first layer: reader threads for the experts (no host banks are kept)."""
+        from moeferry.moe.bank import plan_loading
+
+        self.load_threads = plan_loading(0, layer_bytes, self.cfg.expert_load)
 
     def add_layer(self, layer: int, experts: LayerExperts):
         if use_kernels(self.device):
