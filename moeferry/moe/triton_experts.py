@@ -7,7 +7,7 @@ from moeferry.moe.slots import SlotBuffer
 
 
 class TritonExperts:
-    """Same call as ResidentExperts: (x [T, H], ids [T, k], weights [T, k]) -> [T, H].
+    """Same call as the other expert executors: (x [T, H], ids [T, k], weights [T, k]) -> [T, H].
 
     Reads experts from `buffer` through `table_row` (expert -> slot, -1 = skip). An optional
     shared expert lives in slot `shared_slot` of the same buffer (one extra pair per token,
