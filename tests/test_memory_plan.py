@@ -155,7 +155,9 @@ def check_refusal(err: PlanRefused, inp: PlanInputs, req: PlanRequest):
     for n in ("usable",) + FIXED:  # every term's numbers
         assert str(getattr(inp, n).bytes) in msg and human_bytes(getattr(inp, n).bytes) in msg
     assert str(inp.state_slots * inp.state_bytes_per_slot) in msg
-    assert str(kv_bytes) in msg and str(expert_bytes) in msg  # the pools as asked
+    assert str(kv_bytes) in msg  # the pools as asked (resident: the experts are in the weights, no term)
+    if not req.resident_experts:
+        assert str(expert_bytes) in msg
     assert str(fixed_bytes(inp) + kv_bytes + expert_bytes) in msg  # and the total they come to
     if err.largest_expert_slots is not None:
         assert f"--moe-cache-size {err.largest_expert_slots} " in msg
@@ -179,7 +181,8 @@ def check_refusal(err: PlanRefused, inp: PlanInputs, req: PlanRequest):
         assert ("no pool size fits" if room < 0 else "no one pool can shrink enough") in msg
 
 
-@settings(max_examples=1000, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1000, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_plan_invariant_over_random_inputs(scenario):
     inp, req = scenario
@@ -208,7 +211,7 @@ def test_plan_invariant_over_random_inputs(scenario):
             plan.shrink_experts(inp.min_expert_slots - 1)
 
 
-@settings(max_examples=300, deadline=None, database=None)
+@settings(max_examples=300, deadline=None, database=None, derandomize=True)
 @given(scenarios(), st.integers(0, 64 * MiB))
 def test_slots_freeing_covers_the_deficit(scenario, deficit):
     inp, req = scenario
