@@ -13,6 +13,8 @@
 #   seed_c4   --max-running-requests 4, 4 concurrent 8k prompts
 #   seed_32k  --max-extend-tokens 32768, two 32768-token prompts
 #   seed_10g  ballast leaving 10 GiB
+#   e2e       quant_decode.py e2e: in-process resident decode b1/b4/b16 and an eager profile (issue 13)
+#   gputests  pytest -m gpu (the whole GPU suite)
 # Returned under $OUT: results.md (every table), results.json, logs.tgz (server, ballast and
 # make-model logs), driver.log, gpu.txt.
 # Knobs (env): BUDGET_S, RUNS, LEAVE_GIB (empty: no ballast), CACHE_SIZE, SKEW, SKEW_FT, FT_ARGS,
@@ -127,6 +129,8 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       seed_c4)  step seed_c4 140 200 seed seed_c4 --extra-flags "--max-running-requests 4" --concurrency 4 --prompts 4 ;;
       seed_32k) step seed_32k 150 220 seed seed_32k --extra-flags "--max-extend-tokens 32768" --prompt-tokens 32768 --prompts 2 ;;
       seed_10g) step seed_10g 140 200 seed seed_10g --leave-gib 10 ;;
+      e2e)      step e2e 120 240 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e" --profile ;;
+      gputests) step gputests 120 300 bash -c "mkdir -p $WORK/gputests; python3 -m pytest tests -m gpu -q -p no:cacheprovider -rf > $WORK/gputests/pytest.log 2>&1; tail -n 30 $WORK/gputests/pytest.log > $WORK/gputests/pytest.md" ;;
       offload)  step offload 170 240 offload offload "$WORK/ckpt" ;;
       skew)     rm -rf "$WORK/ckpt_skew"
                 step make_skew 200 300 make_ckpt "$WORK/ckpt_skew" "$SKEW" \

@@ -269,14 +269,15 @@ def bench_e2e(args, log):
     from moeferry.engine.engine import Engine
     log(f"moeferry from {Path(moeferry.__file__).parent}")
     t0 = time.perf_counter()
-    engine = Engine.build(EngineConfig(args.checkpoint, DEV.type, "bfloat16", num_tokens=4096, num_state_slots=8))
+    engine = Engine.build(EngineConfig(args.checkpoint, DEV.type, "bfloat16", num_tokens=4096, num_state_slots=40))
     load_s = time.perf_counter() - t0
     out = dict(load_s=load_s, checkpoint=args.checkpoint)
-    for b in (1, 4):
+    for b in (1, 4, 16):
         out[f"b{b}"] = decode_rate(engine, b)
     g = engine.graphs
     out["graphs"] = "off" if g is None else (g.disabled or f"on (sizes {sorted(g.graphs)})")
-    log(f"  load {load_s:.1f} s  decode b1 {out['b1']:.1f} tok/s  b4 {out['b4']:.1f} tok/s  graphs: {out['graphs']}")
+    log(f"  load {load_s:.1f} s  decode b1 {out['b1']:.1f} tok/s  b4 {out['b4']:.1f} tok/s  "
+        f"b16 {out['b16']:.1f} tok/s  graphs: {out['graphs']}")
     if args.profile:
         profile_step(engine, log)
     return out

@@ -59,3 +59,49 @@ def test_requested_bytes_reads_the_failed_allocation():
     assert requested_bytes(msg) == 604 * 2**20
     assert requested_bytes("Tried to allocate 3.83 GiB.") == int(3.83 * 2**30)
     assert requested_bytes("injected out-of-memory error in step 3") == 0
+
+
+def test_shrink_runs_after_the_failed_step_let_go_of_the_old_slots(model, monkeypatch):
+    """A real OOM is raised deep in a step whose frames hold the cache's buffer; the old slots
+    must be unreferenced before the smaller buffer is allocated (on a full GPU there is no
+    room for both: the seed scenario's boot died of exactly this)."""
+    import weakref
+
+    import torch
+
+    from moeferry.moe.slots import SlotBuffer
+
+    llm = LLM(model, dtype="float32", max_extend_tokens=8, moe_backend="offload", moe_cache_rate=1.0)
+    cache = next(iter(llm.engine.experts.distinct_caches))
+    old = weakref.ref(cache.buffer.gate_up.w)
+    alive_at_allocation = []
+    allocate_like = SlotBuffer.allocate_like
+
+    def watch(layout, num_slots, device=None, **kw):
+        if device is not None and torch.device(device).type != "meta":
+            alive_at_allocation.append(old() is not None)
+        return allocate_like(layout, num_slots, device=device, **kw)
+
+    monkeypatch.setattr(SlotBuffer, "allocate_like", staticmethod(watch))
+    calls = []
+
+    def step():
+        buf = cache.buffer  # noqa: F841  (held by this frame, as a kernel call's frame holds it)
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
+        return "ran"
+
+    assert llm.engine.guard.run(step) == "ran"
+    assert alive_at_allocation and not any(alive_at_allocation)
+    cache.check()
+
+
+def test_deficit_is_the_request_less_what_was_free():
+    from moeferry.memory.guard import deficit_bytes
+
+    msg = ("CUDA out of memory. Tried to allocate 256.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which "
+           "161.50 MiB is free. Process 1509 has 125.19 GiB memory in use.")
+    assert deficit_bytes(msg) == 256 * 2**20 - int(161.5 * 2**20)
+    assert deficit_bytes("Tried to allocate 1.00 GiB.") == 2**30
+    assert deficit_bytes("injected out-of-memory error in step 3") == 0

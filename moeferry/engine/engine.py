@@ -30,8 +30,8 @@ from moeferry.cache.manager import CacheManager
 from moeferry.checkpoint.reader import CheckpointReader
 from moeferry.engine.config import EngineConfig, EngineSizes, derive_sizes
 from moeferry.engine.cuda_graph import DecodeGraphs
-from moeferry.engine.planning import (choose_backend, describe_plan, free_memory, make_engine_plan, needs_plan,
-                                      self_test)
+from moeferry.engine.planning import (choose_backend, configure_allocator, describe_plan, free_memory,
+                                      make_engine_plan, needs_plan, self_test)
 from moeferry.memory.guard import OomGuard
 from moeferry.memory.plan import MemoryPlan
 from moeferry.model.batch import ForwardBatch, SeqChunk
@@ -90,6 +90,7 @@ class Engine:
         report = progress or (lambda phase, fraction: None)
         t0 = time.perf_counter()
         device, dtype = torch.device(cfg.device), resolve_dtype(cfg.dtype, cfg.device)
+        configure_allocator(device)
         free_at_start = free_memory(device)
         reader = reader or CheckpointReader(cfg.model_dir)
         spec = resolve_spec(reader)                                              # 1. resolve

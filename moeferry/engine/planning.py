@@ -1,5 +1,6 @@
 """The engine's memory phase: measure the plan's inputs, make the plan, and test it for real.
 
+    configure_allocator(device)   expandable segments for the CUDA caching allocator
     free_memory(device)           free device memory (host MemAvailable on the CPU), before loading
     needs_plan(cfg, device, ...)  whether pool sizes come from a measured plan
     make_engine_plan(...)         probe the worst steps, then `moeferry.memory.plan.make_plan`
@@ -8,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 
 import torch
@@ -25,6 +27,16 @@ log = logging.getLogger("moeferry.engine")
 # On the CPU the self-test is a smoke test of the same path: the reference kernels would take
 # minutes at full depth (the plan's transient there comes from the probe's extrapolation).
 CPU_SELF_TEST_TOKENS = 256
+
+
+def configure_allocator(device: torch.device) -> None:
+    """Expandable segments for the CUDA caching allocator (unless PYTORCH_CUDA_ALLOC_CONF says
+    otherwise): a freed block can serve any later request, so a step's transients do not strand
+    memory in blocks too small for the next one. The plan's fragmentation term is measured under
+    the same setting."""
+    if device.type == "cuda" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        log.info("CUDA allocator: expandable segments")
 
 
 def free_memory(device: torch.device) -> int:
@@ -115,12 +127,12 @@ def self_test(engine) -> None:
     start = context - chunk
     ids = [i % vocab for i in range(chunk)]
     with engine.cache.sequences([context]) as (seq,):
-        engine.guard.run(lambda: engine.run_batch([SeqChunk(ids, start, seq.pages, seq.state_slot)]))
+        engine.guard.run(lambda: engine.run_batch([SeqChunk(ids, start, seq.pages, seq.state_slot)]), boot=True)
     batch = min(cfg.max_running_requests, sizes.num_state_slots)
     depth = max(1, min(context, sizes.kv_tokens // batch) - 1)
     with engine.cache.sequences([depth + 1] * batch) as held:
         chunks = [SeqChunk([1], depth, b.pages, b.state_slot) for b in held]
-        engine.guard.run(lambda: engine.run_batch(chunks))
+        engine.guard.run(lambda: engine.run_batch(chunks), boot=True)
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     log.info("boot self-test passed: prefill %d tokens at depth %d, decode x%d at depth %d%s", chunk, start, batch,

@@ -2,8 +2,8 @@
 
 `OomGuard.run(step)` runs one engine step. On `torch.OutOfMemoryError` it releases what the
 failed step left (garbage, the allocator's cached blocks), shrinks the expert cache elastically
-(slots freed, slot table updated, no restart) by the measured transient of the worst step, and
-retries. When nothing can shrink any more (a resident backend, or the cache at its minimum),
+(slots freed, slot table updated, no restart) by the measured transient of the worst step (in
+the boot self-test: by the measured deficit of the failed allocation), and retries. When nothing can shrink any more (a resident backend, or the cache at its minimum),
 the error goes to the step's requests (`StepOutOfMemory`) and the server keeps serving.
 Every shrink is logged with its numbers and counted.
 
@@ -25,16 +25,33 @@ from moeferry.memory.plan import human_bytes
 log = logging.getLogger("moeferry.memory")
 
 MAX_RETRIES = 4
+BOOT_RETRIES = 16
+SHRINK_GRANULE = 32 * 2**20  # added to a boot deficit: the allocator's rounding, the step's next allocations  # the boot self-test shrinks by the measured deficit, so in smaller steps
 
 
 _TRIED = re.compile(r"Tried to allocate (\d+(?:\.\d+)?) (GiB|MiB|KiB|B)")
 _UNIT = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
 
 
+_FREE = re.compile(r"of which (\d+(?:\.\d+)?) (GiB|MiB|KiB|B) is free")
+
+
+def _bytes(pattern: re.Pattern, message: str) -> int | None:
+    m = pattern.search(message)
+    return int(float(m.group(1)) * _UNIT[m.group(2)]) if m else None
+
+
 def requested_bytes(message: str) -> int:
     """The allocation an out-of-memory error says failed (0 when it does not say)."""
-    m = _TRIED.search(message)
-    return int(float(m.group(1)) * _UNIT[m.group(2)]) if m else 0
+    return _bytes(_TRIED, message) or 0
+
+
+def deficit_bytes(message: str) -> int:
+    """How much more the device needed when the allocation failed: the request less the memory
+    free at that moment (the error says both); the request alone when it does not say what was
+    free, 0 when it says neither."""
+    free = _bytes(_FREE, message)
+    return max(0, requested_bytes(message) - (free or 0))
 
 
 class StepOutOfMemory(RuntimeError):
@@ -52,22 +69,35 @@ class OomGuard:
         faults = os.environ.get("MOEFERRY_FAULT_OOM_STEPS", "")
         self.fault_steps = {int(s) for s in faults.split(",") if s.strip()}
 
-    def run(self, step):
+    def run(self, step, boot: bool = False):
+        """One guarded step. `boot` (the self-test): each shrink frees only the measured deficit
+        (the failed allocation less the memory free after releasing), so the plan loses no more
+        slots than the worst step really needs; at runtime a shrink frees at least the measured
+        worst transient, so one shrink is enough for any later step."""
         self.steps += 1
-        for attempt in range(MAX_RETRIES + 1):
-            try:
-                if attempt == 0 and self.steps in self.fault_steps:
-                    raise torch.OutOfMemoryError(f"injected out-of-memory error in step {self.steps} "
-                                                 "(MOEFERRY_FAULT_OOM_STEPS)")
-                return step()
-            except torch.OutOfMemoryError as e:
-                self.caught += 1
-                self._release()
-                why = str(e).splitlines()[0]
-                if attempt == MAX_RETRIES or not self._shrink(why):
-                    raise StepOutOfMemory(f"out of device memory in step {self.steps} and the expert cache cannot "
-                                          f"shrink further: {why}") from None
+        retries = BOOT_RETRIES if boot else MAX_RETRIES
+        for attempt in range(retries + 1):
+            result, why = self._attempt(step, attempt)
+            if why is None:
+                return result
+            # outside the except clause: the error's traceback (whose frames hold the step's
+            # tensors, the expert cache's buffer among them) is gone, so shrinking frees memory
+            self.caught += 1
+            self._release()
+            if attempt == retries or not self._shrink(why, boot):
+                raise StepOutOfMemory(f"out of device memory in step {self.steps} and the expert cache cannot "
+                                      f"shrink further: {why}")
         raise AssertionError("unreachable")
+
+    def _attempt(self, step, attempt: int) -> tuple:
+        """Run the step once: (its value, None), or (None, the out-of-memory error's first line)."""
+        try:
+            if attempt == 0 and self.steps in self.fault_steps:
+                raise torch.OutOfMemoryError(f"injected out-of-memory error in step {self.steps} "
+                                             "(MOEFERRY_FAULT_OOM_STEPS)")
+            return step(), None
+        except torch.OutOfMemoryError as e:
+            return None, str(e).splitlines()[0]
 
     def _release(self) -> None:
         gc.collect()
@@ -75,7 +105,7 @@ class OomGuard:
             torch.cuda.synchronize(self.engine.device)
             torch.cuda.empty_cache()
 
-    def _shrink(self, why: str) -> bool:
+    def _shrink(self, why: str, boot: bool = False) -> bool:
         experts = self.engine.experts
         have = experts.expert_slots
         slot_bytes = experts.slot_bytes  # 0: no cache of slots (resident)
@@ -83,8 +113,10 @@ class OomGuard:
             log.error("out of memory (%s); the %s backend cannot shrink its expert cache (%d slots)", why,
                       experts.name, have)
             return False
-        need = max(self.shrink_bytes, requested_bytes(why))  # the failed allocation, when the error says
-        drop = max(1, -(-need // slot_bytes), have // 10)
+        if boot:
+            drop = max(1, -(-(deficit_bytes(why) + SHRINK_GRANULE) // slot_bytes))
+        else:  # the worst transient, the failed allocation when the error says, at least 10%
+            drop = max(1, -(-max(self.shrink_bytes, requested_bytes(why)) // slot_bytes), have // 10)
         target = max(self.min_slots, have - drop)
         freed = experts.shrink(target)  # releases the old slots itself
         self.engine.on_expert_cache_resized(target)
