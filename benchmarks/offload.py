@@ -5,7 +5,7 @@ For each engine (one after the other, the GPU ballast held throughout): start `s
 wait for /health, then measure
 
 - boot: process start to /health ok;
-- prefill: time to first token of a prompt of exactly `--prefill` tokens (token ids to
+- prefill: time to first token of a prompt of exactly `--prefill` tokens (a text, to
   /v1/completions, max_tokens 1), run twice (the first can compile kernels), the faster kept;
 - decode: `--out-tokens` streamed tokens (ignore_eos) at batch 1 and batch 4 (concurrent
   streams), steady-state tok/s between "every stream has its first token" and the last token;

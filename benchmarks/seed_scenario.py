@@ -10,7 +10,7 @@ free (the seed's card had 14.59 GiB): start
 
 verbatim (`--base-flags`), plus `--extra-flags` (e.g. `--max-extend-tokens 32768`, which
 FreeToken 0.1.2 gets as `--max-prefill-length 32768`; a repeated flag overrides the base one),
-then send `--prompts` prompts of exactly `--prompt-tokens` tokens (token ids to
+then send `--prompts` prompts of exactly `--prompt-tokens` tokens (texts, to
 /v1/completions, `--max-tokens` each), `--concurrency` at a time. Per prompt: completed or the
 error, time to first token and total, and /health after it (alive, status, restarts, worker
 pid). A failed prompt is followed by up to 60 s of waiting for /health ok; a server that does
@@ -55,7 +55,7 @@ def send_wave(server, prompts: Prompts, seeds: list[int], n_tokens: int, max_tok
     out: list = [None] * len(seeds)
 
     def one(i):
-        s = stream_completion(server.base, server.body(prompts.ids(n_tokens, seeds[i]), max_tokens), timeout)
+        s = stream_completion(server.base, server.body(prompts.text(n_tokens, seeds[i]), max_tokens), timeout)
         out[i] = s.summary()
         if s.ok and s.prompt_tokens not in (None, n_tokens):
             out[i]["error"] = f"server counted {s.prompt_tokens} prompt tokens, sent {n_tokens}"

@@ -8,8 +8,8 @@
   (a new session) with their output in a log file; they are stopped by their PID (SIGTERM to
   the group, SIGKILL after 20 s). Every wait here has a deadline.
 - Client: the standard library only (http.client), so nothing beyond the image is needed on
-  the GPU machine. Prompts are token-id lists of an exact length sent to /v1/completions (both
-  engines accept `prompt: [int, ...]` and `ignore_eos`), drawn from the checkpoint tokenizer's
+  the GPU machine. Prompts are texts of an exact token length sent to /v1/completions with
+  `ignore_eos` (FreeToken 0.1.2 refuses token-id prompts), made from the checkpoint tokenizer's
   ordinary (non-special) ids with a different seed per prompt, so no prefix is shared.
 - Measurements: time to first token of an N-token prompt (prefill), steady-state decode rate
   of B concurrent streams, and the expert-cache counters of moeferry's /v1/stats around the
@@ -283,25 +283,42 @@ def stream_completion(base: str, body: dict, timeout: float, on_first=None) -> S
 
 
 class Prompts:
-    """Token-id prompts of an exact length from the checkpoint tokenizer's ordinary ids."""
+    """Text prompts of an exact token length (by the checkpoint's tokenizer), from its ordinary
+    ids. Text, not token ids: FreeToken 0.1.2 refuses token-id prompts ("OpenAI token-id prompt
+    inputs are not supported"), and both engines must get the same input."""
 
     def __init__(self, model_dir: str | Path):
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-        self.vocab = tok.get_vocab_size(with_added_tokens=False)
-        self.special = set(tok.get_added_tokens_decoder())  # ids of added (special) tokens
+        self.tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        self.vocab = self.tok.get_vocab_size(with_added_tokens=False)
+        self.special = set(self.tok.get_added_tokens_decoder())  # ids of added (special) tokens
 
-    def ids(self, n: int, seed: int) -> list[int]:
-        import random
-
-        rng = random.Random(seed)
+    def _random_ids(self, n: int, rng) -> list[int]:
         out = []
         while len(out) < n:
             i = rng.randrange(self.vocab)
             if i not in self.special:
                 out.append(i)
         return out
+
+    def _count(self, text: str) -> int:
+        return len(self.tok.encode(text, add_special_tokens=False).ids)
+
+    def text(self, n: int, seed: int) -> str:
+        """A text that encodes to exactly `n` tokens (random ordinary tokens, re-encoded until the
+        decode/encode round trip is stable)."""
+        import random
+
+        rng = random.Random(seed)
+        ids = self._random_ids(n, rng)
+        for _ in range(50):
+            text = self.tok.decode(ids)
+            enc = self.tok.encode(text, add_special_tokens=False).ids
+            if len(enc) == n and self._count(text) == n:
+                return text
+            ids = enc[:n] + self._random_ids(max(0, n - len(enc)), rng)
+        raise RuntimeError(f"no text of exactly {n} tokens found (seed {seed})")
 
 
 # ------------------------------------------------------------------------------- servers
@@ -392,7 +409,7 @@ def counter_delta(a: dict | None, b: dict | None) -> dict | None:
 
 def prefill(server: Server, prompts: Prompts, n: int, seed: int, timeout: float) -> dict:
     """Time to first token of one prompt of exactly `n` tokens (max_tokens 1)."""
-    s = stream_completion(server.base, server.body(prompts.ids(n, seed), 1), timeout)
+    s = stream_completion(server.base, server.body(prompts.text(n, seed), 1), timeout)
     out = s.summary()
     if s.ok and s.prompt_tokens not in (None, n):
         out["error"] = f"server counted {s.prompt_tokens} prompt tokens, sent {n}"
@@ -419,7 +436,7 @@ def decode(server: Server, prompts: Prompts, batch: int, out_tokens: int, seed: 
     results: list[Stream | None] = [None] * batch
 
     def run(i):
-        results[i] = stream_completion(server.base, server.body(prompts.ids(prompt_len, seed + i), out_tokens),
+        results[i] = stream_completion(server.base, server.body(prompts.text(prompt_len, seed + i), out_tokens),
                                        timeout, on_first=first)
         if results[i].t_first is None:
             all_first.set()  # this stream failed before its first token: the window never opens
