@@ -26,6 +26,7 @@ CONFIGS = {
     "resident": dict(moe_backend="resident"),
     "offload-100%": dict(moe_backend="offload", moe_cache_rate=1.0),
     "offload-50%": dict(moe_backend="offload", moe_cache_rate=0.5),
+    "offload-40%": dict(moe_backend="offload", moe_cache_rate=0.4),
     "offload-25%": dict(moe_backend="offload", moe_cache_rate=0.25),
     "hybrid-25%": dict(moe_backend="hybrid", moe_cache_rate=0.25),
     "cpu-25%": dict(moe_backend="cpu", moe_cache_rate=0.25),
@@ -44,7 +45,22 @@ def h2d_bandwidth() -> float:
     return 5 * src.numel() / (time.perf_counter() - t)
 
 
-def run(name: str, model: str, prefill: int, steps: int) -> dict:
+def profile_decode(eng, name: str, top: int = 14) -> None:
+    """Host and device time of 3 batch-1 decode steps, by op (where a slow path spends it)."""
+    from torch.profiler import ProfilerActivity, profile
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    ours_decode(eng, 1, 64, 3, torch.Generator().manual_seed(1), 2, prof)
+    ev = prof.key_averages()
+    bank = next(iter(getattr(eng.experts, "banks", {}).values()), None)
+    print(f"== {name}: profile of 3 decode steps (banks pinned: "
+          f"{bank.gate_up.w.is_pinned() if bank is not None else '-'})")
+    for key, label in (("self_cpu_time_total", "host"), ("self_device_time_total", "device")):
+        print(f"  by {label} time:")
+        for e in sorted(ev, key=lambda e: -getattr(e, key))[:top]:
+            print(f"    {getattr(e, key) / 3:9.1f} us/step  x{e.count // 3:5d}  {e.key[:80]}")
+
+
+def run(name: str, model: str, prefill: int, steps: int, profile: bool = False) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model, device="cuda", num_tokens=prefill + 1024, max_extend_tokens=prefill, **CONFIGS[name])
     boot = time.perf_counter() - t0
@@ -61,6 +77,8 @@ def run(name: str, model: str, prefill: int, steps: int) -> dict:
         row[f"bytes_per_token_b{batch}"] = fetched // max(decoded, 1)
         hits, misses = after.get("hits", 0) - before.get("hits", 0), after.get("misses", 0) - before.get("misses", 0)
         row[f"hit_rate_b{batch}"] = round(hits / (hits + misses), 3) if hits + misses else None
+    if profile:
+        profile_decode(eng, name)
     del llm, eng
     torch.cuda.empty_cache()
     return row
@@ -73,12 +91,13 @@ def main() -> None:
     p.add_argument("--backends", nargs="*", default=list(CONFIGS))
     p.add_argument("--prefill", type=int, default=4096)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--profile", action="store_true", help="print a host + device profile of decode per config")
     a = p.parse_args()
     bw = h2d_bandwidth()
     rows = []
     for name in a.backends:
         try:
-            rows.append(run(name, a.model, a.prefill, a.steps))
+            rows.append(run(name, a.model, a.prefill, a.steps, a.profile))
         except Exception as e:  # one configuration's failure is a row, not the end of the run
             rows.append({"config": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
         print(json.dumps(rows[-1]), flush=True)

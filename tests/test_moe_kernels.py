@@ -182,6 +182,28 @@ CASES["executor-shared-in-buffer"] = (check_executor, dict())
 CASES["executor-shared-own-buffer"] = (check_executor, dict(shared_i=32))
 
 
+def check_gather(fmt, h=64, i=32, bank_slots=6, seed=0):
+    """The one-launch slot gather moves exactly the bytes the per-tensor copies move."""
+    gen = torch.Generator().manual_seed(seed)
+    params = QuantParams(**_params(fmt)) if _params(fmt) else None
+    bank = SlotBuffer.from_experts(fmt, [_quantized_expert(fmt, h, i, gen, params) for _ in range(bank_slots)], "cpu")
+    src, dst = [4, 0, 5], [2, 0, 3]
+    copied, gathered = (SlotBuffer.allocate_like(bank, 4) for _ in range(2))
+    for buf in (copied, gathered):
+        for t in (*buf.gate_up.tensors().values(), *buf.down.tensors().values()):
+            t.view(torch.uint8).fill_(7)
+    assert copied.copy_slots(dst, bank, src) == gathered.copy_slots(dst, bank, src, gather=True)
+    assert gathered._word_pairs(bank) is not None, "every slot tensor is whole words"
+    for m in ("gate_up", "down"):
+        for name, t in getattr(copied, m).tensors().items():
+            assert torch.equal(t.view(torch.uint8), getattr(getattr(gathered, m), name).view(torch.uint8)), (m, name)
+    return 0.0
+
+
+for _f in FORMAT_NAMES:
+    CASES[f"gather-slots-{_f}"] = (check_gather, dict(fmt=_f))
+
+
 # -- interpreter workers -------------------------------------------------------------------
 def _worker(shard: int, nshards: int) -> None:
     def run(name):

@@ -17,19 +17,49 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_fetch(bank: SlotBuffer, device: torch.device, experts: int = 8, repeats: int = 3) -> float:
-    """Seconds to copy one expert bank -> device slot (median over `repeats` batches of `experts`)."""
+def time_fetch(bank: SlotBuffer, device: torch.device, experts: int = 8, repeats: int = 3,
+               gather: bool = False) -> float:
+    """Seconds to copy one expert bank -> device slot (median over `repeats` batches of `experts`,
+    host time included); `gather`: by the one-launch gather kernel, else one copy per tensor."""
     n = min(experts, bank.num_slots)
     dst = SlotBuffer.allocate_like(bank, n, device=device)
     times = []
     for _ in range(repeats):
         _sync(device)
         t = time.perf_counter()
-        dst.copy_slots(list(range(n)), bank, list(range(n)))
+        dst.copy_slots(list(range(n)), bank, list(range(n)), gather=gather)
         _sync(device)
         times.append((time.perf_counter() - t) / n)
     del dst
     return sorted(times)[len(times) // 2]
+
+
+def choose_gather(bank: SlotBuffer, device: torch.device) -> tuple[bool, str]:
+    """Whether decode misses move by the gather kernel (`moeferry.ops.triton.slot_gather`): only
+    if it moves the bytes exactly and a batch of 8 experts arrives sooner than by copies. Returns
+    (use it, what was measured)."""
+    if device.type != "cuda":
+        return False, "per-tensor copies (no CUDA)"
+    src = list(range(min(8, bank.num_slots)))[::-1]
+    try:
+        dst = SlotBuffer.allocate_like(bank, len(src), device=device)
+        dst.copy_slots(list(range(len(src))), bank, src, gather=True)
+        _sync(device)
+        for m in ("gate_up", "down"):
+            for name, t in getattr(dst, m).tensors().items():
+                want = getattr(getattr(bank, m), name)[src]
+                if not torch.equal(t.cpu().view(torch.uint8), want.view(torch.uint8)):
+                    return False, f"per-tensor copies (the gather kernel moved {m}.{name} wrong)"
+        del dst
+        gather_s = min(time_fetch(bank, device, gather=True) for _ in range(2))
+    except Exception as e:  # e.g. a device that cannot read pinned host memory from a kernel
+        return False, f"per-tensor copies (gather kernel unavailable: {type(e).__name__}: {str(e)[:120]})"
+    copy_s = min(time_fetch(bank, device) for _ in range(2))
+    mib = bank.bytes_per_slot / 2**20
+    what = (f"an expert ({mib:.2f} MiB) arrives in {gather_s * 1e6:.0f} us by the gather kernel, "
+            f"{copy_s * 1e6:.0f} us by per-tensor copies")
+    use = gather_s < copy_s
+    return use, f"{'gather kernel' if use else 'per-tensor copies'}: {what}"
 
 
 def time_cpu_expert(bank: SlotBuffer, tokens: int = 1, repeats: int = 3) -> float:

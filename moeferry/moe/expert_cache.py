@@ -76,10 +76,12 @@ class ExpertCache:
         self.table = SlotTable(len(self.layers), num_experts, device)
         self.host_table = torch.full((len(self.layers), num_experts), -1, dtype=torch.int32,
                                      pin_memory=device.type == "cuda")
+        self.slot_at = self.host_table.numpy()  # the same memory: cheap scalar reads and writes
         self.owner: list[Key | None] = [None] * buffer.num_slots
         self.free_slots = list(range(buffer.num_slots - 1, -1, -1))
         self.policy = POLICIES[policy]()
         self.counters = {layer: LayerCounters() for layer in self.layers}
+        self.gather = False  # fetch by the one-launch gather kernel (set by the backend when it wins)
 
     @property
     def num_slots(self) -> int:
@@ -90,11 +92,11 @@ class ExpertCache:
         return self.table.row(self.row_of[layer])
 
     def slot_of(self, layer: int, expert: int) -> int:
-        return int(self.host_table[self.row_of[layer], expert])
+        return int(self.slot_at[self.row_of[layer], expert])
 
     def cached(self, layer: int, experts: list[int]) -> tuple[list[int], list[int]]:
         """(hits, misses) among `experts` of `layer`."""
-        row = self.host_table[self.row_of[layer]]
+        row = self.slot_at[self.row_of[layer]]
         hits = [e for e in experts if row[e] >= 0]
         return hits, [e for e in experts if row[e] < 0]
 
@@ -119,27 +121,27 @@ class ExpertCache:
         placed, slots = experts[:n], [self.free_slots.pop() for _ in range(n)]
         if not placed:
             return []
-        moved = self.buffer.copy_slots(slots, bank, placed)
+        moved = self.buffer.copy_slots(slots, bank, placed, gather=self.gather)
         for e, s in zip(placed, slots):
-            self.host_table[r, e] = s
+            self.slot_at[r, e] = s
             self.owner[s] = (layer, e)
             self.policy.insert((layer, e))
         self.counters[layer].bytes_fetched += moved
-        self._sync_row(r)
+        self._sync_table()  # the evicted rows and this one, in one copy after the slot copies
         return placed
 
     def _evict(self, key: Key) -> None:
         layer, e = key
         r = self.row_of[layer]
-        s = int(self.host_table[r, e])
-        self.host_table[r, e] = -1
+        s = int(self.slot_at[r, e])
+        self.slot_at[r, e] = -1
         self.owner[s] = None
         self.free_slots.append(s)
         self.policy.remove(key)
-        self._sync_row(r)
 
-    def _sync_row(self, r: int) -> None:
-        self.table.table[r].copy_(self.host_table[r], non_blocking=True)
+    def _sync_table(self) -> None:
+        """The device table from the host's (pinned: an asynchronous copy, in stream order)."""
+        self.table.table.copy_(self.host_table, non_blocking=True)
 
     def fill(self, banks: dict[int, SlotBuffer]) -> None:
         """Initial contents: slots spread evenly over the layers (experts 0, 1, ... of each)."""
@@ -170,7 +172,7 @@ class ExpertCache:
         self.policy = POLICIES[self.policy.name]()
         for i, (layer, e) in enumerate(survivors):
             self.buffer.copy_slots([i], banks[layer], [e])
-            self.host_table[self.row_of[layer], e] = i
+            self.slot_at[self.row_of[layer], e] = i
             self.owner[i] = (layer, e)
             self.policy.insert((layer, e))
         self.free_slots = list(range(num_slots - 1, len(survivors) - 1, -1))

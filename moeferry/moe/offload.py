@@ -31,6 +31,14 @@ log = logging.getLogger("moeferry.moe")
 STAGING_SLOTS = 32  # slots per staging half (prefill streams a layer's misses in chunks of this)
 
 
+def distinct_experts(ids: torch.Tensor) -> list[int]:
+    """The sorted distinct expert ids of a step (a host sync): a decode step's few ids are read
+    back as they are (cheaper than a unique kernel), a prefill chunk's are made unique first."""
+    if ids.numel() <= 256:
+        return sorted(set(ids.reshape(-1).tolist()))
+    return torch.unique(ids).tolist()
+
+
 class OffloadBackend:
     """Expert backends `offload`, `cpu` and `hybrid` (the `name` says which lane misses take)."""
 
@@ -119,10 +127,20 @@ class OffloadBackend:
                 self.staging[key] = SlotBuffer.allocate_like(first, 2 * STAGING_SLOTS, device=self.device)
         for layer, ex in self.executors.items():
             ex.bind()
+        if self.caches and self.name != "cpu":
+            self._choose_transfer()
         if self.name == "hybrid":
             from moeferry.moe.bandwidth import MissSplit
             self.split = MissSplit.measure(self, self.cfg.moe_hybrid_max_fetch)
             log.info("hybrid lanes: %s", self.split.describe())
+
+    def _choose_transfer(self) -> None:
+        """Decode misses move by the one-launch gather kernel or by copies: measured, the faster kept."""
+        from moeferry.moe.bandwidth import choose_gather
+        gather, what = choose_gather(next(iter(self.banks.values())), self.device)
+        for cache in self.distinct_caches:
+            cache.gather = gather
+        log.info("expert fetches: %s", what)
 
     def _release_device(self) -> None:
         """Drop an earlier cache and staging area (finish() called again, e.g. after the probe)."""
@@ -198,7 +216,7 @@ class OffloadExperts:
 
     # -- the step ---------------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        needed = torch.unique(ids).tolist()  # the one host sync of the layer
+        needed = distinct_experts(ids)  # the one host sync of the layer
         if self.cache is None:  # a cpu-backend layer without device slots
             self.cpu_experts += len(needed)
             return self._on_cpu(x, ids, weights, needed)

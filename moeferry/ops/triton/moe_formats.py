@@ -197,6 +197,15 @@ class SlotMatrix:
             moved += t[0].numel() * t.element_size() * len(dst)
         return moved
 
+    def word_views(self) -> list[torch.Tensor] | None:
+        """Each slot tensor as [slots, words] int32 (`slot_gather.word_view`), made once; None
+        when some tensor's slot is not whole words."""
+        if not hasattr(self, "_words"):
+            from moeferry.ops.triton.slot_gather import word_view
+            views = [word_view(t) for t in self.tensors().values()]
+            self._words = None if any(v is None for v in views) else views
+        return self._words
+
     def write(self, slot: int, parts: dict[str, torch.Tensor]) -> None:
         """Copy one expert's tensors (as made by `MoEKernel.pack`) into `slot`."""
         for name, t in parts.items():
