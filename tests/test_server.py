@@ -331,6 +331,11 @@ def test_bench_serve_against_the_server(server, model_dir, tmp_path, capsys):
         assert 0 < r["ttft"] <= r["e2e"] and len(r["itl"]) == 4
     assert report["ttft_ms"]["p50"] > 0 and report["tpot_ms"]["mean"] > 0
     assert report["output_throughput"] == pytest.approx(15 / report["duration_s"])
+    rc = main(["bench", "serve", "--base-url", server.url, "--tokenizer", str(model_dir), "--num-prompts", "2",
+               "--input-len", "24", "--output-len", "3", "--ignore-eos", "--prompt-format", "ids",
+               "--result-json", str(out), "--no-progress"])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["input_tokens"] == 2 * 24 and report["output_tokens"] == 2 * 3
 
 
 AGENT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -42,8 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--base-url", default="http://127.0.0.1:1919",
                    help="server root; requests go to BASE/v1/... (default: http://127.0.0.1:1919)")
     g.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                   help="/v1/completions (token-id prompts: exact input lengths) or /v1/chat/completions "
-                   "(text through the chat template) (default: completions)")
+                   help="/v1/completions (exact input lengths) or /v1/chat/completions (text through the chat "
+                   "template) (default: completions)")
+    g.add_argument("--prompt-format", choices=("text", "ids"), default="text",
+                   help="random /v1/completions prompts as text or as token-id lists; both are exactly "
+                   "--input-len tokens (default: text: every OpenAI-compatible server takes it; FreeToken "
+                   "0.1.2 refuses token ids)")
     g.add_argument("--model", help="model name to send (default: the first one /v1/models lists)")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or os.environ.get("MOEFERRY_API_KEY"),
                    help="sent as Authorization: Bearer (default: $OPENAI_API_KEY or $MOEFERRY_API_KEY)")
@@ -74,8 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def random_prompts(tokenizer_dir: str, n: int, length: int, seed: int) -> list[list[int]]:
-    """n prompts of exactly `length` token ids: random words of the vocabulary, decoded and
-    re-encoded so each is a sequence the tokenizer itself would produce."""
+    """n prompts of exactly `length` token ids: random words of the vocabulary, re-encoded until
+    decode/encode round-trips, so the text of a prompt is `length` tokens to the server too."""
     from moeferry.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tokenizer_dir)
@@ -85,9 +89,13 @@ def random_prompts(tokenizer_dir: str, n: int, length: int, seed: int) -> list[l
     prompts = []
     for _ in range(n):
         ids: list[int] = []
-        while len(ids) < length:
-            ids = tok.encode(tok.decode([rng.choice(vocab) for _ in range(length + 16)]))
-        prompts.append(ids[:length])
+        for _ in range(100):
+            ids = tok.encode(tok.decode(ids + [rng.choice(vocab) for _ in range(length + 16 - len(ids))]))[:length]
+            if len(ids) == length and tok.encode(tok.decode(ids)) == ids:
+                break
+        else:
+            raise SystemExit(f"bench serve: found no {length}-token prompt that round-trips through the tokenizer")
+        prompts.append(ids)
     return prompts
 
 
@@ -274,7 +282,8 @@ def main(args: argparse.Namespace) -> int:
         prompts: list = file_prompts(args.prompts_file, args.num_prompts)
     elif args.tokenizer:
         ids = random_prompts(args.tokenizer, args.num_prompts, args.input_len, args.seed)
-        prompts = ids if args.endpoint == "completions" else detokenize(args.tokenizer, ids)
+        as_ids = args.endpoint == "completions" and args.prompt_format == "ids"
+        prompts = ids if as_ids else detokenize(args.tokenizer, ids)
     else:
         print("bench serve: random prompts need --tokenizer DIR (the model's directory); or give --prompts-file",
               file=sys.stderr)
