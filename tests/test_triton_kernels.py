@@ -79,6 +79,30 @@ def case_rms_norm(device, rows=37, n=200, seed=0):
     return worst
 
 
+def case_route_topk(device, seed=11):
+    """Fused softmax + top-k + renormalise against `route_topk_ref`: same experts in the same
+    order, weights to fp32 rounding; 256 experts (Qwen3.6) and a non-power-of-2 count."""
+    from moeferry.ops.moe import route_topk_ref
+    from moeferry.ops.triton import router
+    g = _gen(seed)
+    worst = 0.0
+    for t, e, k, renorm, dtype in ((1, 256, 8, True, torch.float32), (5, 256, 8, False, torch.float32),
+                                    (7, 60, 4, True, torch.float32), (3, 128, 8, True, torch.bfloat16)):
+        logits = (torch.randn(t, e, generator=g) * 3).to(dtype).to(device)
+        w, ids = router.route_topk(logits, k, renorm)
+        rw, rids = route_topk_ref(logits, k, renorm)
+        assert ids.dtype == torch.int64 and w.dtype == dtype, (ids.dtype, w.dtype)
+        picked, ref_picked = (logits.float().cpu().gather(1, i.cpu()) for i in (ids, rids))
+        assert torch.equal(picked, ref_picked), (t, e, k)  # bf16 logits tie: equal values, either order
+        assert all(len(set(r)) == k for r in ids.tolist())
+        if dtype == torch.float32:
+            assert torch.equal(ids.cpu(), rids.cpu()), (t, e, k)
+        worst = max(worst, _check(w, rw, 1e-5 if dtype == torch.float32 else 1e-2, "weights"))
+    empty_w, empty_ids = router.route_topk(torch.randn(0, 256).to(device), 8, True)
+    assert empty_w.shape == (0, 8) and empty_ids.shape == (0, 8)
+    return worst
+
+
 def case_gated_rms_norm(device, seed=1):
     from moeferry.ops.triton import norm as tn
     g = _gen(seed)

@@ -4,8 +4,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moeferry.ops.triton import use_triton
+
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 softmax over experts, top-k, optional renormalisation (one Triton kernel on CUDA,
+    else `route_topk_ref`)."""
+    if use_triton(router_logits) and router_logits.stride(-1) == 1 and top_k & (top_k - 1) == 0:
+        from moeferry.ops.triton import router
+        return router.route_topk(router_logits, top_k, renormalize)
+    return route_topk_ref(router_logits, top_k, renormalize)
+
+
+def route_topk_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 softmax over experts, top-k, optional renormalisation. Returns (weights [T,k] in the
     logits' dtype, expert ids [T,k] int64)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
