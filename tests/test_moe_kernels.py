@@ -204,6 +204,37 @@ for _f in FORMAT_NAMES:
     CASES[f"gather-slots-{_f}"] = (check_gather, dict(fmt=_f))
 
 
+def check_shared_in_slots(quant=None):
+    """The resident backend on kernels holds the shared expert in slot E of each layer's buffer
+    (SparseMoE passes its gate per token): logits equal the same kernels with the shared
+    expert as a separate MLP."""
+    import tempfile
+    from unittest import mock
+
+    from moeferry import LLM
+    from moeferry.checkpoint.synthetic import make_model
+    from moeferry.moe.resident import ResidentBackend
+
+    model = make_model(tempfile.mkdtemp(), "qwen3_5_moe", "tiny", seed=3, num_layers=2, quant=quant)
+    prompt = [5, 17, 99, 3, 250, 8, 41]
+    out = {}
+    for fused in (False, True):
+        with mock.patch("moeferry.moe.resident.use_kernels", return_value=True), \
+                mock.patch.object(ResidentBackend, "takes_shared", fused):
+            llm = LLM(str(model), dtype="float32", max_extend_tokens=4)
+            held = [type(layer.mlp.experts).__name__ for layer in llm.engine.model.layers]
+            assert all(h == "TritonExperts" for h in held), held
+            assert all((layer.mlp.shared is None) == fused for layer in llm.engine.model.layers)
+            out[fused] = llm.logits(prompt)
+    err = _rel(out[True], out[False])
+    assert err < 1e-4, f"relative error {err:.3g}"
+    return err
+
+
+CASES["shared-in-slots-bf16"] = (check_shared_in_slots, dict())
+CASES["shared-in-slots-mixed_nvfp4"] = (check_shared_in_slots, dict(quant="mixed_nvfp4"))
+
+
 # -- interpreter workers -------------------------------------------------------------------
 def _worker(shard: int, nshards: int) -> None:
     def run(name):

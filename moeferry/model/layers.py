@@ -102,7 +102,9 @@ class DenseMLP:
 
 
 class SparseMoE:
-    """Router (fp32 softmax, top-k) + routed experts + optional gated shared expert."""
+    """Router (fp32 softmax, top-k) + routed experts + optional gated shared expert. With a
+    `shared_gate` but no `shared` MLP, the experts' executor holds the shared expert (one more
+    slot of its kernel) and is given the gate's weight per token."""
 
     def __init__(self, spec: ModelSpec, router: Linear, experts, shared: DenseMLP | None, shared_gate: Linear | None):
         self.spec, self.router, self.experts = spec, router, experts
@@ -110,6 +112,8 @@ class SparseMoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_topk(self.router(x), self.spec.top_k, self.spec.norm_topk_prob)
+        if self.shared_gate is not None and self.shared is None:
+            return self.experts(x, ids, weights, shared_weight=torch.sigmoid(self.shared_gate(x)))
         out = self.experts(x, ids, weights)
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)

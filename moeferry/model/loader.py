@@ -68,13 +68,28 @@ def _layer_experts(w: WeightLoader, spec: ModelSpec, p: str, threads: int = 1) -
 
 
 def _moe(w: WeightLoader, spec: ModelSpec, p: str, layer: int, experts_backend) -> SparseMoE:
-    h = spec.hidden_size
-    experts = experts_backend.add_layer(layer, _layer_experts(w, spec, p, experts_backend.load_threads))
-    shared = shared_gate = None
-    if spec.shared_expert_intermediate_size:
-        shared = _mlp(w, p + "shared_expert.", h, spec.shared_expert_intermediate_size)
-        shared_gate = w.linear(p + "shared_expert_gate", 1, h)
-    return SparseMoE(spec, w.linear(p + "gate", spec.num_experts, h), experts, shared, shared_gate)
+    h, si = spec.hidden_size, spec.shared_expert_intermediate_size
+    routed = _layer_experts(w, spec, p, experts_backend.load_threads)
+    router = w.linear(p + "gate", spec.num_experts, h)
+    if not si:
+        return SparseMoE(spec, router, experts_backend.add_layer(layer, routed), None, None)
+    shared_gate = w.linear(p + "shared_expert_gate", 1, h)
+    sp = p + "shared_expert."
+    if _shared_fits_slots(w, spec, p, routed, experts_backend):  # the shared expert as one more slot
+        shared = (w.packed(sp + "gate_proj", si, h), w.packed(sp + "up_proj", si, h), w.packed(sp + "down_proj", h, si))
+        return SparseMoE(spec, router, experts_backend.add_layer(layer, routed, shared), None, shared_gate)
+    return SparseMoE(spec, router, experts_backend.add_layer(layer, routed), _mlp(w, sp, h, si), shared_gate)
+
+
+def _shared_fits_slots(w: WeightLoader, spec: ModelSpec, p: str, routed: LayerExperts, experts_backend) -> bool:
+    """Whether the backend runs the shared expert in the routed experts' kernel: it must take it
+    (resident on CUDA) and the shared expert must have the routed experts' slot layout (same
+    intermediate size, format and quantization parameters)."""
+    if not experts_backend.takes_shared or spec.shared_expert_intermediate_size != spec.moe_intermediate_size:
+        return False
+    pairs = [(f"{p}shared_expert.{m}", f"{p}experts.0.{m}") for m in ("gate_proj", "up_proj", "down_proj")]
+    return all(w.format_for(s) == routed.format and w.scheme.params_for(s) == w.scheme.params_for(r)
+               for s, r in pairs)
 
 
 def expert_bytes(w: WeightLoader, spec: ModelSpec) -> tuple[int, int]:

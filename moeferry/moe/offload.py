@@ -42,6 +42,8 @@ def distinct_experts(ids: torch.Tensor) -> list[int]:
 class OffloadBackend:
     """Expert backends `offload`, `cpu` and `hybrid` (the `name` says which lane misses take)."""
 
+    takes_shared = False  # the shared expert stays a dense MLP (a cache slot would be evictable)
+
     def __init__(self, cfg, spec, device: torch.device, dtype: torch.dtype, name: str = "offload"):
         self.cfg, self.spec, self.device, self.dtype, self.name = cfg, spec, device, dtype, name
         self.kernels = use_kernels(device)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moeferry.moe.layer_experts import LayerExperts
+from moeferry.moe.layer_experts import ExpertWeights, LayerExperts
 from moeferry.ops.moe import experts_reference
 
 
@@ -73,13 +73,24 @@ class ResidentBackend:
 
         self.load_threads = plan_loading(0, layer_bytes, self.cfg.expert_load)
 
-    def add_layer(self, layer: int, experts: LayerExperts):
+    @property
+    def takes_shared(self) -> bool:
+        """The shared expert can be one more slot of a layer's kernel (`add_layer(..., shared)`)."""
+        return use_kernels(self.device)
+
+    def add_layer(self, layer: int, experts: LayerExperts, shared: ExpertWeights | None = None):
+        """The layer's executor; `shared` (only when `takes_shared`): the shared expert, in the
+        routed experts' format, held in slot E and run with them (`shared_weight=` per token)."""
+        if shared is not None and not self.takes_shared:
+            raise ValueError("the reference executors take no shared expert (takes_shared is False)")
         if use_kernels(self.device):
             from moeferry.moe.slots import SlotBuffer
             from moeferry.moe.triton_experts import TritonExperts
 
-            buf = SlotBuffer.from_experts(experts.format, experts.experts, self.device)
-            ex = TritonExperts(buf, torch.arange(experts.num_experts, dtype=torch.int32, device=self.device))
+            slots = experts.experts + ([shared] if shared is not None else [])
+            buf = SlotBuffer.from_experts(experts.format, slots, self.device)
+            ex = TritonExperts(buf, torch.arange(experts.num_experts, dtype=torch.int32, device=self.device),
+                               shared_slot=experts.num_experts if shared is not None else -1)
         elif experts.stacked is not None:
             gate_up, down = experts.stacked
             ex = DenseExperts(gate_up.to(self.device, self.dtype), down.to(self.device, self.dtype))
