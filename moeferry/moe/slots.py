@@ -16,6 +16,7 @@ import torch
 from moeferry.checkpoint.formats import FORMATS
 from moeferry.moe.layer_experts import ExpertWeights
 from moeferry.ops.triton.moe_formats import DENSE, MoEKernel, SlotMatrix
+from moeferry.ops.triton.moe_decode import DecodeConfig
 from moeferry.ops.triton.moe_gemm import MoEConfig, fused_moe
 from moeferry.ops.triton.moe_prep import RoutingScratch
 
@@ -134,7 +135,7 @@ class SlotBuffer:
     # -- compute --------------------------------------------------------------------------
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table_row: torch.Tensor,
             shared_slot: int = -1, shared_weight: torch.Tensor | None = None,
-            config: MoEConfig | None = None) -> torch.Tensor:
+            config: MoEConfig | DecodeConfig | None = None) -> torch.Tensor:
         return fused_moe(x, ids, weights, self.gate_up, self.down, table_row, self.scratch,
                          shared_slot, shared_weight, config)
 

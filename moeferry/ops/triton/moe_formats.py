@@ -159,6 +159,128 @@ def int4_step(acc, a, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
     return acc + part * _vec(sc, SWAP)
 
 
+# -- decode GEMV steps ----------------------------------------------------------------------
+# For one token row (decode, `moe_decode.py`) every format also has a GEMV step,
+#
+#     acc = gemv(acc, x_ptr, w, s, z, slot, n0, k0, N, K, PART, BN, BK, G, GN, GB, HAS_Z)
+#
+# that adds `W[slot, n0:n0+BN, k0:k0+BK] @ x[k0:k0+BK]` to the fp32 vector acc [BN] on the
+# CUDA cores (no tl.dot): the tile stays in the layout it was loaded in ([BN, BK], k
+# contiguous), is decoded in registers and reduced along K with `tl.sum`. x_ptr points at the
+# token's row (absolute k offsets). Scales are applied once per group to the group's partial
+# sum (GB = min(G, BK) values per partial sum), not per weight; int4's zero point too
+# (sum (q - z) x = sum q x - z sum x). Rows n >= N are masked (the decode kernels skip a
+# non-resident pair by passing n0 >= N). Row scales (fp8_row, fp4) stay in the kernel's epilogue.
+@triton.jit
+def _gemv_rows(n0, N, BN: tl.constexpr):
+    offs_n = n0 + tl.arange(0, BN)
+    return offs_n, offs_n < N
+
+
+@triton.jit
+def dense_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
+               BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
+               HAS_Z: tl.constexpr):
+    offs_n, mn = _gemv_rows(n0, N, BN)
+    offs_k = k0 + tl.arange(0, BK)
+    mk = offs_k < K
+    w = tl.load(w_ptr + slot * N * K + offs_n[:, None] * K + offs_k[None, :], mask=mn[:, None] & mk[None, :],
+                other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
+    return acc + tl.sum(w * x[None, :], axis=1)
+
+
+@triton.jit
+def _fp8_tile(w_ptr, slot, offs_n, mn, offs_k, mk, N, K):
+    q = tl.load(w_ptr + slot * N * K + offs_n[:, None] * K + offs_k[None, :], mask=mn[:, None] & mk[None, :],
+                other=0)
+    return q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def fp8_row_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
+                 BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
+                 HAS_Z: tl.constexpr):
+    offs_n, mn = _gemv_rows(n0, N, BN)
+    offs_k = k0 + tl.arange(0, BK)
+    mk = offs_k < K
+    w = _fp8_tile(w_ptr, slot, offs_n, mn, offs_k, mk, N, K)
+    x = tl.load(x_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
+    return acc + tl.sum(w * x[None, :], axis=1)
+
+
+@triton.jit
+def fp8_block_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
+                   BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
+                   HAS_Z: tl.constexpr):
+    offs_n, mn = _gemv_rows(n0, N, BN)
+    offs_k = k0 + tl.arange(0, BK)
+    mk = offs_k < K
+    w = _fp8_tile(w_ptr, slot, offs_n, mn, offs_k, mk, N, K)
+    x = tl.load(x_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
+    part = tl.sum(tl.reshape(w * x[None, :], (BN, BK // GB, GB)), axis=2)  # [BN, groups in the tile]
+    nbk = tl.cdiv(K, G)
+    nbr = tl.cdiv(PART, GN)
+    brow = (offs_n // PART) * nbr + (offs_n % PART) // GN
+    offs_g = (k0 + tl.arange(0, BK // GB) * GB) // G
+    sc = tl.load(s_ptr + slot * (N // PART) * nbr * nbk + brow[:, None] * nbk + offs_g[None, :],
+                 mask=mn[:, None] & (offs_g < nbk)[None, :], other=0.0)
+    return acc + tl.sum(part * sc, axis=1)
+
+
+@triton.jit
+def _nibble_tile(w_ptr, x_ptr, slot, offs_n, mn, k0, N, K, BK: tl.constexpr):
+    """(packed bytes [BN, BK/2], x at even k [BK/2], x at odd k [BK/2])."""
+    kp = K // 2
+    offs_b = k0 // 2 + tl.arange(0, BK // 2)
+    mb = offs_b < kp
+    p = tl.load(w_ptr + slot * N * kp + offs_n[:, None] * kp + offs_b[None, :], mask=mn[:, None] & mb[None, :],
+                other=0)
+    xe = tl.load(x_ptr + 2 * offs_b, mask=mb, other=0.0).to(tl.float32)
+    xo = tl.load(x_ptr + 2 * offs_b + 1, mask=mb, other=0.0).to(tl.float32)
+    return p, xe, xo
+
+
+@triton.jit
+def fp4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
+             BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
+             HAS_Z: tl.constexpr):
+    offs_n, mn = _gemv_rows(n0, N, BN)
+    p, xe, xo = _nibble_tile(w_ptr, x_ptr, slot, offs_n, mn, k0, N, K, BK)
+    # E2M1 -> fp16 bits (value / 2**14, exact), as in fp4_step
+    v = p.to(tl.uint16)
+    lo = (((v & 8) << 12) | ((v & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (((v & 128) << 8) | ((v & 112) << 5)).to(tl.float16, bitcast=True).to(tl.float32)
+    part = tl.sum(tl.reshape(lo * xe[None, :] + hi * xo[None, :], (BN, BK // 16, 8)), axis=2)  # per 16 k
+    ks = K // 16
+    offs_s = k0 // 16 + tl.arange(0, BK // 16)
+    sc = tl.load(s_ptr + slot * N * ks + offs_n[:, None] * ks + offs_s[None, :],
+                 mask=mn[:, None] & (offs_s < ks)[None, :], other=0)
+    sc = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return acc + tl.sum(part * sc, axis=1) * 16384.0
+
+
+@triton.jit
+def int4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
+              BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
+              HAS_Z: tl.constexpr):
+    offs_n, mn = _gemv_rows(n0, N, BN)
+    p, xe, xo = _nibble_tile(w_ptr, x_ptr, slot, offs_n, mn, k0, N, K, BK)
+    q = (p & 0xF).to(tl.float32) * xe[None, :] + (p >> 4).to(tl.float32) * xo[None, :]
+    part = tl.sum(tl.reshape(q, (BN, BK // GB, GB // 2)), axis=2)          # sum q x per group
+    xs = tl.sum(tl.reshape(xe + xo, (BK // GB, GB // 2)), axis=1)           # sum x per group
+    ng = tl.cdiv(K, G)
+    offs_g = (k0 + tl.arange(0, BK // GB) * GB) // G
+    goff = slot * N * ng + offs_n[:, None] * ng + offs_g[None, :]
+    gm = mn[:, None] & (offs_g < ng)[None, :]
+    sc = tl.load(s_ptr + goff, mask=gm, other=0.0).to(tl.float32)
+    if HAS_Z:
+        zp = tl.load(z_ptr + goff, mask=gm, other=8).to(tl.float32)
+    else:
+        zp = 8.0
+    return acc + tl.sum((part - zp * xs[None, :]) * sc, axis=1)
+
+
 # -- slot tensors ---------------------------------------------------------------------------
 @dataclass
 class SlotMatrix:
@@ -249,6 +371,7 @@ class MoEKernel:
     group_scaled: bool = False      # BK must divide the group
     packed_k: bool = False          # k packed two per byte: K % BK == 0 required
     max_bk: int = 256               # larger k-steps spill registers in the dequantizing steps
+    gemv: Any = None                # the decode GEMV step (see "decode GEMV steps")
     meta: Mapping[str, Any] = field(default_factory=dict)
     # the CPU reference of `step`: (matrix, slot index tensor, dtype) -> dense [len, N, K]
     dequant: Callable[[SlotMatrix, torch.Tensor, torch.dtype], torch.Tensor] | None = None
@@ -375,12 +498,14 @@ def int4_dequant(m: SlotMatrix, slots: torch.Tensor, dtype: torch.dtype) -> torc
     return _ungrouped((u - z) * s, m.k).to(dtype)
 
 
-DENSE = MoEKernel("dense", dense_step, _pack_dense, dequant=dense_dequant)
-FP8_ROW = MoEKernel("fp8_row", fp8_row_step, _pack_fp8_row, has_row_scale=True, dequant=fp8_row_dequant)
+DENSE = MoEKernel("dense", dense_step, _pack_dense, gemv=dense_gemv, dequant=dense_dequant)
+FP8_ROW = MoEKernel("fp8_row", fp8_row_step, _pack_fp8_row, has_row_scale=True, gemv=fp8_row_gemv,
+                    dequant=fp8_row_dequant)
 FP8_BLOCK = MoEKernel("fp8_block", fp8_block_step, _pack_fp8_block, group_scaled=True, max_bk=128,
-                      dequant=fp8_block_dequant)
-FP4 = MoEKernel("fp4", fp4_step, _pack_fp4, has_row_scale=True, packed_k=True, max_bk=128, dequant=fp4_dequant)
-INT4 = MoEKernel("int4", int4_step, _pack_int4, group_scaled=True, packed_k=True, max_bk=128,
+                      gemv=fp8_block_gemv, dequant=fp8_block_dequant)
+FP4 = MoEKernel("fp4", fp4_step, _pack_fp4, has_row_scale=True, packed_k=True, max_bk=128, gemv=fp4_gemv,
+                dequant=fp4_dequant)
+INT4 = MoEKernel("int4", int4_step, _pack_int4, group_scaled=True, packed_k=True, max_bk=128, gemv=int4_gemv,
                  dequant=int4_dequant)
 
 # device form (`QuantFormat.device_form`) -> its kernel

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .moe_decode import DecodeConfig, decode_moe, supports as decode_supports
 from .moe_formats import SlotMatrix
 from .moe_prep import Routing, RoutingScratch, prepare_routing
 
@@ -206,6 +207,25 @@ INTERPRET_CONFIGS: list[tuple[int, MoEConfig]] = [
 ]
 
 
+# The decode path (moe_decode.py: GEMV per pair, two launches, no routing prep) for T up to
+# DECODE_MAX_TOKENS[kernel name] (0: never), with the config of the first row of
+# DECODE_CONFIGS whose bound >= T. `benchmarks/quant_decode.py moe` times both paths per
+# format and T and prints the winner; these defaults were set before any GPU measurement
+# (correctness only: the interpreter tests) and are to be set from that table.
+DECODE_MAX_TOKENS: dict[str, int] = {"dense": 0, "fp8_row": 4, "fp8_block": 4, "fp4": 4, "int4": 4}
+DECODE_CONFIGS: list[tuple[int, DecodeConfig]] = [(1 << 62, DecodeConfig())]
+INTERPRET_DECODE_CONFIG = DecodeConfig(gate_up_bn=16, gate_up_bk=64, down_bn=32, down_bk=32)
+
+
+def choose_decode(num_tokens: int, gate_up: SlotMatrix) -> DecodeConfig | None:
+    """The decode path's config for T tokens of this format, or None: the grouped-GEMM path."""
+    if num_tokens > DECODE_MAX_TOKENS.get(gate_up.kernel.name, 0) or not decode_supports(gate_up):
+        return None
+    if interpreting():
+        return INTERPRET_DECODE_CONFIG
+    return next(c for bound, c in DECODE_CONFIGS if num_tokens <= bound)
+
+
 def _fit(g: GemmConfig, m: SlotMatrix) -> GemmConfig:
     """Shrink BK to what the format allows: a divisor of the group (scaled formats) and of K
     (nibble-packed formats); at least 32 so the half-tiles of packed formats are >= 16."""
@@ -295,14 +315,22 @@ def reduce_pairs(y: torch.Tensor, r: Routing, out: torch.Tensor) -> torch.Tensor
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: SlotMatrix,
               down: SlotMatrix, table_row: torch.Tensor, scratch: RoutingScratch, shared_slot: int = -1,
-              shared_weight: torch.Tensor | None = None, config: MoEConfig | None = None) -> torch.Tensor:
+              shared_weight: torch.Tensor | None = None,
+              config: MoEConfig | DecodeConfig | None = None) -> torch.Tensor:
     """x [T, H]; ids, weights [T, k]; table_row [E] int32 (expert -> slot, -1: skipped).
     With `shared_weight` [T] the expert in `shared_slot` is added to every token with that weight.
-    Returns [T, H] in x's dtype."""
+    `config`: a MoEConfig forces the grouped-GEMM path, a DecodeConfig the decode path
+    (default: `choose_decode`, else `choose_config`). Returns [T, H] in x's dtype."""
     if x.shape[0] == 0:
         return torch.zeros_like(x)
     if x.stride(1) != 1:
         x = x.contiguous()
+    if config is None:
+        config = choose_decode(x.shape[0], gate_up)
+    if isinstance(config, DecodeConfig):
+        if not decode_supports(gate_up):
+            raise ValueError(f"decode path: {gate_up.kernel.name} slots with group {gate_up.group} not supported")
+        return decode_moe(x, ids, weights, gate_up, down, table_row, shared_slot, shared_weight, config)
     cfg = config or choose_config(x.shape[0], gate_up, down)
     r = prepare_routing(ids, weights, table_row, scratch, cfg.block_m, shared_slot, shared_weight)
     out = torch.empty_like(x)

@@ -1,0 +1,162 @@
+"""MoE decode path for a few tokens (T * top_k small): two launches, no routing prep.
+
+    out[t] = sum_j w[t, j] * down[s] @ (silu(gate[s] @ x[t]) * (up[s] @ x[t])),  s = table[ids[t, j]]
+
+The grouped-GEMM path (moe_gemm.py) sorts the pairs by slot, pads every expert to a
+16-row token tile and runs tl.dot tiles: at T = 1 it launches prep, gate_up, down and the
+pair reduction (plus a SiLU reduction with split-K) and spends its time reshuffling
+dequantized tiles for the MMA. Here each (token, choice) pair p = t * TOPK + j reads its
+slot straight from the table (j == K_IN: the shared expert) and the weights are streamed by
+the format's GEMV step (moe_formats.py, "decode GEMV steps") on the CUDA cores:
+
+1. `_decode_gate_up_kernel`, grid (pairs, I / BN): gate and up rows n0..n0+BN of the pair's
+   slot times x[t], SiLU(gate) * up written to inter [pairs, I] (x's dtype).
+2. `_decode_down_kernel`, grid (T, H / BN): for each of the token's pairs, in order, down
+   rows n0..n0+BN times the pair's inter row, times the routing weight, rounded to x's dtype
+   and summed in fp32 into out[t] (deterministic: no atomics, no reduction launch).
+
+A non-resident pair (slot -1) reads no weight: its rows are masked off (n0 moved past N),
+its inter row is written as zeros and it adds 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .moe_formats import SlotMatrix
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    gate_up_bn: int = 16   # rows of gate (and of up) per program
+    gate_up_bk: int = 256  # k per step of gate_up (over H)
+    down_bn: int = 8       # rows of down per program
+    down_bk: int = 512     # k per step of down (over I)
+    num_warps: int = 4
+
+
+@triton.jit
+def _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, j,
+           K_IN: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """(slot, routing weight) of token t's choice j (a scalar or a vector of j); -1: skipped."""
+    routed = j < K_IN
+    e = tl.load(ids_ptr + t * K_IN + j, mask=routed, other=0)
+    s = tl.load(table_ptr + e, mask=routed, other=-1)
+    w = tl.load(rw_ptr + t * K_IN + j, mask=routed, other=0.0).to(tl.float32)
+    if HAS_SHARED:
+        sh = j == K_IN
+        s = tl.where(sh, shared_slot, s)
+        w = tl.where(sh, tl.load(shw_ptr + t + j * 0, mask=sh, other=0.0).to(tl.float32), w)
+    s = tl.where(j < TOPK, s, -1)
+    return s, w
+
+
+@triton.jit
+def _decode_gate_up_kernel(x_ptr, stride_x, inter_ptr, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot,
+                           w_ptr, s_ptr, z_ptr, rs_ptr, H, I,
+                           GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
+                           GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr, TOPK: tl.constexpr,
+                           HAS_SHARED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    p = tl.program_id(0)
+    t = p // TOPK
+    s, _ = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, p % TOPK, K_IN, TOPK, HAS_SHARED)
+    n = 2 * I
+    slot = tl.maximum(s, 0).to(tl.int64)
+    n0 = tl.program_id(1) * BN
+    g0 = tl.where(s >= 0, n0, n)  # skipped pair: every row masked off
+    x_row = x_ptr + t.to(tl.int64) * stride_x
+    g = tl.zeros((BN,), tl.float32)
+    u = tl.zeros((BN,), tl.float32)
+    for k0 in range(0, H, BK):
+        g = GEMV(g, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k0, n, H, I, BN, BK, G, GN, GB, HAS_Z)
+        u = GEMV(u, x_row, w_ptr, s_ptr, z_ptr, slot, g0 + I, k0, n, H, I, BN, BK, G, GN, GB, HAS_Z)
+    offs_n = n0 + tl.arange(0, BN)
+    mask_n = offs_n < I
+    if ROW_SCALE:
+        g *= tl.load(rs_ptr + slot * n + offs_n, mask=mask_n, other=0.0)
+        u *= tl.load(rs_ptr + slot * n + I + offs_n, mask=mask_n, other=0.0)
+    h = g / (1.0 + tl.exp(-g)) * u
+    tl.store(inter_ptr + p.to(tl.int64) * I + offs_n, h.to(inter_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _decode_down_kernel(inter_ptr, out_ptr, stride_out, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot,
+                        w_ptr, s_ptr, z_ptr, rs_ptr, H,
+                        I: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr,
+                        GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr,
+                        TOPK: tl.constexpr, TP: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr):
+    t = tl.program_id(0)
+    n0 = tl.program_id(1) * BN
+    jv = tl.arange(0, TP)
+    slots, weights = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, jv, K_IN, TOPK, HAS_SHARED)
+    offs_n = n0 + tl.arange(0, BN)
+    mask_n = offs_n < H
+    out = tl.zeros((BN,), tl.float32)
+    # unrolled over pairs and k (I is a constexpr), branch-free: every pair's weight loads
+    # can be in flight together
+    for j in tl.static_range(TOPK):
+        s = tl.sum(tl.where(jv == j, slots, 0))
+        w = tl.sum(tl.where(jv == j, weights, 0.0))
+        slot = tl.maximum(s, 0).to(tl.int64)
+        r0 = tl.where(s >= 0, n0, H)
+        a_row = inter_ptr + (t * TOPK + j).to(tl.int64) * I
+        acc = tl.zeros((BN,), tl.float32)
+        for k0 in tl.static_range(0, I, BK):
+            acc = GEMV(acc, a_row, w_ptr, s_ptr, z_ptr, slot, r0, k0, H, I, H, BN, BK, G, GN, GB, HAS_Z)
+        if ROW_SCALE:
+            acc *= tl.load(rs_ptr + slot * H + offs_n, mask=mask_n & (s >= 0), other=0.0)
+        out += (acc * w).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+def _bk(bk: int, m: SlotMatrix) -> tuple[int, int]:
+    """(BK, GB) for matrix m: BK a power of two no wider than K needs, at least 32 (16 scales
+    of packed formats per row need BK >= 16; nibble pairs need even); GB the values per
+    scaled partial sum (a power-of-two group, else the whole BK)."""
+    bk = max(32, min(bk, triton.next_power_of_2(m.k)))
+    if m.kernel.group_scaled:
+        g = m.group
+        if g & (g - 1):
+            raise ValueError(f"decode path: group {g} is not a power of two")
+        return bk, min(g, bk)
+    return bk, bk
+
+
+def supports(gate_up: SlotMatrix) -> bool:
+    """Whether the decode kernels handle this slot layout (a GEMV step; power-of-two groups)."""
+    return gate_up.kernel.gemv is not None and not (gate_up.kernel.group_scaled and gate_up.group & (gate_up.group - 1))
+
+
+def decode_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: SlotMatrix, down: SlotMatrix,
+               table_row: torch.Tensor, shared_slot: int, shared_weight: torch.Tensor | None,
+               cfg: DecodeConfig) -> torch.Tensor:
+    """`fused_moe`'s contract (x [T, H] contiguous rows, ids/weights [T, k], table_row [E])."""
+    t, k_in = ids.shape
+    has_shared = shared_weight is not None
+    topk = k_in + int(has_shared)
+    h, i = down.n, down.k
+    ids, weights = ids.contiguous(), weights.contiguous()
+    shw = shared_weight.reshape(-1).contiguous() if has_shared else weights
+    inter = torch.empty(t * topk, i, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)
+    route = (ids, weights, shw, table_row, shared_slot)
+    kern = gate_up.kernel
+    common = dict(GEMV=kern.gemv, ROW_SCALE=kern.has_row_scale, K_IN=k_in, TOPK=topk, HAS_SHARED=has_shared,
+                  num_warps=cfg.num_warps)
+
+    bk, gb = _bk(cfg.gate_up_bk, gate_up)
+    bn = min(cfg.gate_up_bn, triton.next_power_of_2(i))
+    _decode_gate_up_kernel[(t * topk, triton.cdiv(i, bn))](
+        x, x.stride(0), inter, *route, *gate_up.kernel_args(), h, i, G=gate_up.group, GN=gate_up.group_n, GB=gb,
+        HAS_Z=gate_up.z is not None, BN=bn, BK=bk, **common)
+
+    bk, gb = _bk(cfg.down_bk, down)
+    bn = min(cfg.down_bn, triton.next_power_of_2(h))
+    _decode_down_kernel[(t, triton.cdiv(h, bn))](
+        inter, out, out.stride(0), *route, *down.kernel_args(), h, I=i, G=down.group, GN=down.group_n, GB=gb,
+        HAS_Z=down.z is not None, TP=triton.next_power_of_2(topk), BN=bn, BK=bk, **common)
+    return out
