@@ -2,7 +2,7 @@
 whole-model decode.
 
     python benchmarks/quant_decode.py dense [--out DIR]      # QuantLinear kernels per device form
-    python benchmarks/quant_decode.py moe [--out DIR]        # MoE decode GEMMs, split-K sweep
+    python benchmarks/quant_decode.py moe [--out DIR]        # MoE decode: grouped GEMM vs decode GEMV path
     python benchmarks/quant_decode.py e2e CKPT [--out DIR]   # decode tok/s b1/b4, graphs on/off
 
 dense: Qwen3.6-35B-A3B dense shapes [N, K] (in_proj_qkv / q_proj 8192x2048, o_proj / out_proj
@@ -14,8 +14,11 @@ bandwidth. Baselines in the same run: bf16 cuBLAS (F.linear) on a bf16 weight of
 shape, and for FP8 torch._scaled_mm with per-token activation scales (W8A8: its relative
 error against the weight-only fp32 reference is reported too).
 
-moe: E=256, top-8, H=2048, I=512 (benchmarks/moe_kernels.py's cases), decode T = 1, 4, 16,
-the two GEMMs with split-K 1/2/4/8 on gate_up and 1/2 on down.
+moe: E=256, top-8, H=2048, I=512 (benchmarks/moe_kernels.py's cases), decode T = 1, 2, 4, 8, 16,
+per format: the grouped-GEMM path (its default config) against the decode GEMV path
+(moe_decode.py, DECODE_SWEEP of its block sizes), each timed as a CUDA graph of 16 calls with
+16 routings, its kernel launches per call counted, its output checked against the fp32
+reference (`SlotBuffer.run_reference`); prints which wins per format and T.
 
 e2e: the moeferry on PYTHONPATH (so the same script times main and this branch), the
 checkpoint loaded on cuda, prompts of 64 tokens, greedy decode timed over 24 steps after 4
@@ -197,40 +200,81 @@ def scaled_mm(x, w, ref):
 
 
 # -- moe ------------------------------------------------------------------------------------
-def bench_moe(args, log):
-    from dataclasses import replace
+# decode path configs swept per format and T: (gate_up BN, gate_up BK, down BN, down BK, warps)
+DECODE_SWEEP = [(16, 256, 8, 512, 4), (8, 512, 8, 512, 4), (32, 256, 8, 512, 4), (16, 512, 4, 512, 4),
+                (16, 256, 16, 256, 4), (8, 256, 4, 512, 2), (32, 128, 16, 512, 8), (16, 256, 8, 512, 8)]
+MOE_FORMS = (("nvfp4", "nvfp4"), ("int4", "int4_awq"), ("fp8_tensor", "fp8_tensor"), ("fp8_block", "fp8_block"),
+             ("bf16", "bf16"))
 
+
+def kernel_launches(fn):
+    """GPU kernels one call of fn launches (torch profiler; None where it is unavailable)."""
+    if SMOKE:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def bench_moe(args, log):
+    """Old (grouped-GEMM, its default config) vs new (decode GEMV, DECODE_SWEEP) path per format and T."""
+    from moeferry.ops.triton import moe_gemm as G
+    from moeferry.ops.triton.moe_decode import DecodeConfig
+
+    if SMOKE:  # tiny layer on the CPU under the interpreter: checks the script, times nothing real
+        MK.DEV, MK.E, MK.K, MK.H, MK.I = DEV, 16, 4, 256, 128
     bw = hbm_bandwidth()
-    log(f"HBM copy {bw / 1e12:.2f} TB/s")
+    log(f"HBM copy {bw / 1e12:.2f} TB/s; MoE E={MK.E} top-{MK.K} H={MK.H} I={MK.I}; time = median replay of a CUDA "
+        f"graph of 16 calls with 16 routings; % HBM = bytes of the distinct touched experts / time / HBM copy")
+    sweep = [DecodeConfig(*c) for c in (DECODE_SWEEP[:2] if SMOKE else DECODE_SWEEP)]
     rows = []
-    for label, fmt in (("fp8_tensor", "fp8_tensor"), ("nvfp4", "nvfp4"), ("int4", "int4_awq"), ("fp8_block", "fp8_block"),
-                       ("bf16", "bf16")):
+    for label, fmt in MOE_FORMS[:2] if SMOKE else MOE_FORMS:
         case = MK.Case(fmt)
-        for t in (1, 4, 16):
-            base = case.config(t)
-            res = []
-            for sg in (1, 2, 4, 8):
-                for sd in (1, 2):
-                    cfg = replace(base, gate_up=replace(base.gate_up, split=sg), down=replace(base.down, split=sd))
-                    nbytes, tg, tm = case.decode(t, n=16, cfg=cfg)
-                    res.append((tm, tg, sg, sd, cfg))
-            best = min(res, key=lambda r: r[0])
-            diff = case.check(t, best[4], replace(base, gate_up=replace(base.gate_up, split=1),
-                                                   down=replace(base.down, split=1)))
-            d = next(r for r in res if (r[2], r[3]) == (base.gate_up.split, base.down.split))
-            one = next(r for r in res if (r[2], r[3]) == (1, 1))
-            rows.append(dict(format=label, T=t, bytes=nbytes, default=(d[2], d[3]), t_moe_default=d[0], t_gemm_default=d[1],
-                             t_moe_nosplit=one[0], best=(best[2], best[3]), t_moe_best=best[0], t_gemm_best=best[1],
-                             check_rel=diff))
-            log(f"  {label:14s} T={t:2d} {nbytes / 2**20:6.1f} MiB  no split: moe {one[0] * 1e6:6.1f} us ({100 * nbytes / one[0] / bw:3.0f}%)"
-                f"  default {d[2:4]}: moe {d[0] * 1e6:6.1f} us ({100 * nbytes / d[0] / bw:3.0f}%) gemm {d[1] * 1e6:6.1f}"
-                f"  best split {best[2:4]}: moe {best[0] * 1e6:6.1f} us ({100 * nbytes / best[0] / bw:3.0f}%)"
-                f" gemm {best[1] * 1e6:6.1f} us ({100 * nbytes / best[1] / bw:3.0f}%)  check {diff:.1e}")
-            if args.verbose:
-                for r in res:
-                    log(f"    split gate_up {r[2]} down {r[3]}: moe {r[0] * 1e6:.1f} us gemm {r[1] * 1e6:.1f} us")
+        for t in (1, 2, 4) if SMOKE else (1, 2, 4, 8, 16):
+            x = torch.randn(t, MK.H, device=DEV).bfloat16()
+            rts = MK.routings(t, 2 if SMOKE else 16, seed=t)
+            nbytes = sum(len(torch.unique(ids)) for _, ids in rts) / len(rts) * case.buf.bytes_per_slot
+            w0, ids0 = MK.routings(t, 1, seed=99)[0]
+            ref = case.buf.run_reference(x.float(), ids0, w0.float(), case.table).float()
+
+            def timed(cfg):
+                tm = graph_time([lambda w=w, ids=ids: case.moe(x, ids, w, cfg) for w, ids in rts])
+                out = case.moe(x, ids0, w0, cfg).float()
+                return tm, ((out - ref).norm() / ref.norm()).item()
+
+            old_cfg = G.choose_config(t, case.buf.gate_up, case.buf.down)
+            t_old, e_old = timed(old_cfg)
+            new = [(*timed(c), c) for c in sweep]
+            t_new, e_new, best = min(new, key=lambda r: r[0])
+            default = G.choose_decode(t, case.buf.gate_up) or old_cfg
+            n_old = kernel_launches(lambda: case.moe(x, ids0, w0, old_cfg))
+            n_new = kernel_launches(lambda: case.moe(x, ids0, w0, best))
+            win = "new" if t_new < t_old else "old"
+            rows.append(dict(format=label, T=t, bytes=nbytes, t_old=t_old, rel_old=e_old, launches_old=n_old,
+                             t_new=t_new, rel_new=e_new, launches_new=n_new, best_new=best, winner=win,
+                             default="new" if isinstance(default, DecodeConfig) else "old",
+                             sweep=[(c, tm, e) for tm, e, c in new]))
+            log(f"  {label:10s} T={t:2d} {nbytes / 2**20:6.1f} MiB  old {t_old * 1e6:6.1f} us ({100 * nbytes / t_old / bw:3.0f}%,"
+                f" {n_old} launches, rel {e_old:.1e})  new {t_new * 1e6:6.1f} us ({100 * nbytes / t_new / bw:3.0f}%,"
+                f" {n_new} launches, rel {e_new:.1e}) {tuple(vars(best).values())}  wins: {win}"
+                f" (default now: {rows[-1]['default']})")
+            for tm, e, c in new:
+                if args.verbose or e > 2e-2:
+                    log(f"    new {tuple(vars(c).values())}: {tm * 1e6:6.1f} us ({100 * nbytes / tm / bw:3.0f}%) rel {e:.1e}"
+                        + ("  OUTSIDE bf16 tolerance" if e > 2e-2 else ""))
         del case
-        torch.cuda.empty_cache()
+        if not SMOKE:
+            torch.cuda.empty_cache()
+    log("winners (set moe_gemm.DECODE_MAX_TOKENS / DECODE_CONFIGS from these):")
+    for label, _ in MOE_FORMS:
+        got = [r for r in rows if r["format"] == label]
+        if got:
+            log(f"  {label:10s} " + "  ".join(f"T={r['T']}: {r['winner']} {tuple(vars(r['best_new']).values())}"
+                                               if r["winner"] == "new" else f"T={r['T']}: old" for r in got))
     return dict(hbm_Bps=bw, rows=rows)
 
 
