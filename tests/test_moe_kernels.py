@@ -54,9 +54,18 @@ def _rel(out, ref):
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
+def _path_config(path, t, buf):
+    """None: the default path for T; "gemm": the grouped-GEMM path; "decode": the decode GEMV path."""
+    from moeferry.ops.triton import moe_gemm
+    if path == "gemm":
+        return moe_gemm.choose_config(t, buf.gate_up, buf.down)
+    return moe_gemm.INTERPRET_DECODE_CONFIG if path == "decode" else None
+
+
 def check_moe(fmt, t, e, k, h=128, i=64, slots=None, missing=0, shared=False, dtype="bfloat16",
-              tol=2e-2, seed=0, params=None):
-    """One fused-MoE run through a slot buffer vs the reference; returns the relative error."""
+              tol=2e-2, seed=0, params=None, path=None):
+    """One fused-MoE run through a slot buffer vs the reference; returns the relative error.
+    `path`: force the grouped-GEMM ("gemm") or the decode ("decode") kernels."""
     gen = torch.Generator().manual_seed(seed)
     params = QuantParams(**params) if params else None
     n_exp = e + int(shared)
@@ -77,7 +86,7 @@ def check_moe(fmt, t, e, k, h=128, i=64, slots=None, missing=0, shared=False, dt
     x = (torch.randn(t, h, generator=gen)).to(xdt)
     w, ids = _routing(t, e, k, gen, "cpu")
     shw = torch.sigmoid(torch.randn(t, generator=gen)) if shared else None
-    out = buf.run(x, ids, w.to(xdt), table, int(where[e]) if shared else -1, shw)
+    out = buf.run(x, ids, w.to(xdt), table, int(where[e]) if shared else -1, shw, config=_path_config(path, t, buf))
     assert out.shape == x.shape and out.dtype == xdt
     dq = [_dequant(ex) for ex in experts]
     w_ref = w.to(xdt).float().masked_fill(torch.isin(ids, gone), 0.0)
@@ -173,6 +182,19 @@ CASES["fp8_block-T2-permuted-missing-shared"] = (check_moe, dict(
     fmt="fp8_block", t=2, e=16, k=4, slots=20, missing=3, shared=True, seed=6, params={"block_size": (32, 32)}))
 CASES["int4_ct-asymmetric-T2-missing"] = (check_moe, dict(fmt="int4_ct", t=2, e=8, k=4, missing=2, seed=7,
                                                                params={"group_size": 32, "symmetric": False}))
+# T <= 4 runs the decode path by default for quantized forms (moe_gemm.DECODE_MAX_TOKENS): the
+# cases above check it; these force the other path at decode sizes
+for _f in ("bf16", "fp8_tensor"):
+    CASES[f"decode-{_f}-T2-permuted-missing-shared"] = (check_moe, dict(
+        fmt=_f, t=2, e=16, k=4, slots=20, missing=3, shared=True, seed=9, path="decode"))
+for _f in ("nvfp4", "int4_ct", "fp8_block"):
+    CASES[f"gemm-{_f}-T3-permuted-missing-shared"] = (check_moe, dict(
+        fmt=_f, t=3, e=16, k=4, slots=20, missing=3, shared=True, seed=10, path="gemm",
+        params={"block_size": (32, 32)} if _f == "fp8_block" else _params(_f)))
+CASES["gemm-int4_awq-T2-fp32-exact"] = (check_moe, dict(fmt="int4_awq", t=2, e=8, k=2, dtype="float32", tol=1e-4,
+                                                        seed=11, params=_params("int4_awq"), path="gemm"))
+CASES["decode-nvfp4-T4-fp32-exact-missing"] = (check_moe, dict(fmt="nvfp4", t=4, e=8, k=3, missing=2,
+                                                               dtype="float32", tol=1e-4, seed=12, path="decode"))
 CASES["nvfp4-T20"] = (check_moe, dict(fmt="nvfp4", t=20, e=8, k=2, seed=8))
 CASES["prep-T1"] = (check_prep, dict(t=1, k=2))
 CASES["prep-T3-shared"] = (check_prep, dict(t=3, k=4, shared=True))
@@ -349,6 +371,32 @@ def test_gpu_qwen_shapes(fmt, t):
         ref = ref + shw[:, None] * swiglu(x.float(), *dq[e])
     err = _rel(out, ref)
     assert err < 2e-2, f"{fmt} T={t}: relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("path", ["decode", "gemm"])
+@pytest.mark.parametrize("t", [1, 2, 4])
+@pytest.mark.parametrize("fmt", DEVICE_FORMS)
+def test_gpu_decode_paths(fmt, t, path):
+    """Both MoE paths at decode sizes, Qwen3.6 shapes, with a shared expert and non-resident experts."""
+    from moeferry.ops.triton import moe_gemm
+    from moeferry.ops.triton.moe_decode import DecodeConfig
+    buf, where, dq = _gpu_setup(fmt)
+    e, k = QWEN["e"], QWEN["k"]
+    gen = torch.Generator().manual_seed(100 + t)
+    x = torch.randn(t, QWEN["h"], generator=gen).cuda().bfloat16()
+    w, ids = _routing(t, e, k, gen, "cuda", torch.bfloat16)
+    table = where[:e].clone()
+    missing = ids[0, :2]  # two of token 0's experts are not resident
+    table[missing] = -1
+    shw = torch.sigmoid(torch.randn(t, generator=gen)).cuda()
+    cfg = DecodeConfig() if path == "decode" else moe_gemm.choose_config(t, buf.gate_up, buf.down)
+    out = buf.run(x, ids, w, table, int(where[e]), shw, config=cfg)
+    w_ref = w.float().masked_fill(torch.isin(ids, missing), 0.0)
+    ref = experts_reference(x.float(), ids, w_ref, lambda j: dq[j]) + shw[:, None] * swiglu(x.float(), *dq[e])
+    err = _rel(out, ref)
+    assert err < 2e-2, f"{fmt} T={t} {path}: relative error {err:.3g}"
 
 
 @pytest.mark.gpu
