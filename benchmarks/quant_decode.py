@@ -200,9 +200,11 @@ def scaled_mm(x, w, ref):
 
 
 # -- moe ------------------------------------------------------------------------------------
-# decode path configs swept per format and T: (gate_up BN, gate_up BK, down BN, down BK, warps)
-DECODE_SWEEP = [(16, 256, 8, 512, 4), (8, 512, 8, 512, 4), (32, 256, 8, 512, 4), (16, 512, 4, 512, 4),
-                (16, 256, 16, 256, 4), (8, 256, 4, 512, 2), (32, 128, 16, 512, 8), (16, 256, 8, 512, 8)]
+# decode path configs swept per format and T: (gate_up BN, gate_up BK, down BN, down BK, warps, unroll)
+DECODE_SWEEP = [(16, 256, 8, 512, 4, False), (8, 512, 8, 512, 4, False), (32, 256, 8, 512, 4, False),
+                (16, 512, 4, 512, 4, False), (16, 256, 16, 256, 4, False), (8, 256, 4, 512, 2, False),
+                (32, 128, 16, 512, 8, False), (16, 256, 8, 512, 8, False), (16, 256, 8, 512, 4, True),
+                (8, 512, 4, 512, 4, True), (4, 512, 8, 512, 2, True)]
 MOE_FORMS = (("nvfp4", "nvfp4"), ("int4", "int4_awq"), ("fp8_tensor", "fp8_tensor"), ("fp8_block", "fp8_block"),
              ("bf16", "bf16"))
 
@@ -230,7 +232,7 @@ def bench_moe(args, log):
     bw = hbm_bandwidth()
     log(f"HBM copy {bw / 1e12:.2f} TB/s; MoE E={MK.E} top-{MK.K} H={MK.H} I={MK.I}; time = median replay of a CUDA "
         f"graph of 16 calls with 16 routings; % HBM = bytes of the distinct touched experts / time / HBM copy")
-    sweep = [DecodeConfig(*c) for c in (DECODE_SWEEP[:2] if SMOKE else DECODE_SWEEP)]
+    sweep = [DecodeConfig(*c) for c in (DECODE_SWEEP[-3:-1] if SMOKE else DECODE_SWEEP)]
     rows = []
     for label, fmt in MOE_FORMS[:2] if SMOKE else MOE_FORMS:
         case = MK.Case(fmt)

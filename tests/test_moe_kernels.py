@@ -23,6 +23,7 @@ from moeferry.moe.resident import DenseExperts  # noqa: E402
 from moeferry.moe.slots import SlotBuffer  # noqa: E402
 from moeferry.moe.triton_experts import TritonExperts  # noqa: E402
 from moeferry.ops.moe import experts_reference, swiglu  # noqa: E402
+from moeferry.ops.triton.moe_decode import DecodeConfig  # noqa: E402
 from moeferry.ops.triton.moe_prep import RoutingScratch, prepare_routing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,8 +56,11 @@ def _rel(out, ref):
 
 
 def _path_config(path, t, buf):
-    """None: the default path for T; "gemm": the grouped-GEMM path; "decode": the decode GEMV path."""
+    """None: the default path for T; "gemm": the grouped-GEMM path; "decode": the decode GEMV path
+    (its interpreter config; or a DecodeConfig)."""
     from moeferry.ops.triton import moe_gemm
+    if isinstance(path, DecodeConfig):
+        return path
     if path == "gemm":
         return moe_gemm.choose_config(t, buf.gate_up, buf.down)
     return moe_gemm.INTERPRET_DECODE_CONFIG if path == "decode" else None
@@ -195,6 +199,9 @@ CASES["gemm-int4_awq-T2-fp32-exact"] = (check_moe, dict(fmt="int4_awq", t=2, e=8
                                                         seed=11, params=_params("int4_awq"), path="gemm"))
 CASES["decode-nvfp4-T4-fp32-exact-missing"] = (check_moe, dict(fmt="nvfp4", t=4, e=8, k=3, missing=2,
                                                                dtype="float32", tol=1e-4, seed=12, path="decode"))
+CASES["decode-unrolled-int4_ct-T2-asymmetric-missing-shared"] = (check_moe, dict(
+    fmt="int4_ct", t=2, e=16, k=4, slots=20, missing=3, shared=True, seed=13, dtype="float32", tol=1e-4,
+    params={"group_size": 32, "symmetric": False}, path=DecodeConfig(8, 32, 16, 64, unroll=True)))
 CASES["nvfp4-T20"] = (check_moe, dict(fmt="nvfp4", t=20, e=8, k=2, seed=8))
 CASES["prep-T1"] = (check_prep, dict(t=1, k=2))
 CASES["prep-T3-shared"] = (check_prep, dict(t=3, k=4, shared=True))

@@ -36,6 +36,7 @@ class DecodeConfig:
     down_bn: int = 8       # rows of down per program
     down_bk: int = 512     # k per step of down (over I)
     num_warps: int = 4
+    unroll: bool = False   # gate_up's k loop unrolled (every step's loads issued up front)
 
 
 @triton.jit
@@ -55,11 +56,21 @@ def _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, j,
 
 
 @triton.jit
+def _gate_up_step(g, u, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k0, H, I, GEMV: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
+                  HAS_Z: tl.constexpr):
+    g = GEMV(g, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k0, 2 * I, H, I, BN, BK, G, GN, GB, HAS_Z)
+    u = GEMV(u, x_row, w_ptr, s_ptr, z_ptr, slot, g0 + I, k0, 2 * I, H, I, BN, BK, G, GN, GB, HAS_Z)
+    return g, u
+
+
+@triton.jit
 def _decode_gate_up_kernel(x_ptr, stride_x, inter_ptr, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot,
-                           w_ptr, s_ptr, z_ptr, rs_ptr, H, I,
-                           GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
-                           GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr, TOPK: tl.constexpr,
-                           HAS_SHARED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                           w_ptr, s_ptr, z_ptr, rs_ptr, I,
+                           H: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr,
+                           GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr,
+                           TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr,
+                           BN: tl.constexpr, BK: tl.constexpr):
     p = tl.program_id(0)
     t = p // TOPK
     s, _ = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, p % TOPK, K_IN, TOPK, HAS_SHARED)
@@ -70,9 +81,12 @@ def _decode_gate_up_kernel(x_ptr, stride_x, inter_ptr, ids_ptr, rw_ptr, shw_ptr,
     x_row = x_ptr + t.to(tl.int64) * stride_x
     g = tl.zeros((BN,), tl.float32)
     u = tl.zeros((BN,), tl.float32)
-    for k0 in range(0, H, BK):
-        g = GEMV(g, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k0, n, H, I, BN, BK, G, GN, GB, HAS_Z)
-        u = GEMV(u, x_row, w_ptr, s_ptr, z_ptr, slot, g0 + I, k0, n, H, I, BN, BK, G, GN, GB, HAS_Z)
+    if UNROLL:
+        for k0 in tl.static_range(0, H, BK):
+            g, u = _gate_up_step(g, u, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k0, H, I, GEMV, BN, BK, G, GN, GB, HAS_Z)
+    else:
+        for k0 in range(0, H, BK):
+            g, u = _gate_up_step(g, u, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k0, H, I, GEMV, BN, BK, G, GN, GB, HAS_Z)
     offs_n = n0 + tl.arange(0, BN)
     mask_n = offs_n < I
     if ROW_SCALE:
@@ -151,8 +165,8 @@ def decode_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
     bk, gb = _bk(cfg.gate_up_bk, gate_up)
     bn = min(cfg.gate_up_bn, triton.next_power_of_2(i))
     _decode_gate_up_kernel[(t * topk, triton.cdiv(i, bn))](
-        x, x.stride(0), inter, *route, *gate_up.kernel_args(), h, i, G=gate_up.group, GN=gate_up.group_n, GB=gb,
-        HAS_Z=gate_up.z is not None, BN=bn, BK=bk, **common)
+        x, x.stride(0), inter, *route, *gate_up.kernel_args(), i, H=h, G=gate_up.group, GN=gate_up.group_n, GB=gb,
+        HAS_Z=gate_up.z is not None, UNROLL=cfg.unroll, BN=bn, BK=bk, **common)
 
     bk, gb = _bk(cfg.down_bk, down)
     bn = min(cfg.down_bn, triton.next_power_of_2(h))
