@@ -250,7 +250,15 @@ def bench_moe(args, log):
 
             old_cfg = G.choose_config(t, case.buf.gate_up, case.buf.down)
             t_old, e_old = timed(old_cfg)
-            new = [(*timed(c), c) for c in sweep]
+            new = []
+            for c in sweep:  # a config that fails to build (e.g. out of resources) is reported and skipped
+                try:
+                    new.append((*timed(c), c))
+                except Exception as exc:  # noqa: BLE001
+                    log(f"    new {tuple(vars(c).values())}: failed: {type(exc).__name__}: {str(exc)[:160]}")
+            if not new:
+                log(f"  {label:10s} T={t:2d}: old {t_old * 1e6:6.1f} us; every decode config failed")
+                continue
             t_new, e_new, best = min(new, key=lambda r: r[0])
             default = G.choose_decode(t, case.buf.gate_up) or old_cfg
             n_old = kernel_launches(lambda: case.moe(x, ids0, w0, old_cfg))
