@@ -13,6 +13,9 @@ With split-K (GemmConfig.split > 1, decode) each GEMM program reduces one slice 
 writes fp32 partial sums: gate_up's are added up and SiLU-multiplied by `_silu_reduce_kernel`,
 down's by `_reduce_kernel` together with the pairs.
 
+For a few tokens (T <= DECODE_MAX_TOKENS of the slot form) `fused_moe` runs the decode path
+of moe_decode.py instead (two launches, no routing prep, GEMV on the CUDA cores).
+
 Weights are read through the format's step (moe_formats.py), which dequantizes inside the
 kernel; the math is bf16 (the activations' dtype) with fp32 accumulation. Decode (few
 tokens) uses BLOCK_M = 16 blocks: every selected expert is one block, so each expert's
