@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -71,16 +69,7 @@ def build_bank(experts: LayerExperts, pin: bool, threads: int = 1) -> "SlotBuffe
     from moeferry.moe.slots import SlotBuffer
 
     bank = SlotBuffer.allocate(experts.format, experts.num_experts, experts.experts[0], "cpu", pin=pin)
-
-    def put(e: int) -> None:
-        bank.write(e, experts.experts[e])
-
-    if threads > 1:
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(put, range(experts.num_experts)))
-    else:
-        for e in range(experts.num_experts):
-            put(e)
+    bank.write_experts(experts.experts, threads)
     return bank
 
 
