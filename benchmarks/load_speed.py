@@ -149,18 +149,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="a quantized checkpoint (make-model --quant ...)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (pinned banks, resident slots on the GPU)")
-    ap.add_argument("--layers", type=int, default=2, help="MoE layers to time (default 2)")
+    ap.add_argument("--layers", type=int, default=2, help="MoE layers to time (default 2; 0: only --load-model)")
     ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1),
                     help="reader/copy threads, as --expert-load parallel uses (default min(8, cores))")
     ap.add_argument("--load-model", action="store_true", help="also time a whole load_model per backend")
     args = ap.parse_args()
     device = torch.device(args.device)
-    rows = measure(args.model, device, args.layers, args.threads)
-    print(f"{args.model}: device {device}, {args.threads} threads, "
-          f"{rows[0][2] / 1e9:.3f} GB of experts per layer")
-    print(f"| path | s/layer | GB/s | s per 20 GB |\n|---|---|---|---|")
-    for name, t, n in rows:
-        print(f"| {name} | {t:.3f} | {n / t / 1e9:.2f} | {20e9 / (n / t):.1f} |")
+    if args.layers > 0:
+        rows = measure(args.model, device, args.layers, args.threads)
+        print(f"{args.model}: device {device}, {args.threads} threads, "
+              f"{rows[0][2] / 1e9:.3f} GB of experts per layer")
+        print(f"| path | s/layer | GB/s | s per 20 GB |\n|---|---|---|---|")
+        for name, t, n in rows:
+            print(f"| {name} | {t:.3f} | {n / t / 1e9:.2f} | {20e9 / (n / t):.1f} |")
     if args.load_model:
         for backend in ("resident", "offload"):
             print(f"load_model --moe-backend {backend}: "
