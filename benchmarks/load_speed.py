@@ -5,8 +5,11 @@
 Rows, per MoE layer (the mean over the first `--layers` MoE layers), all from the page cache
 (the files are read once first):
   raw read          the layer's expert bytes read from the files with plain reads (the bound)
-  bank before       per-expert reads (`get`: a copy), `pack` (a second copy), then the slot write
+  bank before       per-expert reads (`get`), `pack` (a copy), then the slot write (runs first: its
+                    pinned memory comes from cudaHostAlloc, as before)
   bank after        the loader's path: views of the mapped files, each part copied once into the bank
+                    (pinned by malloc + cudaHostRegister from several threads: `use_fast_pinning`)
+  pinned alloc only the bank's pinned allocation alone, as `bank after` makes it
   resident before   per-expert reads, `pack`, one write per expert into the device slots
   resident after    the resident backend's path (`SlotBuffer.from_experts`)
 Banks are pinned with `--device cuda` (as the offload backends build them); resident slots go
@@ -25,7 +28,7 @@ from moeferry.checkpoint.reader import CheckpointReader
 from moeferry.model.loader import _layer_experts
 from moeferry.model.registry import resolve_spec
 from moeferry.model.weights import WeightLoader
-from moeferry.moe.bank import build_bank
+from moeferry.moe.bank import build_bank, use_fast_pinning
 from moeferry.moe.slots import SlotBuffer
 
 
@@ -71,6 +74,7 @@ def resident_slots(experts, device, threads: int) -> SlotBuffer:
 
 
 def pinned_bank(experts) -> SlotBuffer:
+    use_fast_pinning()
     return SlotBuffer.allocate(experts.format, experts.num_experts, experts.experts[0], "cpu", pin=True)
 
 

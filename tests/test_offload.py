@@ -22,7 +22,8 @@ from moeferry.model.loader import _layer_experts
 from moeferry.model.registry import resolve_spec
 from moeferry.model.weights import WeightLoader
 from moeferry.moe.bandwidth import MissSplit
-from moeferry.moe.bank import HostRamError, build_bank, plan_loading
+from moeferry.moe.bank import (HostRamError, build_bank, pinned_register_settings, plan_loading,
+                               use_fast_pinning)
 from moeferry.moe.offload import OffloadExperts
 from moeferry.moe.slots import SlotBuffer
 from moeferry.scheduler.sampling import SamplingParams
@@ -463,6 +464,22 @@ def test_plan_loading(monkeypatch):
     assert plan_loading(10 * gib, gib, "auto", available=14 * gib) == 4  # banks + 4 layers in flight fit
     assert plan_loading(10 * gib, gib, "auto", available=14 * gib - 1) == 1
     assert plan_loading(10 * gib, gib, "auto", available=100 * gib, max_threads=1) == 1
+
+
+def test_fast_pinning_settings(monkeypatch):
+    """Banks are pinned by malloc + cudaHostRegister from a power-of-two number of threads (<= 16),
+    unless the user's allocator settings already say how to pin."""
+    assert pinned_register_settings(1).endswith("threads:1") and pinned_register_settings(12).endswith("threads:8")
+    assert pinned_register_settings(64) == "pinned_use_cuda_host_register:True,pinned_num_register_threads:16"
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    use_fast_pinning()
+    assert calls == [pinned_register_settings()]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,pinned_use_background_threads:True")
+    use_fast_pinning()
+    assert len(calls) == 1
 
 
 def test_parallel_load_builds_identical_banks(ckpt, monkeypatch):
