@@ -61,11 +61,6 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
-def _header_len(path: Path) -> int:
-    with open(path, "rb") as f:
-        return struct.unpack("<Q", f.read(8))[0]
-
-
 @dataclass(frozen=True)
 class TensorInfo:
     file: Path
