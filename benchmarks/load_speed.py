@@ -114,7 +114,8 @@ def measure(model: str, device: torch.device, layers: int, threads: int) -> list
         nbytes += n
         rows.setdefault("raw read", []).append(t)
         cases = {
-            "bank before": lambda: per_expert_slots(_layer_experts(w, spec, p, threads, mapped=False), "cpu", pin, threads),
+            "bank before": lambda: per_expert_slots(_layer_experts(w, spec, p, threads, mapped=False), "cpu", pin,
+                                                    threads),
             "bank after": lambda: build_bank(_layer_experts(w, spec, p, threads), pin, threads),
         }
         if pin:

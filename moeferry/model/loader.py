@@ -54,8 +54,9 @@ def _layer_experts(w: WeightLoader, spec: ModelSpec, p: str, threads: int = 1, m
     fmt = w.format_for(p + "experts.0.gate_proj")
 
     def read(x: int):
-        return (w.packed(f"{p}experts.{x}.gate_proj", i, h, mapped), w.packed(f"{p}experts.{x}.up_proj", i, h, mapped),
-                w.packed(f"{p}experts.{x}.down_proj", h, i, mapped))
+        q = f"{p}experts.{x}."
+        return (w.packed(q + "gate_proj", i, h, mapped), w.packed(q + "up_proj", i, h, mapped),
+                w.packed(q + "down_proj", h, i, mapped))
 
     if threads > 1:
         with ThreadPoolExecutor(threads) as pool:
