@@ -42,6 +42,9 @@ class StateDictReader(CheckpointReader):
             raise CheckpointError(f"tensor '{name}' has shape {list(t.shape)}, expected {list(shape)}")
         return t
 
+    def view(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        return self.get(name, shape)
+
 
 def qwen36_config(num_layers: int | None = None, **overrides) -> dict:
     """config.json of Qwen3.6-35B-A3B's text model (synthetic preset), optionally fewer layers."""

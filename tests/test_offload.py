@@ -17,9 +17,15 @@ import torch
 
 import moeferry.moe.offload as offload_mod
 from moeferry import LLM
+from moeferry.checkpoint.reader import CheckpointReader
+from moeferry.model.loader import _layer_experts
+from moeferry.model.registry import resolve_spec
+from moeferry.model.weights import WeightLoader
 from moeferry.moe.bandwidth import MissSplit
-from moeferry.moe.bank import HostRamError, plan_loading
+from moeferry.moe.bank import (HostRamError, build_bank, pinned_register_settings, plan_loading,
+                               use_fast_pinning)
 from moeferry.moe.offload import OffloadExperts
+from moeferry.moe.slots import SlotBuffer
 from moeferry.scheduler.sampling import SamplingParams
 from tests.conftest import rel_err
 from tests.test_quant_models import quant_checkpoint  # noqa: F401  (session fixture)
@@ -460,6 +466,22 @@ def test_plan_loading(monkeypatch):
     assert plan_loading(10 * gib, gib, "auto", available=100 * gib, max_threads=1) == 1
 
 
+def test_fast_pinning_settings(monkeypatch):
+    """Banks are pinned by malloc + cudaHostRegister from a power-of-two number of threads (<= 16),
+    unless the user's allocator settings already say how to pin."""
+    assert pinned_register_settings(1).endswith("threads:1") and pinned_register_settings(12).endswith("threads:8")
+    assert pinned_register_settings(64) == "pinned_use_cuda_host_register:True,pinned_num_register_threads:16"
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    use_fast_pinning()
+    assert calls == [pinned_register_settings()]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,pinned_use_background_threads:True")
+    use_fast_pinning()
+    assert len(calls) == 1
+
+
 def test_parallel_load_builds_identical_banks(ckpt, monkeypatch):
     monkeypatch.setattr("moeferry.moe.bank.os.cpu_count", lambda: 4)
     path = str(ckpt("qwen3_5_moe", "int4_awq"))
@@ -478,6 +500,44 @@ def test_parallel_load_builds_identical_banks(ckpt, monkeypatch):
     monkeypatch.setattr("moeferry.moe.bank.available_host_ram", lambda: 1000)
     with pytest.raises(HostRamError, match="not enough host RAM"):
         LLM(path, **COMMON, moe_backend="offload", moe_cache_size=4)
+
+
+def _same_bytes(a: SlotBuffer, b: SlotBuffer, what) -> None:
+    for mine, theirs in ((a.gate_up, b.gate_up), (a.down, b.down)):
+        x, y = mine.tensors(), theirs.tensors()
+        assert x.keys() == y.keys() and mine.group == theirs.group and mine.group_n == theirs.group_n
+        for k in x:
+            assert x[k].dtype == y[k].dtype and x[k].shape == y[k].shape, (what, k)
+            assert torch.equal(x[k].contiguous().view(torch.uint8), y[k].contiguous().view(torch.uint8)), (what, k)
+
+
+@pytest.mark.parametrize("preset", ["mixed_nvfp4", "int4_awq", "fp8_block"])
+def test_mapped_loading_is_byte_identical(ckpt, preset):
+    """The loader's path (views of the mapped files, each part copied once into place, threads)
+    builds banks and resident slots byte for byte equal to the per-expert path (tensors read as
+    copies, each expert `pack`ed, then written); mapped views equal the read tensors."""
+    reader = CheckpointReader(ckpt("qwen3_5_moe", preset))
+    spec = resolve_spec(reader)
+    w = WeightLoader(reader, torch.float32, "cpu")
+    for name in reader.tensors:
+        view, read = reader.view(name), reader.get(name)
+        assert view.dtype == read.dtype and view.shape == read.shape, name
+        assert torch.equal(view.reshape(-1).view(torch.uint8), read.reshape(-1).view(torch.uint8)), name
+    for layer in (i for i in range(spec.num_layers) if spec.is_moe_layer(i)):
+        p = f"model.layers.{layer}.mlp."
+        mapped, copied = _layer_experts(w, spec, p, threads=2), _layer_experts(w, spec, p, mapped=False)
+        ref = SlotBuffer.allocate(copied.format, copied.num_experts, copied.experts[0], "cpu")
+        for e, ex in enumerate(copied.experts):
+            ref.write_packed(e, ref.pack(ex))
+        _same_bytes(build_bank(mapped, pin=False, threads=2), ref, (preset, layer, "bank"))
+        _same_bytes(build_bank(mapped, pin=False), ref, (preset, layer, "serial bank"))
+        _same_bytes(SlotBuffer.from_experts(mapped.format, mapped.experts, "cpu", threads=2), ref,
+                    (preset, layer, "resident slots"))
+        more = ref.to("cpu", ref.num_slots + 3)  # how resident slots reach a device: one copy per tensor
+        assert more.num_slots == ref.num_slots + 3
+        for mine, theirs in ((more.gate_up, ref.gate_up), (more.down, ref.down)):
+            for k, t in theirs.tensors().items():
+                assert torch.equal(mine.tensors()[k][:ref.num_slots].view(torch.uint8), t.view(torch.uint8))
 
 
 # -- 10. elastic shrink ----------------------------------------------------------------------------------

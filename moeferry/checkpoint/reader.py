@@ -6,6 +6,7 @@ Tensor names are canonicalised: the multimodal prefix `model.language_model.` be
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -31,8 +32,9 @@ def canonical_name(name: str) -> str | None:
     return name
 
 
-def _read_header(path: Path) -> dict:
-    """Parse and validate a safetensors header; catch truncated files before any read."""
+def _read_header(path: Path) -> tuple[dict, int]:
+    """Parse and validate a safetensors header; catch truncated files before any read.
+    Returns the header and the file offset where the data starts."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -50,7 +52,13 @@ def _read_header(path: Path) -> dict:
         raise CheckpointError(
             f"{path}: truncated safetensors file ({size} bytes, tensors need {8 + header_len + data_end})"
         )
-    return header
+    return header, 8 + header_len
+
+
+# safetensors dtype names -> torch dtypes (the ones a checkpoint of ours may hold)
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,8 @@ class TensorInfo:
     raw_name: str
     shape: tuple[int, ...]
     dtype: str
+    start: int = 0  # byte range of the data in the file
+    end: int = 0
 
 
 class CheckpointReader:
@@ -73,6 +83,7 @@ class CheckpointReader:
         self.hf_quant_config = self._optional_json("hf_quant_config.json")
         self.tensors = self._index()
         self._handles: dict[Path, object] = {}
+        self._maps: dict[Path, torch.Tensor] = {}
 
     def _optional_json(self, name: str) -> dict:
         path = self.dir / name
@@ -102,10 +113,12 @@ class CheckpointReader:
         for path in self._files():
             if not path.is_file():
                 raise CheckpointError(f"{path}: listed in model.safetensors.index.json but missing")
-            for raw, meta in _read_header(path).items():
+            header, base = _read_header(path)
+            for raw, meta in header.items():
                 name = canonical_name(raw) if raw != "__metadata__" else None
                 if name is not None:
-                    found[name] = TensorInfo(path, raw, tuple(meta["shape"]), meta["dtype"])
+                    a, b = meta["data_offsets"]
+                    found[name] = TensorInfo(path, raw, tuple(meta["shape"]), meta["dtype"], base + a, base + b)
         return found
 
     def has(self, name: str) -> bool:
@@ -116,8 +129,7 @@ class CheckpointReader:
             raise CheckpointError(f"missing tensor '{name}' in {self.dir}")
         return self.tensors[name]
 
-    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Read one tensor; `shape`, when given, is checked and named in the error."""
+    def _checked(self, name: str, shape: tuple[int, ...] | None) -> TensorInfo:
         if name not in self.tensors:
             want = f" (expected shape {list(shape)})" if shape is not None else ""
             raise CheckpointError(f"missing tensor '{name}'{want} in {self.dir}")
@@ -126,6 +138,32 @@ class CheckpointReader:
             raise CheckpointError(
                 f"tensor '{name}' in {info.file.name} has shape {list(info.shape)}, expected {list(shape)}"
             )
+        return info
+
+    def view(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """One tensor as a zero-copy view of the memory-mapped file (a private mapping: writes to
+        it never reach the file); a copy only where the data is not aligned for its dtype. For
+        data that is copied on at once (expert banks, device slots): no read buffer in between."""
+        info = self._checked(name, shape)
+        dtype = DTYPES.get(info.dtype)
+        if dtype is None:
+            return self.get(name, shape)
+        data = self._file_bytes(info.file)[info.start:info.end]
+        if info.start % dtype.itemsize:
+            data = data.clone()
+        return data.view(dtype).view(info.shape)
+
+    def _file_bytes(self, path: Path) -> torch.Tensor:
+        data = self._maps.get(path)
+        if data is None:
+            with open(path, "rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            data = self._maps[path] = torch.frombuffer(mapped, dtype=torch.uint8)
+        return data
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Read one tensor; `shape`, when given, is checked and named in the error."""
+        info = self._checked(name, shape)
         handle = self._handles.get(info.file)
         if handle is None:
             handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")

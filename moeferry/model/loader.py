@@ -42,18 +42,21 @@ def _mlp(w: WeightLoader, p: str, hidden: int, inter: int) -> DenseMLP:
                     w.linear(p + "down_proj", hidden, inter))
 
 
-def _layer_experts(w: WeightLoader, spec: ModelSpec, p: str, threads: int = 1) -> LayerExperts:
-    """A layer's routed experts on the host, read once (packed as stored, or stacked dense)."""
+def _layer_experts(w: WeightLoader, spec: ModelSpec, p: str, threads: int = 1, mapped: bool = True) -> LayerExperts:
+    """A layer's routed experts on the host, read once (packed as stored, or stacked dense).
+    `mapped`: quantized experts are views of the memory-mapped checkpoint (False: read copies)."""
     h, e, i = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
     if not w.is_quantized(p + "experts.0.gate_proj"):
         gate_up, down = read_experts(w.reader, p, e, h, i)
         return LayerExperts.from_stacked(gate_up.to(dtype=w.dtype), down.to(dtype=w.dtype))
-    # quantized checkpoints store experts one by one
+    # quantized checkpoints store experts one by one; they are read as views of the mapped
+    # files, and the backend copies each part once, straight into its slots or bank
     fmt = w.format_for(p + "experts.0.gate_proj")
 
     def read(x: int):
-        return (w.packed(f"{p}experts.{x}.gate_proj", i, h), w.packed(f"{p}experts.{x}.up_proj", i, h),
-                w.packed(f"{p}experts.{x}.down_proj", h, i))
+        q = f"{p}experts.{x}."
+        return (w.packed(q + "gate_proj", i, h, mapped), w.packed(q + "up_proj", i, h, mapped),
+                w.packed(q + "down_proj", h, i, mapped))
 
     if threads > 1:
         with ThreadPoolExecutor(threads) as pool:

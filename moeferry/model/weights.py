@@ -5,6 +5,7 @@ import torch
 
 from moeferry.checkpoint.formats import (BF16, FORMATS, DenseWeight, PackedWeight, QuantTensorError,
                                          UnsupportedQuantization, check_tensors, detect_scheme)
+from moeferry.checkpoint.formats.detect import LayerQuant
 from moeferry.checkpoint.reader import CheckpointError, CheckpointReader
 from moeferry.model.linear import Linear, QuantLinear
 
@@ -18,6 +19,13 @@ class WeightLoader:
             self.scheme = detect_scheme(reader.config, reader.hf_quant_config or None)
         except UnsupportedQuantization as e:
             raise CheckpointError(f"{reader.dir}: {e}") from None
+        self._quant: dict[str, LayerQuant] = {}  # module -> its rule's resolution (768 lookups a layer)
+
+    def layer_quant(self, module: str) -> LayerQuant:
+        q = self._quant.get(module)
+        if q is None:
+            q = self._quant[module] = self.scheme.layer_for(module)
+        return q
 
     def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return self.reader.get(name, shape).to(device=self.device, dtype=self.dtype)
@@ -25,17 +33,19 @@ class WeightLoader:
     def linear(self, module: str, out: int, inp: int) -> Linear | QuantLinear:
         if not self.is_quantized(module):
             return Linear(self.tensor(f"{module}.weight", (out, inp)))
-        return QuantLinear(self.packed(module, out, inp).to(self.device), self.scheme.format_for(module))
+        return QuantLinear(self.packed(module, out, inp).to(self.device), self.format_for(module))
 
-    def packed(self, module: str, out: int, inp: int) -> PackedWeight:
+    def packed(self, module: str, out: int, inp: int, mapped: bool = False) -> PackedWeight:
         """A module's weight in its format's packed form, on the host (unquantized: a
-        `DenseWeight` in the model dtype)."""
-        fmt_name = self.scheme.format_for(module)
+        `DenseWeight` in the model dtype). `mapped`: the tensors are views of the memory-mapped
+        checkpoint where the format keeps them as stored (for weights copied on at once)."""
+        fmt_name = self.format_for(module)
+        read = self.reader.view if mapped else self.reader.get
         if fmt_name == BF16.format:
-            return DenseWeight(out, inp, self.reader.get(f"{module}.weight", (out, inp)).to(self.dtype))
-        fmt, params = FORMATS[fmt_name], self.scheme.params_for(module)
+            return DenseWeight(out, inp, read(f"{module}.weight", (out, inp)).to(self.dtype))
+        fmt, params = FORMATS[fmt_name], self.layer_quant(module).params
         suffixes = fmt.tensor_suffixes + tuple(fmt.suffix_aliases)
-        tensors = {s: self.reader.get(f"{module}.{s}") for s in suffixes if self.reader.has(f"{module}.{s}")}
+        tensors = {s: read(f"{module}.{s}") for s in suffixes if self.reader.has(f"{module}.{s}")}
         try:
             check_tensors(module, fmt, tensors, out, inp, params)
             return fmt.packed(fmt.canonical(tensors), params)
@@ -44,7 +54,7 @@ class WeightLoader:
             raise CheckpointError(f"{msg} (checkpoint {self.reader.dir})") from None
 
     def format_for(self, module: str) -> str:
-        return self.scheme.format_for(module)
+        return self.layer_quant(module).format
 
     def is_quantized(self, module: str) -> bool:
-        return self.scheme.format_for(module) != BF16.format
+        return self.format_for(module) != BF16.format

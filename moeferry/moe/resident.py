@@ -88,7 +88,7 @@ class ResidentBackend:
             from moeferry.moe.triton_experts import TritonExperts
 
             slots = experts.experts + ([shared] if shared is not None else [])
-            buf = SlotBuffer.from_experts(experts.format, slots, self.device)
+            buf = SlotBuffer.from_experts(experts.format, slots, self.device, threads=self.load_threads)
             ex = TritonExperts(buf, torch.arange(experts.num_experts, dtype=torch.int32, device=self.device),
                                shared_slot=experts.num_experts if shared is not None else -1)
         elif experts.stacked is not None:

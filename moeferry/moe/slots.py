@@ -9,6 +9,7 @@ slot, identity table) and the offload cache (a few slots, an LRU table) share th
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import torch
@@ -65,12 +66,23 @@ class SlotBuffer:
         return cls(like(other.gate_up), like(other.down))
 
     @classmethod
-    def from_experts(cls, fmt, experts: Sequence[ExpertWeights], device, num_slots: int | None = None) -> "SlotBuffer":
-        """Slots 0..len(experts)-1 filled with `experts` (one slot each), `num_slots` in all."""
+    def from_experts(cls, fmt, experts: Sequence[ExpertWeights], device, num_slots: int | None = None,
+                     threads: int = 1) -> "SlotBuffer":
+        """Slots 0..len(experts)-1 filled with `experts` (one slot each), `num_slots` in all. Off
+        the CPU the slots are filled on the host first and copied over in one copy per tensor."""
+        if torch.device(device).type != "cpu":
+            return cls.from_experts(fmt, experts, "cpu", threads=threads).to(device, num_slots)
         buf = cls.allocate(fmt, num_slots or len(experts), experts[0], device)
-        for s, ex in enumerate(experts):
-            buf.write(s, ex)
+        buf.write_experts(experts, threads)
         return buf
+
+    def to(self, device, num_slots: int | None = None) -> "SlotBuffer":
+        """A copy on `device` (with `num_slots` slots, the first ones filled from these)."""
+        out = self.allocate_like(self, num_slots or self.num_slots, device)
+        for src, dst in ((self.gate_up, out.gate_up), (self.down, out.down)):
+            for name, t in src.tensors().items():
+                getattr(dst, name)[:self.num_slots].copy_(t)
+        return out
 
     # -- slots ----------------------------------------------------------------------------
     @property
@@ -107,7 +119,19 @@ class SlotBuffer:
         self.down.write(slot, packed[1])
 
     def write(self, slot: int, expert: ExpertWeights) -> None:
-        self.write_packed(slot, self.pack(expert))
+        """One expert into `slot`, each part copied straight into place."""
+        gate, up, down = expert
+        self.gate_up.write_weights(slot, [gate, up])
+        self.down.write_weights(slot, [down])
+
+    def write_experts(self, experts: Sequence[ExpertWeights], threads: int = 1) -> None:
+        """Expert s into slot s for every expert; `threads` copy in parallel (copies release the GIL)."""
+        if threads > 1:
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(self.write, range(len(experts)), experts))
+        else:
+            for s, ex in enumerate(experts):
+                self.write(s, ex)
 
     def copy_slots(self, dst: list[int], src: "SlotBuffer", src_slots: list[int], gather: bool = False) -> int:
         """Copy experts from `src` (e.g. a host bank) into slots `dst` on the current stream;

@@ -333,6 +333,11 @@ class SlotMatrix:
         for name, t in parts.items():
             getattr(self, name)[slot].copy_(t, non_blocking=True)
 
+    def write_weights(self, slot: int, weights: list) -> None:
+        """Pack one expert's PackedWeights (stacked by rows, as `MoEKernel.pack`) straight into
+        `slot`: one copy from the source (e.g. a memory-mapped checkpoint) into place."""
+        self.kernel.pack(weights, {name: t[slot] for name, t in self.tensors().items()})
+
     def read(self, slot: int) -> dict[str, torch.Tensor]:
         """A copy of one slot's tensors, in `MoEKernel.pack`'s form (the inverse of `write`)."""
         return {name: t[slot].clone() for name, t in self.tensors().items()}
@@ -366,7 +371,8 @@ class MoEKernel:
 
     name: str
     step: Any                       # a @triton.jit step (see module doc)
-    pack: Callable[[list], tuple[dict[str, torch.Tensor], dict[str, int]]]
+    # (weights, out=None) -> (slot tensors, meta); `out`: one slot's tensors to write into
+    pack: Callable[..., tuple[dict[str, torch.Tensor], dict[str, int]]]
     has_row_scale: bool = False
     group_scaled: bool = False      # BK must divide the group
     packed_k: bool = False          # k packed two per byte: K % BK == 0 required
@@ -400,40 +406,58 @@ class MoEKernel:
         return SlotMatrix(self, n, example[0].in_features, part or n, **stacked, **meta)
 
 
-def _cat(ws, attr):
-    return torch.cat([getattr(w, attr) for w in ws], dim=0)
+# `_pack_<form>(ws, out=None)`: one slot's tensors from the PackedWeights stacked by rows into it;
+# with `out` (that slot's tensors, e.g. a view of a bank) each part is copied straight into place.
+def _rows(parts: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.cat(parts, dim=0)
+    row = 0
+    for p in parts:
+        out[row:row + p.shape[0]].copy_(p)
+        row += p.shape[0]
+    return out
 
 
-def _row_scale(ws, attr):
-    return torch.cat([getattr(w, attr).float().reshape(-1).expand(w.out_features) for w in ws])
+def _cat(ws, attr, out=None):
+    return _rows([getattr(w, attr) for w in ws], out)
 
 
-def _pack_dense(ws):
-    return {"w": _cat(ws, "weight")}, {}
+def _row_scale(ws, attr, out=None):
+    return _rows([getattr(w, attr).float().reshape(-1).expand(w.out_features) for w in ws], out)
 
 
-def _pack_fp8_row(ws):
-    return {"w": _cat(ws, "weight"), "rs": _row_scale(ws, "scale")}, {}
+def _slot(out, key):
+    return None if out is None else out[key]
 
 
-def _pack_fp8_block(ws):
+def _pack_dense(ws, out=None):
+    return {"w": _cat(ws, "weight", _slot(out, "w"))}, {}
+
+
+def _pack_fp8_row(ws, out=None):
+    return {"w": _cat(ws, "weight", _slot(out, "w")), "rs": _row_scale(ws, "scale", _slot(out, "rs"))}, {}
+
+
+def _pack_fp8_block(ws, out=None):
     b0, b1 = ws[0].block_size
     if any(tuple(w.block_size) != (b0, b1) for w in ws):
         raise ValueError("fp8_block: gate and up use different block sizes")
-    return {"w": _cat(ws, "weight"), "s": _cat(ws, "scale_inv").float()}, {"group": b1, "group_n": b0}
+    return ({"w": _cat(ws, "weight", _slot(out, "w")), "s": _cat(ws, "scale_inv", _slot(out, "s")).float()},
+            {"group": b1, "group_n": b0})
 
 
-def _pack_fp4(ws):
-    return {"w": _cat(ws, "packed"), "s": _cat(ws, "scale"), "rs": _row_scale(ws, "global_scale")}, {"group": 16}
+def _pack_fp4(ws, out=None):
+    return ({"w": _cat(ws, "packed", _slot(out, "w")), "s": _cat(ws, "scale", _slot(out, "s")),
+             "rs": _row_scale(ws, "global_scale", _slot(out, "rs"))}, {"group": 16})
 
 
-def _pack_int4(ws):
+def _pack_int4(ws, out=None):
     g = ws[0].group_size
     if any(w.group_size != g for w in ws) or len({w.zeros is None for w in ws}) > 1:
         raise ValueError("int4: gate and up use different group sizes or zero-point modes")
-    t = {"w": _cat(ws, "packed"), "s": _cat(ws, "scales")}
+    t = {"w": _cat(ws, "packed", _slot(out, "w")), "s": _cat(ws, "scales", _slot(out, "s"))}
     if ws[0].zeros is not None:
-        t["z"] = _cat(ws, "zeros")
+        t["z"] = _cat(ws, "zeros", _slot(out, "z"))
     return t, {"group": g}
 
 

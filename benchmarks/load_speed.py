@@ -1,0 +1,177 @@
+"""How fast a quantized checkpoint's experts load (issues 11, 13): seconds per MoE layer and GB/s.
+
+    python benchmarks/load_speed.py --model DIR [--device cpu|cuda] [--layers N] [--threads T]
+
+Rows, per MoE layer (the mean over the first `--layers` MoE layers), all from the page cache
+(the files are read once first):
+  raw read          the layer's expert bytes read from the files with plain reads (the bound)
+  bank before       per-expert reads (`get`), `pack` (a copy), then the slot write (runs first: its
+                    pinned memory comes from cudaHostAlloc, as before)
+  bank after        the loader's path: views of the mapped files, each part copied once into the bank
+                    (pinned by malloc + cudaHostRegister from several threads: `use_fast_pinning`)
+  pinned alloc only the bank's pinned allocation alone, as `bank after` makes it
+  resident before   per-expert reads, `pack`, one write per expert into the device slots
+  resident after    the resident backend's path (`SlotBuffer.from_experts`)
+Banks are pinned with `--device cuda` (as the offload backends build them); resident slots go
+to `--device` (on the CPU the resident backend keeps the packed experts: no copy at all, so its
+row times only the read). `--load-model` also times a whole `load_model` per backend.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from moeferry.checkpoint.reader import CheckpointReader
+from moeferry.model.loader import _layer_experts
+from moeferry.model.registry import resolve_spec
+from moeferry.model.weights import WeightLoader
+from moeferry.moe.bank import build_bank, use_fast_pinning
+from moeferry.moe.slots import SlotBuffer
+
+
+def expert_ranges(reader: CheckpointReader, layer: int) -> list[tuple[str, int, int]]:
+    """(file, start, end) of every routed-expert tensor of `layer`, in file order."""
+    prefix = f"model.layers.{layer}.mlp.experts."
+    return sorted((str(i.file), i.start, i.end) for n, i in reader.tensors.items() if n.startswith(prefix))
+
+
+def raw_read(ranges) -> int:
+    """Read the ranges into one buffer with pread; the bytes read."""
+    total = sum(b - a for _, a, b in ranges)
+    buf = memoryview(bytearray(total))
+    fds, pos = {}, 0
+    try:
+        for path, a, b in ranges:
+            fd = fds.get(path) or fds.setdefault(path, os.open(path, os.O_RDONLY))
+            pos += os.preadv(fd, [buf[pos:pos + b - a]], a)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return pos
+
+
+def per_expert_slots(experts, device, pin: bool, threads: int) -> SlotBuffer:
+    """The path before: `pack` each expert (a copy), then write the packed tensors into its slot."""
+    buf = SlotBuffer.allocate(experts.format, experts.num_experts, experts.experts[0], device, pin=pin)
+
+    def put(e: int) -> None:
+        buf.write_packed(e, buf.pack(experts.experts[e]))
+    if threads > 1:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(put, range(experts.num_experts)))
+    else:
+        for e in range(experts.num_experts):
+            put(e)
+    return buf
+
+
+def resident_slots(experts, device, threads: int) -> SlotBuffer:
+    return SlotBuffer.from_experts(experts.format, experts.experts, device, threads=threads)
+
+
+def pinned_bank(experts) -> SlotBuffer:
+    use_fast_pinning()
+    return SlotBuffer.allocate(experts.format, experts.num_experts, experts.experts[0], "cpu", pin=True)
+
+
+def empty_host_cache(device: torch.device) -> None:
+    """Free cached pinned blocks, so every case allocates its bank anew (as loading does)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch._C._host_emptyCache()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device) -> tuple[float, object]:
+    sync(device)
+    t = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t, out
+
+
+def measure(model: str, device: torch.device, layers: int, threads: int) -> list[tuple[str, float, int]]:
+    reader = CheckpointReader(model)
+    spec = resolve_spec(reader)
+    w = WeightLoader(reader, torch.bfloat16, "cpu")
+    moe = [i for i in range(spec.num_layers) if spec.is_moe_layer(i)][:layers]
+    pin = device.type == "cuda"
+    rows: dict[str, list[float]] = {}
+    nbytes = 0
+    for layer in moe:
+        p = f"model.layers.{layer}.mlp."
+        ranges = expert_ranges(reader, layer)
+        raw_read(ranges)  # into the page cache
+        t, n = timed(lambda: raw_read(ranges), device)
+        nbytes += n
+        rows.setdefault("raw read", []).append(t)
+        cases = {
+            "bank before": lambda: per_expert_slots(_layer_experts(w, spec, p, threads, mapped=False), "cpu", pin,
+                                                    threads),
+            "bank after": lambda: build_bank(_layer_experts(w, spec, p, threads), pin, threads),
+        }
+        if pin:
+            cases["pinned alloc only"] = lambda: pinned_bank(_layer_experts(w, spec, p, threads))
+        if device.type == "cpu":
+            cases["resident after (read only)"] = lambda: _layer_experts(w, spec, p, threads)
+        else:
+            cases["resident before"] = lambda: per_expert_slots(_layer_experts(w, spec, p, threads, mapped=False),
+                                                                device, False, threads)
+            cases["resident after"] = lambda: resident_slots(_layer_experts(w, spec, p, threads), device, threads)
+        for name, fn in cases.items():
+            t, out = timed(fn, device)
+            rows.setdefault(name, []).append(t)
+            del out
+            empty_host_cache(device)
+    per_layer = nbytes / len(moe)
+    return [(name, sum(ts) / len(ts), per_layer) for name, ts in rows.items()]
+
+
+def time_load_model(model: str, device: torch.device, backend: str, threads: int) -> float:
+    from moeferry.engine.config import EngineConfig
+    from moeferry.model.loader import load_model
+    from moeferry.moe import make_backend
+
+    reader = CheckpointReader(model)
+    spec = resolve_spec(reader)
+    cfg = EngineConfig(model_dir=model, device=str(device), dtype="bfloat16", moe_backend=backend,
+                       expert_load="parallel" if threads > 1 else "serial")
+    dtype = torch.bfloat16
+    t, _ = timed(lambda: load_model(reader, spec, dtype, device, make_backend(cfg, spec, device, dtype),
+                                    progress=False), device)
+    return t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="a quantized checkpoint (make-model --quant ...)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (pinned banks, resident slots on the GPU)")
+    ap.add_argument("--layers", type=int, default=2, help="MoE layers to time (default 2; 0: only --load-model)")
+    ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1),
+                    help="reader/copy threads, as --expert-load parallel uses (default min(8, cores))")
+    ap.add_argument("--load-model", action="store_true", help="also time a whole load_model per backend")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if args.layers > 0:
+        rows = measure(args.model, device, args.layers, args.threads)
+        print(f"{args.model}: device {device}, {args.threads} threads, "
+              f"{rows[0][2] / 1e9:.3f} GB of experts per layer")
+        print(f"| path | s/layer | GB/s | s per 20 GB |\n|---|---|---|---|")
+        for name, t, n in rows:
+            print(f"| {name} | {t:.3f} | {n / t / 1e9:.2f} | {20e9 / (n / t):.1f} |")
+    if args.load_model:
+        for backend in ("resident", "offload"):
+            print(f"load_model --moe-backend {backend}: "
+                  f"{time_load_model(args.model, device, backend, args.threads):.2f} s")
+
+
+if __name__ == "__main__":
+    main()
