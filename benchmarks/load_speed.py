@@ -8,7 +8,7 @@ Rows, per MoE layer (the mean over the first `--layers` MoE layers), all from th
   bank before       per-expert reads (`get`), `pack` (a copy), then the slot write (runs first: its
                     pinned memory comes from cudaHostAlloc, as before)
   bank after        the loader's path: views of the mapped files, each part copied once into the bank
-                    (pinned by malloc + cudaHostRegister from several threads: `use_fast_pinning`)
+                    (pinned by malloc + cudaHostRegister from several threads: `configure_allocator`)
   pinned alloc only the bank's pinned allocation alone, as `bank after` makes it
   resident before   per-expert reads, `pack`, one write per expert into the device slots
   resident after    the resident backend's path (`SlotBuffer.from_experts`)
@@ -28,7 +28,8 @@ from moeferry.checkpoint.reader import CheckpointReader
 from moeferry.model.loader import _layer_experts
 from moeferry.model.registry import resolve_spec
 from moeferry.model.weights import WeightLoader
-from moeferry.moe.bank import build_bank, use_fast_pinning
+from moeferry.memory.allocator import configure_allocator
+from moeferry.moe.bank import build_bank
 from moeferry.moe.slots import SlotBuffer
 
 
@@ -74,7 +75,7 @@ def resident_slots(experts, device, threads: int) -> SlotBuffer:
 
 
 def pinned_bank(experts) -> SlotBuffer:
-    use_fast_pinning()
+    configure_allocator(torch.device("cuda"))
     return SlotBuffer.allocate(experts.format, experts.num_experts, experts.experts[0], "cpu", pin=True)
 
 
@@ -164,7 +165,7 @@ def main() -> None:
         rows = measure(args.model, device, args.layers, args.threads)
         print(f"{args.model}: device {device}, {args.threads} threads, "
               f"{rows[0][2] / 1e9:.3f} GB of experts per layer")
-        print(f"| path | s/layer | GB/s | s per 20 GB |\n|---|---|---|---|")
+        print("| path | s/layer | GB/s | s per 20 GB |\n|---|---|---|---|")
         for name, t, n in rows:
             print(f"| {name} | {t:.3f} | {n / t / 1e9:.2f} | {20e9 / (n / t):.1f} |")
     if args.load_model:

@@ -22,8 +22,8 @@ from moeferry.model.loader import _layer_experts
 from moeferry.model.registry import resolve_spec
 from moeferry.model.weights import WeightLoader
 from moeferry.moe.bandwidth import MissSplit
-from moeferry.moe.bank import (HostRamError, build_bank, pinned_register_settings, plan_loading,
-                               use_fast_pinning)
+from moeferry.memory.allocator import allocator_settings, configure_allocator, pinned_register_settings
+from moeferry.moe.bank import HostRamError, build_bank, plan_loading
 from moeferry.moe.offload import OffloadExperts
 from moeferry.moe.slots import SlotBuffer
 from moeferry.scheduler.sampling import SamplingParams
@@ -466,19 +466,24 @@ def test_plan_loading(monkeypatch):
     assert plan_loading(10 * gib, gib, "auto", available=100 * gib, max_threads=1) == 1
 
 
-def test_fast_pinning_settings(monkeypatch):
-    """Banks are pinned by malloc + cudaHostRegister from a power-of-two number of threads (<= 16),
-    unless the user's allocator settings already say how to pin."""
+def test_allocator_settings(monkeypatch):
+    """Expandable device segments, and banks pinned by malloc + cudaHostRegister from a
+    power-of-two number of threads (<= 16), each unless the user's settings already say."""
     assert pinned_register_settings(1).endswith("threads:1") and pinned_register_settings(12).endswith("threads:8")
     assert pinned_register_settings(64) == "pinned_use_cuda_host_register:True,pinned_num_register_threads:16"
+    assert allocator_settings("", 16) == "expandable_segments:True," + pinned_register_settings(16)
+    assert allocator_settings("expandable_segments:False", 4) == pinned_register_settings(4)
+    assert allocator_settings("pinned_use_background_threads:True,expandable_segments:True") == ""
     calls = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    use_fast_pinning()
-    assert calls == [pinned_register_settings()]
+    configure_allocator(torch.device("cpu"))
+    assert calls == []
+    configure_allocator(torch.device("cuda"))
+    assert calls == [allocator_settings("")]
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,pinned_use_background_threads:True")
-    use_fast_pinning()
+    configure_allocator(torch.device("cuda"))
     assert len(calls) == 1
 
 

@@ -30,8 +30,9 @@ from moeferry.cache.manager import CacheManager
 from moeferry.checkpoint.reader import CheckpointReader
 from moeferry.engine.config import EngineConfig, EngineSizes, derive_sizes
 from moeferry.engine.cuda_graph import DecodeGraphs
-from moeferry.engine.planning import (choose_backend, configure_allocator, describe_plan, free_memory,
-                                      make_engine_plan, needs_plan, self_test)
+from moeferry.engine.planning import (choose_backend, describe_plan, free_memory, make_engine_plan, needs_plan,
+                                      self_test)
+from moeferry.memory.allocator import configure_allocator
 from moeferry.memory.guard import OomGuard
 from moeferry.memory.plan import MemoryPlan
 from moeferry.model.batch import ForwardBatch, SeqChunk

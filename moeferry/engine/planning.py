@@ -1,6 +1,5 @@
 """The engine's memory phase: measure the plan's inputs, make the plan, and test it for real.
 
-    configure_allocator(device)   expandable segments for the CUDA caching allocator
     free_memory(device)           free device memory (host MemAvailable on the CPU), before loading
     needs_plan(cfg, device, ...)  whether pool sizes come from a measured plan
     make_engine_plan(...)         probe the worst steps, then `moeferry.memory.plan.make_plan`
@@ -9,7 +8,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import replace
 
 import torch
@@ -27,16 +25,6 @@ log = logging.getLogger("moeferry.engine")
 # On the CPU the self-test is a smoke test of the same path: the reference kernels would take
 # minutes at full depth (the plan's transient there comes from the probe's extrapolation).
 CPU_SELF_TEST_TOKENS = 256
-
-
-def configure_allocator(device: torch.device) -> None:
-    """Expandable segments for the CUDA caching allocator (unless PYTORCH_CUDA_ALLOC_CONF says
-    otherwise): a freed block can serve any later request, so a step's transients do not strand
-    memory in blocks too small for the next one. The plan's fragmentation term is measured under
-    the same setting."""
-    if device.type == "cuda" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-        log.info("CUDA allocator: expandable segments")
 
 
 def free_memory(device: torch.device) -> int:

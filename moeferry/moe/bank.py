@@ -64,29 +64,10 @@ def plan_loading(bank_bytes: int, layer_bytes: int, mode: str, available: int | 
     return threads if fits_parallel else 1
 
 
-def pinned_register_settings(cores: int | None = None) -> str:
-    """Pinned host memory as malloc + cudaHostRegister, the pages touched by up to 16 threads (a
-    power of two, as PyTorch requires): 4x faster than cudaHostAlloc for a bank (H200 host, 16
-    cores: 0.05 s instead of 0.18-0.21 s for a 453 MB layer)."""
-    threads = 1 << (max(1, min(16, cores or os.cpu_count() or 1)).bit_length() - 1)
-    return f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{threads}"
-
-
-def use_fast_pinning() -> None:
-    """Let PyTorch's pinned allocator register malloc'd memory from several threads, unless the
-    user's allocator settings already say how to pin."""
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # absent in older torch
-    if setter is not None and "pinned_" not in conf:
-        setter(pinned_register_settings())
-
-
 def build_bank(experts: LayerExperts, pin: bool, threads: int = 1) -> "SlotBuffer":
     """One layer's bank: expert e in slot e, in pinned memory when `pin`."""
     from moeferry.moe.slots import SlotBuffer
 
-    if pin:
-        use_fast_pinning()
     bank = SlotBuffer.allocate(experts.format, experts.num_experts, experts.experts[0], "cpu", pin=pin)
     bank.write_experts(experts.experts, threads)
     return bank

@@ -198,14 +198,20 @@ def _fp8_tile(w_ptr, slot, offs_n, mn, offs_k, mk, N, K):
 
 
 @triton.jit
-def fp8_row_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
-                 BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
-                 HAS_Z: tl.constexpr):
+def _fp8_rows(x_ptr, w_ptr, slot, n0, k0, N, K, BN: tl.constexpr, BK: tl.constexpr):
+    """(fp8 weight tile [BN, BK] in fp32, x [BK] in fp32, its row offsets, their mask)."""
     offs_n, mn = _gemv_rows(n0, N, BN)
     offs_k = k0 + tl.arange(0, BK)
     mk = offs_k < K
     w = _fp8_tile(w_ptr, slot, offs_n, mn, offs_k, mk, N, K)
-    x = tl.load(x_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
+    return w, tl.load(x_ptr + offs_k, mask=mk, other=0.0).to(tl.float32), offs_n, mn
+
+
+@triton.jit
+def fp8_row_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
+                 BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
+                 HAS_Z: tl.constexpr):
+    w, x, offs_n, mn = _fp8_rows(x_ptr, w_ptr, slot, n0, k0, N, K, BN, BK)
     return acc + tl.sum(w * x[None, :], axis=1)
 
 
@@ -213,11 +219,7 @@ def fp8_row_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
 def fp8_block_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
                    BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
                    HAS_Z: tl.constexpr):
-    offs_n, mn = _gemv_rows(n0, N, BN)
-    offs_k = k0 + tl.arange(0, BK)
-    mk = offs_k < K
-    w = _fp8_tile(w_ptr, slot, offs_n, mn, offs_k, mk, N, K)
-    x = tl.load(x_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
+    w, x, offs_n, mn = _fp8_rows(x_ptr, w_ptr, slot, n0, k0, N, K, BN, BK)
     part = tl.sum(tl.reshape(w * x[None, :], (BN, BK // GB, GB)), axis=2)  # [BN, groups in the tile]
     nbk = tl.cdiv(K, G)
     nbr = tl.cdiv(PART, GN)
