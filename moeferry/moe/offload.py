@@ -256,10 +256,12 @@ class OffloadExperts:
         return buf.run_reference(x, ids, weights, row)
 
     def _row(self, mapping: dict[int, int], device) -> torch.Tensor:
-        """A table row with only `mapping` (expert -> slot) present, on `device`."""
-        row = torch.full((self.bank.num_slots,), -1, dtype=torch.int32)
+        """A table row with only `mapping` (expert -> slot) present, on `device` (from pinned
+        memory, asynchronously: a host sync here would stall the staging overlap)."""
+        pin = torch.device(device).type == "cuda"
+        row = torch.full((self.bank.num_slots,), -1, dtype=torch.int32, pin_memory=pin)
         row[list(mapping)] = torch.tensor(list(mapping.values()), dtype=torch.int32)
-        return row.to(device)
+        return row.to(device, non_blocking=True)
 
     def _stream(self, x, ids, weights, experts: list[int]) -> torch.Tensor:
         """Experts that get no cache slot, in chunks through the two staging halves: the copy of
