@@ -13,6 +13,10 @@
 #   seed_c4   --max-running-requests 4, 4 concurrent 8k prompts
 #   seed_32k  --max-extend-tokens 32768, two 32768-token prompts
 #   seed_10g  ballast leaving 10 GiB
+#   seed_int4 an int4_awq checkpoint (same geometry), the seed's flags
+#   bench     bench_serve.py: `moeferry bench serve` against both engines, BENCH_FLAGS, no ballast (issue 14)
+#   moe       quant_decode.py moe: the MoE decode path against the grouped-GEMM path (issue 13 item 3)
+#   load      load_speed.py: loading per layer, old and new paths, and load_model (issue 13 item 5)
 #   e2e       quant_decode.py e2e: in-process resident decode b1/b4/b16 and an eager profile (issue 13)
 #   gputests  pytest -m gpu (the whole GPU suite)
 # Returned under $OUT: results.md (every table), results.json, logs.tgz (server, ballast and
@@ -36,6 +40,7 @@ QUANT_DEVICE=${QUANT_DEVICE-cuda}
 SEED_ARGS=${SEED_ARGS:-}
 OFFLOAD_ARGS=${OFFLOAD_ARGS:-}
 FT_ARGS=${FT_ARGS:---attention-backend triton}
+BENCH_FLAGS=${BENCH_FLAGS:---moe-backend offload --moe-cache-size 10240 --max-running-requests 8 --max-seq-len-override 8192}
 OFFLOAD_FLAGS="--moe-backend offload --moe-cache-size $CACHE_SIZE --max-running-requests 4 --max-seq-len-override 32768"
 T_START=$(date +%s)
 mkdir -p "$OUT" "$WORK"
@@ -83,10 +88,10 @@ step() {
   return $rc
 }
 
-make_ckpt() {  # make_ckpt DIR SKEW
+make_ckpt() {  # make_ckpt DIR SKEW [QUANT]
   local logf="$WORK/make_$(basename "$1").log" rc
   MOEFERRY_QUANT_DEVICE=$QUANT_DEVICE python3 -m moeferry.cli make-model --arch qwen3_5_moe --size "$SIZE" \
-    ${LAYERS:+--num-layers $LAYERS} --multimodal --dtype bfloat16 --quant mixed_nvfp4 --router-skew "$2" \
+    ${LAYERS:+--num-layers $LAYERS} --multimodal --dtype bfloat16 --quant "${3:-mixed_nvfp4}" --router-skew "$2" \
     --out "$1" > "$logf" 2>&1
   rc=$?; tail -n 3 "$logf"; du -sh "$1"; return $rc
 }
@@ -129,6 +134,14 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       seed_c4)  step seed_c4 140 200 seed seed_c4 --extra-flags "--max-running-requests 4" --concurrency 4 --prompts 4 ;;
       seed_32k) step seed_32k 150 220 seed seed_32k --extra-flags "--max-extend-tokens 32768" --prompt-tokens 32768 --prompts 2 ;;
       seed_10g) step seed_10g 140 200 seed seed_10g --leave-gib 10 ;;
+      seed_int4) rm -rf "$WORK/ckpt_int4"
+                step make_int4 200 300 make_ckpt "$WORK/ckpt_int4" 0 int4_awq \
+                  && step seed_int4 150 300 seed seed_int4 --model "$WORK/ckpt_int4" ;;
+      bench)    step bench 200 400 python3 benchmarks/bench_serve.py --model "$WORK/ckpt" --out "$WORK/bench" \
+                  --flags "$BENCH_FLAGS" --ft-args "$FT_ARGS" --boot-timeout 180 --request-timeout 240 ;;
+      moe)      step moe 200 480 python3 benchmarks/quant_decode.py moe --out "$WORK/moe" ;;
+      load)     step load 60 200 python3 benchmarks/load_speed.py --model "$WORK/ckpt" --device cuda --layers 3 \
+                  --load-model ;;
       e2e)      step e2e 120 240 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e" --profile ;;
       gputests) step gputests 120 300 bash -c "mkdir -p $WORK/gputests; python3 -m pytest tests -m gpu -q -p no:cacheprovider -rf > $WORK/gputests/pytest.log 2>&1; tail -n 30 $WORK/gputests/pytest.log > $WORK/gputests/pytest.md" ;;
       offload)  step offload 170 240 offload offload "$WORK/ckpt" ;;
