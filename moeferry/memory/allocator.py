@@ -40,6 +40,11 @@ def configure_allocator(device: torch.device) -> None:
     settings = allocator_settings(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + ","
                                   + os.environ.get("PYTORCH_ALLOC_CONF", ""))
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
-    if settings:
+    if not settings:
+        return
+    try:
         setter(settings)
-        log.info("CUDA allocator: %s", settings)
+    except (RuntimeError, ValueError) as e:  # an optimisation: a torch that refuses it still serves
+        log.warning("CUDA allocator settings %s not applied: %s", settings, e)
+        return
+    log.info("CUDA allocator: %s", settings)
