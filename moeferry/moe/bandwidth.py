@@ -52,9 +52,9 @@ def choose_gather(bank: SlotBuffer, device: torch.device) -> tuple[bool, str]:
                     return False, f"per-tensor copies (the gather kernel moved {m}.{name} wrong)"
         del dst
         gather_s = min(time_fetch(bank, device, gather=True) for _ in range(2))
+        copy_s = min(time_fetch(bank, device) for _ in range(2))
     except Exception as e:  # e.g. a device that cannot read pinned host memory from a kernel
         return False, f"per-tensor copies (gather kernel unavailable: {type(e).__name__}: {str(e)[:120]})"
-    copy_s = min(time_fetch(bank, device) for _ in range(2))
     mib = bank.bytes_per_slot / 2**20
     what = (f"an expert ({mib:.2f} MiB) arrives in {gather_s * 1e6:.0f} us by the gather kernel, "
             f"{copy_s * 1e6:.0f} us by per-tensor copies")

@@ -54,6 +54,7 @@ class OffloadBackend:
         self.executors: dict[int, OffloadExperts] = {}
         self.load_threads = 1
         self.split = None                             # hybrid: MissSplit, measured in finish()
+        self.gather: bool | None = None               # misses by the gather kernel: measured in finish()
         self.cpu_layers = set()
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if cfg.moe_cpu_threads:
@@ -111,6 +112,8 @@ class OffloadBackend:
         if total is None:
             raise ValueError("the offload backend needs an expert slot count (--moe-cache-size / -rate / -auto)")
         self._release_device()
+        if self.gather is None:  # before the cache takes the device's memory
+            self._choose_transfer()
         if self.name == "cpu" and self.cfg.moe_cpu_layers:
             self.cpu_layers = set(sorted(self.banks)[: self.cfg.moe_cpu_layers])
         cached_layers = {k: [x for x in v if x not in self.cpu_layers] for k, v in self.groups.items()}
@@ -122,6 +125,7 @@ class OffloadBackend:
             slots = max(1, total * len(layers) // n_layers)
             cache = ExpertCache(SlotBuffer.allocate_like(first, slots, device=self.device), layers,
                                 first.num_slots, self.cfg.moe_cache_policy)
+            cache.gather = self.gather and self.name != "cpu"
             cache.fill(self.banks)
             for layer in layers:
                 self.caches[layer] = cache
@@ -129,8 +133,6 @@ class OffloadBackend:
                 self.staging[key] = SlotBuffer.allocate_like(first, 2 * STAGING_SLOTS, device=self.device)
         for layer, ex in self.executors.items():
             ex.bind()
-        if self.caches and self.name != "cpu":
-            self._choose_transfer()
         if self.name == "hybrid":
             from moeferry.moe.bandwidth import MissSplit
             self.split = MissSplit.measure(self, self.cfg.moe_hybrid_max_fetch)
@@ -139,9 +141,7 @@ class OffloadBackend:
     def _choose_transfer(self) -> None:
         """Decode misses move by the one-launch gather kernel or by copies: measured, the faster kept."""
         from moeferry.moe.bandwidth import choose_gather
-        gather, what = choose_gather(next(iter(self.banks.values())), self.device)
-        for cache in self.distinct_caches:
-            cache.gather = gather
+        self.gather, what = choose_gather(next(iter(self.banks.values())), self.device)
         log.info("expert fetches: %s", what)
 
     def _release_device(self) -> None:
