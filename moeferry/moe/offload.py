@@ -232,6 +232,7 @@ class OffloadExperts:
             fetch, on_cpu = self.b.split.divide(misses, ids)
         else:
             fetch, on_cpu = misses, []
+        inputs = self._to_host(x, ids, weights) if on_cpu else None  # before the GPU work is queued
         # a prefill-sized chunk (more tokens than a staging half) missing more experts than a half holds
         streaming = self.staging is not None and len(fetch) > STAGING_SLOTS and x.shape[0] > STAGING_SLOTS
         if streaming:  # a big prefill chunk: hits in place, misses through staging, the cache untouched
@@ -245,9 +246,9 @@ class OffloadExperts:
             self.cache.counters[self.layer].bytes_fetched += len(leftover) * self.bank.bytes_per_slot
         if leftover:
             out = out + self._stream(x, ids, weights, leftover)
-        if on_cpu:
+        if on_cpu:  # the CPU computes while the device runs what was queued above
             self.cpu_experts += len(on_cpu)
-            out = out + self._on_cpu(x, ids, weights, on_cpu)
+            out = out + self._on_cpu(x, ids, weights, on_cpu, inputs)
         return out
 
     def _run(self, buf: SlotBuffer, x, ids, weights, row: torch.Tensor) -> torch.Tensor:
@@ -300,8 +301,21 @@ class OffloadExperts:
             self.staging.copy_slots(dst, self.bank, chunk)
             return stream.record_event()
 
-    def _on_cpu(self, x, ids, weights, experts: list[int]) -> torch.Tensor:
+    @staticmethod
+    def _to_host(x, ids, weights) -> tuple:
+        """(x, ids, weights) on the host, copied on the current stream; with an event to wait
+        for on CUDA, so that work queued after the copies runs on while the CPU computes."""
+        if x.device.type != "cuda":
+            return x.float(), ids, weights.float(), None
+        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                     for t in (x, ids, weights))
+        return (*host, torch.cuda.current_stream().record_event())
+
+    def _on_cpu(self, x, ids, weights, experts: list[int], inputs: tuple | None = None) -> torch.Tensor:
         """Experts computed on the CPU from the bank (fp32), added on x's device."""
+        hx, hids, hw, copied = inputs or self._to_host(x, ids, weights)
+        if copied is not None:
+            copied.synchronize()  # only the copies: the device's later work is not waited for
         row = self._row({e: e for e in experts}, "cpu")  # bank slot e holds expert e
-        out = self.bank.run_reference(x.float().cpu(), ids.cpu(), weights.float().cpu(), row)
-        return out.to(device=x.device, dtype=x.dtype)
+        out = self.bank.run_reference(hx.float(), hids, hw.float(), row)
+        return out.to(device=x.device, dtype=x.dtype, non_blocking=True)
