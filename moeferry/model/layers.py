@@ -125,8 +125,14 @@ class DecoderLayer:
         self.spec, self.mixer, self.mlp = spec, mixer, mlp
         self.input_norm, self.post_norm = input_norm, post_norm
 
-    def __call__(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, pending: torch.Tensor | None, ctx: StepContext) -> tuple:
+        """(residual stream, this layer's MLP output): the output is added to the stream by the
+        next norm (one fused add + RMSNorm kernel), `pending` being the previous layer's."""
         s = self.spec
-        x = self.mixer(rms_norm(h, self.input_norm, s.rms_norm_eps, s.zero_centered_norm), ctx)
+        if pending is None:
+            x = rms_norm(h, self.input_norm, s.rms_norm_eps, s.zero_centered_norm)
+        else:
+            x, h = add_rms_norm(pending, h, self.input_norm, s.rms_norm_eps, s.zero_centered_norm)
+        x = self.mixer(x, ctx)
         x, h = add_rms_norm(x, h, self.post_norm, s.rms_norm_eps, s.zero_centered_norm)  # h + x, norm(h + x)
-        return h + self.mlp(x)
+        return h, self.mlp(x)

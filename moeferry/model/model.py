@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from moeferry.model.batch import ForwardBatch
 from moeferry.model.layers import StepContext
 from moeferry.model.spec import ModelSpec
-from moeferry.ops.norm import rms_norm
+from moeferry.ops.norm import add_rms_norm
 from moeferry.ops.rope import rope_cos_sin, rope_inv_freq
 
 
@@ -29,8 +29,9 @@ class CausalLM:
         h = F.embedding(batch.input_ids, self.embed)
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq, h.dtype)
         ctx = StepContext(batch, cos, sin, kv_pool, state_pool)
+        pending = None  # a layer's MLP output, added to the stream by the next layer's norm
         for layer in self.layers:
-            h = layer(h, ctx)
-        h = h[batch.logit_rows]
-        h = rms_norm(h, self.norm, self.spec.rms_norm_eps, self.spec.zero_centered_norm)
+            h, pending = layer(h, pending, ctx)
+        rows = batch.logit_rows
+        h, _ = add_rms_norm(pending[rows], h[rows], self.norm, self.spec.rms_norm_eps, self.spec.zero_centered_norm)
         return self.lm_head(h).float()
