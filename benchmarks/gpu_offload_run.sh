@@ -22,6 +22,7 @@
 # Returned under $OUT: results.md (every table), results.json, logs.tgz (server, ballast and
 # make-model logs), driver.log, gpu.txt.
 # Knobs (env): BUDGET_S, RUNS, SEED_MAX_S (the seed run's limit, default 220), LEAVE_GIB (empty: no ballast), CACHE_SIZE, SKEW, SKEW_FT, FT_ARGS,
+# BENCH_FLAGS / BENCH_ARGS (serve flags of both engines / bench_serve.py options of the bench run),
 # SIZE / LAYERS / QUANT_DEVICE (make-model geometry, quantizer device; empty = CPU), SEED_ARGS / OFFLOAD_ARGS (appended to every seed_scenario.py /
 # offload.py call), SKIP_WHEELS=1 (a machine that has the packages). A CPU wiring check:
 #   SKIP_WHEELS=1 SIZE=tiny QUANT_DEVICE= LEAVE_GIB= CACHE_SIZE=12 RUNS="seed offload" SEED_ARGS="--host 127.0.0.1 --prompts 2 \
@@ -138,7 +139,7 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
                 step make_int4 200 300 make_ckpt "$WORK/ckpt_int4" 0 int4_awq \
                   && step seed_int4 150 300 seed seed_int4 --model "$WORK/ckpt_int4" ;;
       bench)    step bench 200 400 python3 benchmarks/bench_serve.py --model "$WORK/ckpt" --out "$WORK/bench" \
-                  --flags "$BENCH_FLAGS" --ft-args "$FT_ARGS" --boot-timeout 180 --request-timeout 240 ;;
+                  --flags "$BENCH_FLAGS" --ft-args "$FT_ARGS" --boot-timeout 180 --request-timeout 240 ${BENCH_ARGS:-} ;;
       moe)      step moe 200 480 python3 benchmarks/quant_decode.py moe --out "$WORK/moe" ;;
       load)     step load 60 200 python3 benchmarks/load_speed.py --model "$WORK/ckpt" --device cuda --layers 3 \
                   --load-model ;;

@@ -283,42 +283,20 @@ def stream_completion(base: str, body: dict, timeout: float, on_first=None) -> S
 
 
 class Prompts:
-    """Text prompts of an exact token length (by the checkpoint's tokenizer), from its ordinary
-    ids. Text, not token ids: FreeToken 0.1.2 refuses token-id prompts ("OpenAI token-id prompt
-    inputs are not supported"), and both engines must get the same input."""
+    """Text prompts of an exact token length (by the checkpoint's tokenizer: `moeferry bench
+    serve`'s `PromptMaker`), a different seed per prompt. Text, not token ids: FreeToken 0.1.2
+    refuses token-id prompts ("OpenAI token-id prompt inputs are not supported"), and both
+    engines must get the same input."""
 
     def __init__(self, model_dir: str | Path):
-        from tokenizers import Tokenizer
+        from moeferry.bench.serve import PromptMaker
 
-        self.tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-        self.vocab = self.tok.get_vocab_size(with_added_tokens=False)
-        self.special = set(self.tok.get_added_tokens_decoder())  # ids of added (special) tokens
-
-    def _random_ids(self, n: int, rng) -> list[int]:
-        out = []
-        while len(out) < n:
-            i = rng.randrange(self.vocab)
-            if i not in self.special:
-                out.append(i)
-        return out
-
-    def _count(self, text: str) -> int:
-        return len(self.tok.encode(text, add_special_tokens=False).ids)
+        self.maker = PromptMaker(str(model_dir))
 
     def text(self, n: int, seed: int) -> str:
-        """A text that encodes to exactly `n` tokens (random ordinary tokens, re-encoded until the
-        decode/encode round trip is stable)."""
         import random
 
-        rng = random.Random(seed)
-        ids = self._random_ids(n, rng)
-        for _ in range(50):
-            text = self.tok.decode(ids)
-            enc = self.tok.encode(text, add_special_tokens=False).ids
-            if len(enc) == n and self._count(text) == n:
-                return text
-            ids = enc[:n] + self._random_ids(max(0, n - len(enc)), rng)
-        raise RuntimeError(f"no text of exactly {n} tokens found (seed {seed})")
+        return self.maker.text(n, random.Random(seed))
 
 
 # ------------------------------------------------------------------------------- servers

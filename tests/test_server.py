@@ -328,7 +328,9 @@ def test_bench_serve_against_the_server(server, model_dir, tmp_path, capsys):
     assert (report["completed"], report["failed"]) == (3, 0)
     assert report["input_tokens"] == 3 * 24 and report["output_tokens"] == 3 * 5
     for r in report["requests"]:
-        assert 0 < r["ttft"] <= r["e2e"] and len(r["itl"]) == 4
+        # one gap per streamed chunk with text after the first: at most 4 for 5 tokens (a token that
+        # ends inside a UTF-8 character streams with the next)
+        assert 0 < r["ttft"] <= r["e2e"] and 1 <= len(r["itl"]) <= 4
     assert report["ttft_ms"]["p50"] > 0 and report["tpot_ms"]["mean"] > 0
     assert report["output_throughput"] == pytest.approx(15 / report["duration_s"])
     rc = main(["bench", "serve", "--base-url", server.url, "--tokenizer", str(model_dir), "--num-prompts", "2",

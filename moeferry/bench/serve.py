@@ -77,26 +77,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------- prompts
 
 
-def random_prompts(tokenizer_dir: str, n: int, length: int, seed: int) -> list[list[int]]:
-    """n prompts of exactly `length` token ids: random words of the vocabulary, re-encoded until
-    decode/encode round-trips, so the text of a prompt is `length` tokens to the server too."""
-    from moeferry.text.tokenizer import Tokenizer
+class PromptMaker:
+    """Random prompts of an exact token length that survive a decode/encode round trip, so their
+    text is that many tokens to a server too. Drawn from the tokens that decode to whole
+    characters (no U+FFFD from a split UTF-8 sequence) with no trailing whitespace."""
 
-    tok = Tokenizer.from_dir(tokenizer_dir)
-    rng = random.Random(seed)
-    special = {tok.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")}
-    vocab = [i for i in range(min(tok.vocab_size, 200_000)) if i not in special]
-    prompts = []
-    for _ in range(n):
-        ids: list[int] = []
+    def __init__(self, tokenizer_dir: str):
+        from moeferry.text.tokenizer import Tokenizer
+
+        self.tok = tok = Tokenizer.from_dir(tokenizer_dir)
+        special = {tok.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")}
+        pieces = ((i, tok.decode([i])) for i in range(min(tok.vocab_size, 200_000)) if i not in special)
+        self.vocab = [i for i, p in pieces if p and "\ufffd" not in p and p == p.rstrip()]
+
+    def ids(self, length: int, rng: random.Random) -> list[int]:
         for _ in range(100):
-            ids = tok.encode(tok.decode(ids + [rng.choice(vocab) for _ in range(length + 16 - len(ids))]))[:length]
-            if len(ids) == length and tok.encode(tok.decode(ids)) == ids:
-                break
-        else:
-            raise SystemExit(f"bench serve: found no {length}-token prompt that round-trips through the tokenizer")
-        prompts.append(ids)
-    return prompts
+            ids = self.tok.encode(self.tok.decode([rng.choice(self.vocab) for _ in range(length + 16)]))[:length]
+            if len(ids) == length and self.tok.encode(self.tok.decode(ids)) == ids:
+                return ids
+        raise SystemExit(f"bench serve: found no {length}-token prompt that round-trips through the tokenizer")
+
+    def text(self, length: int, rng: random.Random) -> str:
+        return self.tok.decode(self.ids(length, rng))
+
+
+def random_prompts(tokenizer_dir: str, n: int, length: int, seed: int) -> list[list[int]]:
+    """n prompts of exactly `length` token ids (`PromptMaker`)."""
+    maker, rng = PromptMaker(tokenizer_dir), random.Random(seed)
+    return [maker.ids(length, rng) for _ in range(n)]
 
 
 def file_prompts(path: str, n: int) -> list[str]:
