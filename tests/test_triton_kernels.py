@@ -98,6 +98,9 @@ def case_route_topk(device, seed=11):
         if dtype == torch.float32:
             assert torch.equal(ids.cpu(), rids.cpu()), (t, e, k)
         worst = max(worst, _check(w, rw, 1e-5 if dtype == torch.float32 else 1e-2, "weights"))
+    bad = torch.full((2, 60), float("nan")).to(device)  # NaN logits still route to real experts
+    _, bad_ids = router.route_topk(bad, 4, True)
+    assert ((bad_ids >= 0) & (bad_ids < 60)).all() and all(len(set(r)) == 4 for r in bad_ids.tolist())
     empty_w, empty_ids = router.route_topk(torch.randn(0, 256).to(device), 8, True)
     assert empty_w.shape == (0, 8) and empty_ids.shape == (0, 8)
     return worst

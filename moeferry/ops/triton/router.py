@@ -20,15 +20,15 @@ def _route_kernel(logits_ptr, stride_l, w_ptr, ids_ptr, E, K: tl.constexpr, RENO
     x = tl.load(logits_ptr + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
-    p = tl.where(offs < E, p, -1.0)
+    p = tl.where((offs < E) & (p == p), p, -1.0)  # padding and NaN (bad logits) rank last
     total = 0.0
     for j in tl.static_range(K):  # the j-th largest: the first index holding the maximum
         best = tl.max(p, axis=0)
-        idx = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)
+        idx = tl.minimum(tl.min(tl.where(p == best, offs, BLOCK_E), axis=0), E - 1)  # always a real expert
         tl.store(w_ptr + t * K + j, best)
         tl.store(ids_ptr + t * K + j, idx.to(tl.int64))
         total += best
-        p = tl.where(offs == idx, -1.0, p)
+        p = tl.where(offs == idx, -2.0, p)  # below the padding: never picked again
     if RENORM:
         kk = tl.arange(0, K)
         w = tl.load(w_ptr + t * K + kk)
