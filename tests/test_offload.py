@@ -586,3 +586,19 @@ def test_dense_slots_of_no_slots(case):
     x, ids, w = torch.randn(4, buf.hidden, generator=gen), torch.tensor([[0, 1]] * 4), torch.full((4, 2), 0.5)
     out = buf.run_reference(x, ids, w, torch.full((3,), -1, dtype=torch.int32))  # every expert missing
     assert torch.equal(out, torch.zeros_like(x))
+
+
+def test_warm_up_steps_give_everything_back(ckpt):
+    """The warm-up's prefill buckets and eager decode batches run through the real pools (here on
+    the CPU, where the engine skips them at boot) and leave the pools and the cache as they were."""
+    llm = LLM(str(ckpt("qwen3_5_moe", "bf16")), dtype="float32", moe_backend="offload", moe_cache_rate=0.5,
+              max_extend_tokens=64, max_running_requests=5, num_tokens=400)
+    eng = llm.engine
+    steps = eng.guard.steps
+    eng.run_warm_steps()
+    assert eng.guard.steps - steps == 2 * 2 + 2 * 2  # prefill 16 and 64 (+ decode), batches 2 and 5
+    eng.cache.check()
+    stats = eng.cache.stats()
+    assert stats["kv_tokens_used"] == 0 and stats["state_slots_used"] == 0
+    for cache in eng.experts.distinct_caches:
+        cache.check()

@@ -42,6 +42,11 @@ from moeferry.moe import make_backend
 
 log = logging.getLogger("moeferry.engine")
 
+# warm-up shapes: one prefill chunk (tokens) and one eager decode batch per kernel-config bucket
+# (moe_gemm.CONFIGS: <= 1, 4, 32, 512 tokens; quant_linear: <= 4, 16 rows, tiled beyond)
+WARM_PREFILL = (16, 64, 600)
+WARM_BATCHES = (2, 5, 33)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 Progress = Callable[[str, float], None]
@@ -142,21 +147,34 @@ class Engine:
         return self.model.forward(batch, self.cache.kv, self.cache.states)
 
     def warm_up(self) -> None:
-        """Run a short prefill and a decode step through the real pools (compiling kernels on
-        CUDA and capturing the decode graphs), then give everything back."""
+        """Compile the kernels the server will use before the first request: a prefill chunk in
+        each kernel-config size bucket (then a decode step on it), and every decode batch size
+        (captured CUDA graphs; eager batches in each bucket where graphs are off, e.g. offload),
+        all through the real pools, given back after."""
         if self.device.type != "cuda":
             return
         t0 = time.perf_counter()
-        n = min(16, self.sizes.max_seq_len - 1)
-        with self.cache.sequences([n + 1]) as (blocks,):
-            self.forward([SeqChunk([0] * n, 0, blocks.pages, blocks.state_slot)])
-            self.forward([SeqChunk([0], n, blocks.pages, blocks.state_slot)])
-            if self.graphs is not None:
-                self.graphs.capture_all()
-            torch.cuda.synchronize()
+        self.run_warm_steps()
+        torch.cuda.synchronize()
         log.info("warm-up took %.1f s%s", time.perf_counter() - t0,
                  "" if self.graphs is None or self.graphs.disabled is None
                  else f" (CUDA graphs off: {self.graphs.disabled})")
+
+    def run_warm_steps(self) -> None:
+        """The warm-up's steps (on any device; tests run them on the CPU)."""
+        longest = min(self.cfg.max_extend_tokens, self.sizes.max_seq_len - 1, self.sizes.kv_tokens - 1)
+        for n in sorted({min(n, longest) for n in WARM_PREFILL}):
+            with self.cache.sequences([n + 1]) as (seq,):
+                self.forward([SeqChunk([0] * n, 0, seq.pages, seq.state_slot)])
+                self.forward([SeqChunk([0], n, seq.pages, seq.state_slot)])
+        if self.graphs is not None:
+            self.graphs.capture_all()
+        else:
+            top = min(self.cfg.max_running_requests, self.sizes.num_state_slots, self.sizes.kv_tokens // 3)
+            for batch in sorted({min(b, top) for b in WARM_BATCHES} - {1}):
+                with self.cache.sequences([3] * batch) as held:  # two tokens each, then a decode step
+                    self.forward([SeqChunk([0, 0], 0, b.pages, b.state_slot) for b in held])
+                    self.forward([SeqChunk([0], 2, b.pages, b.state_slot) for b in held])
 
     # -- reporting --------------------------------------------------------------------------
     def on_expert_cache_resized(self, slots: int) -> None:
