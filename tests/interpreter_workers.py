@@ -50,3 +50,11 @@ def report_cases(names: list[str], run, shard: int, nshards: int) -> None:
             import traceback
             res = {"case": name, "ok": False, "msg": f"{type(ex).__name__}: {ex}\n{traceback.format_exc()[-2000:]}"}
         print("RESULT " + json.dumps(res), flush=True)
+
+
+def assert_case_passed(interpreted: tuple[dict, str], case: str) -> None:
+    """Main-process side: the worker reported `case` and it passed (else its message, or the
+    workers' stderr when it never reported)."""
+    results, logs = interpreted
+    assert case in results, f"worker gave no result for {case}:\n{logs}"
+    assert results[case]["ok"], results[case]["msg"]

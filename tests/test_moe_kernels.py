@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.interpreter_workers import report_cases, run_workers
+from tests.interpreter_workers import assert_case_passed, report_cases, run_workers
 import torch
 
 pytest.importorskip("triton")
@@ -276,9 +276,7 @@ def interpreted():
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_interpreted(interpreted, case):
-    results, logs = interpreted
-    assert case in results, f"worker gave no result for {case}:\n{logs}"
-    assert results[case]["ok"], results[case]["msg"]
+    assert_case_passed(interpreted, case)
 
 
 # -- GPU: compiled kernels at Qwen3.6 shapes -----------------------------------------------

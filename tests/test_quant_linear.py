@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from tests.interpreter_workers import report_cases, run_workers
+from tests.interpreter_workers import assert_case_passed, report_cases, run_workers
 
 pytest.importorskip("triton")
 
@@ -76,9 +76,7 @@ def interpreted():
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_interpreted(interpreted, case):
-    results, logs = interpreted
-    assert case in results, f"worker gave no result for {case}:\n{logs}"
-    assert results[case]["ok"], results[case]["msg"]
+    assert_case_passed(interpreted, case)
 
 
 def test_cpu_uses_reference(monkeypatch):

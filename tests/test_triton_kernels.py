@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.interpreter_workers import report_cases, run_workers
+from tests.interpreter_workers import assert_case_passed, report_cases, run_workers
 import torch
 
 pytest.importorskip("triton")
@@ -358,9 +358,7 @@ def interpreted():
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_interpreted(interpreted, case):
-    results, logs = interpreted
-    assert case in results, f"worker gave no result for {case}:\n{logs}"
-    assert results[case]["ok"], results[case]["msg"]
+    assert_case_passed(interpreted, case)
 
 
 def test_reference_stays_default_on_cpu():

@@ -387,6 +387,18 @@ class MoEKernel:
     def __repr__(self) -> str:
         return f"<MoEKernel {self.name}>"
 
+    def fit_bk(self, bk: int, group: int, k: int) -> int:
+        """Shrink a k-step to what the form allows: at most `max_bk`, a divisor of the scale
+        group (group-scaled forms), of K (nibble-packed forms)."""
+        bk = min(bk, self.max_bk)
+        if self.group_scaled:
+            while bk > 16 and (bk > group or group % bk):
+                bk //= 2
+        if self.packed_k:
+            while bk > 32 and k % bk:
+                bk //= 2
+        return bk
+
     def slot_matrix(self, per_slot: list[list], part: int | None = None) -> SlotMatrix:
         """Stack slots; `per_slot[s]` = the PackedWeights stacked by rows into that slot's
         matrix (gate_up: [gate, up]; down: [down])."""

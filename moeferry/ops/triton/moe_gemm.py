@@ -233,15 +233,9 @@ def choose_decode(num_tokens: int, gate_up: SlotMatrix) -> DecodeConfig | None:
 def _fit(g: GemmConfig, m: SlotMatrix) -> GemmConfig:
     """Shrink BK to what the format allows: a divisor of the group (scaled formats) and of K
     (nibble-packed formats); at least 32 so the half-tiles of packed formats are >= 16."""
-    bk = min(g.bk, m.kernel.max_bk)
-    if m.kernel.group_scaled:
-        while bk > 16 and (bk > m.group or m.group % bk):
-            bk //= 2
-    if m.kernel.packed_k:
-        while bk > 32 and m.k % bk:
-            bk //= 2
-        if m.k % bk or bk < 32:
-            raise ValueError(f"{m.kernel.name}: K={m.k} needs a multiple of 32")
+    bk = m.kernel.fit_bk(g.bk, m.group, m.k)
+    if m.kernel.packed_k and (m.k % bk or bk < 32):
+        raise ValueError(f"{m.kernel.name}: K={m.k} needs a multiple of 32")
     bn = min(g.bn, max(16, triton.next_power_of_2(m.part)))
     return replace(g, bk=bk, bn=bn)
 

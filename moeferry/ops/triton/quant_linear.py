@@ -207,14 +207,7 @@ def supported(op: DenseOperands) -> bool:
 
 
 def _fit_bk(bk: int, op: DenseOperands) -> int:
-    bk = min(bk, op.kernel.max_bk, max(32, triton.next_power_of_2(op.k)))
-    if op.kernel.group_scaled:
-        while bk > 16 and (bk > op.group or op.group % bk):
-            bk //= 2
-    if op.kernel.packed_k:
-        while bk > 32 and op.k % bk:
-            bk //= 2
-    return bk
+    return op.kernel.fit_bk(min(bk, max(32, triton.next_power_of_2(op.k))), op.group, op.k)
 
 
 def choose_config(m: int, op: DenseOperands, device: torch.device) -> DenseConfig:
