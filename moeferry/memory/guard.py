@@ -8,8 +8,9 @@ the error goes to the step's requests (`StepOutOfMemory`) and the server keeps s
 Every shrink is logged with its numbers and counted.
 
 Test hook: `MOEFERRY_FAULT_OOM_STEPS="3,7"` (read once when the guard is made) raises an
-out-of-memory error at the start of those steps (1-based, counted from the engine's build: the
-boot self-test's two steps come first when the engine plans its memory), as a real one would be.
+out-of-memory error at the start of those steps (1-based, counted from the engine's build: on
+CUDA the warm-up's steps come first, then the boot self-test's two when the engine plans its
+memory; on the CPU only the self-test's), as a real one would be.
 """
 from __future__ import annotations
 
