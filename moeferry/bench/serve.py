@@ -101,10 +101,10 @@ class PromptMaker:
         return self.tok.decode(self.ids(length, rng))
 
 
-def random_prompts(tokenizer_dir: str, n: int, length: int, seed: int) -> list[list[int]]:
-    """n prompts of exactly `length` token ids (`PromptMaker`)."""
+def random_prompts(tokenizer_dir: str, n: int, length: int, seed: int, as_text: bool) -> list:
+    """n prompts of exactly `length` tokens (`PromptMaker`): texts, or token-id lists."""
     maker, rng = PromptMaker(tokenizer_dir), random.Random(seed)
-    return [maker.ids(length, rng) for _ in range(n)]
+    return [maker.text(length, rng) if as_text else maker.ids(length, rng) for _ in range(n)]
 
 
 def file_prompts(path: str, n: int) -> list[str]:
@@ -114,13 +114,6 @@ def file_prompts(path: str, n: int) -> list[str]:
     if not lines:
         raise SystemExit(f"bench serve: {path} holds no prompts")
     return [lines[i % len(lines)] for i in range(n)]
-
-
-def detokenize(tokenizer_dir: str | None, prompts: list[list[int]]) -> list[str]:
-    from moeferry.text.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(tokenizer_dir)
-    return [tok.decode(p) for p in prompts]
 
 
 # ---------------------------------------------------------------- requests
@@ -289,9 +282,8 @@ def main(args: argparse.Namespace) -> int:
     if args.prompts_file:
         prompts: list = file_prompts(args.prompts_file, args.num_prompts)
     elif args.tokenizer:
-        ids = random_prompts(args.tokenizer, args.num_prompts, args.input_len, args.seed)
         as_ids = args.endpoint == "completions" and args.prompt_format == "ids"
-        prompts = ids if as_ids else detokenize(args.tokenizer, ids)
+        prompts = random_prompts(args.tokenizer, args.num_prompts, args.input_len, args.seed, not as_ids)
     else:
         print("bench serve: random prompts need --tokenizer DIR (the model's directory); or give --prompts-file",
               file=sys.stderr)
