@@ -21,7 +21,7 @@
 #   gputests  pytest -m gpu (the whole GPU suite)
 # Returned under $OUT: results.md (every table), results.json, logs.tgz (server, ballast and
 # make-model logs), driver.log, gpu.txt.
-# Knobs (env): BUDGET_S, RUNS, SEED_MAX_S (the seed run's limit, default 220), LEAVE_GIB (empty: no ballast), CACHE_SIZE, SKEW, SKEW_FT, FT_ARGS,
+# Knobs (env): BUDGET_S, RUNS, SEED_MAX_S / OFFLOAD_MAX_S (those runs' limits, default 220 / 400), LEAVE_GIB (empty: no ballast), CACHE_SIZE, SKEW, SKEW_FT, FT_ARGS,
 # BENCH_FLAGS / BENCH_ARGS (serve flags of both engines / bench_serve.py options of the bench run),
 # SIZE / LAYERS / QUANT_DEVICE (make-model geometry, quantizer device; empty = CPU), SEED_ARGS / OFFLOAD_ARGS (appended to every seed_scenario.py /
 # offload.py call), SKIP_WHEELS=1 (a machine that has the packages). A CPU wiring check:
@@ -89,12 +89,15 @@ step() {
   return $rc
 }
 
-make_ckpt() {  # make_ckpt DIR SKEW [QUANT]
+make_ckpt() {  # make_ckpt DIR SKEW [QUANT]; a checkpoint a warm machine already holds is kept
   local logf="$WORK/make_$(basename "$1").log" rc
+  [ -f "$1/.made-$2-${3:-mixed_nvfp4}" ] && { echo "kept $1 (made by an earlier call)"; return 0; }
+  rm -rf "$1"
   MOEFERRY_QUANT_DEVICE=$QUANT_DEVICE python3 -m moeferry.cli make-model --arch qwen3_5_moe --size "$SIZE" \
     ${LAYERS:+--num-layers $LAYERS} --multimodal --dtype bfloat16 --quant "${3:-mixed_nvfp4}" --router-skew "$2" \
     --out "$1" > "$logf" 2>&1
-  rc=$?; tail -n 3 "$logf"; du -sh "$1"; return $rc
+  rc=$?; tail -n 3 "$logf"; du -sh "$1"
+  [ $rc = 0 ] && touch "$1/.made-$2-${3:-mixed_nvfp4}"; return $rc
 }
 
 seed() {  # seed NAME [seed_scenario.py args...]
@@ -135,8 +138,7 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       seed_c4)  step seed_c4 140 200 seed seed_c4 --extra-flags "--max-running-requests 4" --concurrency 4 --prompts 4 ;;
       seed_32k) step seed_32k 150 220 seed seed_32k --extra-flags "--max-extend-tokens 32768" --prompt-tokens 32768 --prompts 2 ;;
       seed_10g) step seed_10g 140 200 seed seed_10g --leave-gib 10 ;;
-      seed_int4) rm -rf "$WORK/ckpt_int4"
-                step make_int4 200 300 make_ckpt "$WORK/ckpt_int4" 0 int4_awq \
+      seed_int4) step make_int4 200 300 make_ckpt "$WORK/ckpt_int4" 0 int4_awq \
                   && step seed_int4 150 300 seed seed_int4 --model "$WORK/ckpt_int4" ;;
       bench)    step bench 200 400 python3 benchmarks/bench_serve.py --model "$WORK/ckpt" --out "$WORK/bench" \
                   --flags "$BENCH_FLAGS" --ft-args "$FT_ARGS" --boot-timeout 180 --request-timeout 240 ${BENCH_ARGS:-} ;;
@@ -145,9 +147,8 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
                   --load-model ;;
       e2e)      step e2e 120 240 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e" --profile ;;
       gputests) step gputests 120 300 bash -c "mkdir -p $WORK/gputests; python3 -m pytest tests -m gpu -q -p no:cacheprovider -rf > $WORK/gputests/pytest.log 2>&1; tail -n 30 $WORK/gputests/pytest.log > $WORK/gputests/pytest.md" ;;
-      offload)  step offload 170 240 offload offload "$WORK/ckpt" ;;
-      skew)     rm -rf "$WORK/ckpt_skew"
-                step make_skew 200 300 make_ckpt "$WORK/ckpt_skew" "$SKEW" \
+      offload)  step offload 250 ${OFFLOAD_MAX_S:-400} offload offload "$WORK/ckpt" ;;
+      skew)     step make_skew 200 300 make_ckpt "$WORK/ckpt_skew" "$SKEW" \
                   && step skew 70 200 offload skew "$WORK/ckpt_skew" --engines "moeferry$([ "${SKEW_FT:-0}" = 1 ] && echo ,freetoken)" ;;
       *)        echo "== unknown run $run" ;;
     esac
