@@ -9,6 +9,7 @@
 # Runs (default "seed offload skew"):
 #   seed      seed_scenario.py: the seed's flags verbatim, 8 prompts x 8192, ballast LEAVE_GIB (issue 12)
 #   offload   offload.py: --moe-backend offload --moe-cache-size CACHE_SIZE, both engines (issue 11)
+#   offload_nopf  the same, moeferry alone, decode prefetch off (what the prefetch is worth)
 #   skew      a second checkpoint with --router-skew SKEW, offload.py on it (moeferry; both if SKEW_FT=1)
 #   seed_c4   --max-running-requests 4, 4 concurrent 8k prompts
 #   seed_32k  --max-extend-tokens 32768, two 32768-token prompts
@@ -148,6 +149,8 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       e2e)      step e2e 120 240 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e" --profile ;;
       gputests) step gputests 120 300 bash -c "mkdir -p $WORK/gputests; python3 -m pytest tests -m gpu -q -p no:cacheprovider -rf > $WORK/gputests/pytest.log 2>&1; tail -n 30 $WORK/gputests/pytest.log > $WORK/gputests/pytest.md" ;;
       offload)  step offload 250 ${OFFLOAD_MAX_S:-400} offload offload "$WORK/ckpt" ;;
+      offload_nopf) step offload_nopf 150 240 offload offload_nopf "$WORK/ckpt" --engines moeferry \
+                  --ours-args "--disable-moe-decode-prefetch" ;;
       skew)     step make_skew 200 300 make_ckpt "$WORK/ckpt_skew" "$SKEW" \
                   && step skew 70 200 offload skew "$WORK/ckpt_skew" --engines "moeferry$([ "${SKEW_FT:-0}" = 1 ] && echo ,freetoken)" ;;
       *)        echo "== unknown run $run" ;;

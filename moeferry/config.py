@@ -151,6 +151,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-moe-prefill-overlap", dest="moe_prefill_overlap", action="store_false",
                    help="offload: copy the next staged experts of a prefill chunk only after the current ones "
                    "are computed (default: overlapped on a copy stream)")
+    g.add_argument("--disable-moe-decode-prefetch", dest="moe_decode_prefetch", action="store_false",
+                   help="offload on CUDA: fetch a decode step's misses only when their layer routes (default: "
+                   "layer l+1's router applied to layer l's input predicts its experts, and the predicted "
+                   "misses are copied on a copy stream while layer l computes)")
     g.add_argument("--moe-cpu-threads", type=_positive_int, metavar="N",
                    help="cpu/hybrid backends: threads computing experts on the CPU (default: torch's, the "
                    "physical cores)")
@@ -411,7 +415,8 @@ def _engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
             model_dir=model_dir, device=device, dtype=dtype, moe_backend=args.moe_backend,
             moe_cache_size=args.moe_cache_size, moe_cache_rate=args.moe_cache_rate,
             moe_cache_auto=args.moe_cache_auto, moe_cache_policy=args.moe_cache_policy,
-            moe_prefill_overlap=args.moe_prefill_overlap, moe_cpu_threads=args.moe_cpu_threads,
+            moe_prefill_overlap=args.moe_prefill_overlap,
+            moe_decode_prefetch=args.moe_decode_prefetch, moe_cpu_threads=args.moe_cpu_threads,
             moe_cpu_layers=args.moe_cpu_layers, moe_hybrid_max_fetch=args.moe_hybrid_max_fetch,
             expert_load=args.expert_load, memory_ratio=args.memory_ratio, gpu_memory_limit=args.gpu_memory_limit,
             kv_reserve_tokens=args.kv_reserve_tokens, num_tokens=num_tokens, page_size=args.page_size,

@@ -48,11 +48,11 @@ def test_offload_flags_reach_the_engine(model):
     cfg = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--moe-backend", "hybrid",
                                       "--moe-cache-rate", "0.25", "--moe-hybrid-max-fetch", "3", "--moe-cpu-threads",
                                       "2", "--expert-load", "parallel", "--disable-moe-prefill-overlap",
-                                      "--gpu-memory-limit", "2GiB", "--memory-ratio", "0.5"))
+                                      "--disable-moe-decode-prefetch", "--gpu-memory-limit", "2GiB", "--memory-ratio", "0.5"))
     e = cfg.engine
     assert (e.moe_backend, e.moe_cache_rate, e.moe_hybrid_max_fetch, e.moe_cpu_threads) == ("hybrid", 0.25, 3, 2)
-    assert (e.expert_load, e.moe_prefill_overlap, e.gpu_memory_limit, e.memory_ratio) == (
-        "parallel", False, 2 * 2**30, 0.5)
+    assert (e.expert_load, e.moe_prefill_overlap, e.moe_decode_prefetch, e.gpu_memory_limit, e.memory_ratio) == (
+        "parallel", False, False, 2 * 2**30, 0.5)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -73,7 +73,7 @@ def test_defaults_and_aliases(model):
     a = parse("--model", model)
     assert (a.host, a.port) == (DEFAULT_HOST, DEFAULT_PORT) == ("127.0.0.1", 1919)
     assert a.max_extend_tokens == 8192 and a.page_size == 1 and a.moe_backend == "auto"
-    assert a.moe_cache_policy == "lru" and a.moe_prefill_overlap and a.cuda_graphs and a.moe_cpu_layers == 0
+    assert a.moe_cache_policy == "lru" and a.moe_prefill_overlap and a.moe_decode_prefetch and a.cuda_graphs and a.moe_cpu_layers == 0
     assert parse("--max-prefill-length", "512").max_extend_tokens == 512
     assert parse("--max-extend-tokens", "256").max_extend_tokens == 256
     cfg = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--num-tokens", "1000",

@@ -327,6 +327,42 @@ def test_prefill_streams_without_touching_the_cache(preset, overlap, ckpt, ref_l
     check_all(llm)
 
 
+# -- 5b. decode prefetch (on the CPU the predicted misses are copied in line) ---------------------
+PREFETCH_CASES = [("qwen3_5_moe", "bf16", "offload-1"), ("qwen3_moe", "bf16", "offload-25%"),
+                  ("qwen3_5_moe", "mixed_nvfp4", "offload-25%"), ("qwen3_moe", "int4_awq", "offload-25%")]
+
+
+@pytest.mark.parametrize("arch,preset,variant", PREFETCH_CASES, ids=["-".join(c) for c in PREFETCH_CASES])
+def test_decode_prefetch_keeps_logits(arch, preset, variant, ckpt, ref_logits, trace):
+    llm = build(ckpt, arch, preset, variant)
+    backend = llm.engine.experts
+    assert not backend.prefetch  # on only where copies overlap compute (CUDA)
+    backend.prefetch = True
+    moe = sorted(backend.executors)
+    assert all(backend.executors[a].next is backend.executors[b] for a, b in zip(moe, moe[1:]))
+    got = llm.logits(PROMPT, chunk_size=CHUNKS)  # the trace checks every cache after each layer
+    assert rel_err(got, ref_logits(arch, preset, [PROMPT], CHUNKS)[0]) <= TOL
+    s = llm.engine.stats()["experts"]
+    if variant == "offload-1":  # the one slot always holds an expert of the step in flight
+        assert s["prefetched"] == 0
+    else:
+        assert s["prefetched"] > 0 and 0 <= s["prefetch_hits"] <= s["prefetched"]
+    assert s["hits"] + s["misses"] == sum(len(n) for _, n, _ in trace)
+    assert s["bytes_fetched"] == (s["misses"] + s["prefetched"]) * backend.slot_bytes
+
+
+def test_prefetch_never_evicts_what_the_step_uses(ckpt):
+    """A prefetch into a cache holding only this step's experts places nothing."""
+    llm = build(ckpt, "qwen3_moe", "bf16", "offload-1")
+    backend = llm.engine.experts
+    (cache,) = caches(llm)
+    first, second = sorted(backend.executors)[:2]
+    cache.fetch(first, [0], backend.banks[first], keep={0})
+    assert cache.prefetch(second, [1, 2], backend.banks[second], keep={(first, 0)}) == []
+    assert cache.slot_of(first, 0) >= 0
+    cache.check()
+
+
 # -- 6. cpu backend, first layer entirely on the CPU ---------------------------------------------
 @pytest.mark.parametrize("arch,preset", [("qwen3_moe", "bf16"), ("qwen3_5_moe", "mixed_nvfp4")])
 def test_cpu_layers(arch, preset, ckpt, ref_logits, trace):
@@ -424,7 +460,7 @@ def test_counters_and_stats(ckpt, resident):
     backend = llm.engine.experts
     s = llm.engine.stats()["experts"]
     assert set(s) == {"backend", "slots", "slots_used", "device_bytes", "host_bytes", "hits", "misses", "hit_rate",
-                      "bytes_fetched", "cpu_experts", "layers"}
+                      "bytes_fetched", "prefetched", "prefetch_hits", "cpu_experts", "layers"}
     assert s["slots_used"] == s["slots"]  # the boot fill uses every slot
     assert (s["hits"], s["misses"], s["hit_rate"], s["bytes_fetched"]) == (0, 0, None, 0)  # boot fill is no traffic
     total = llm.spec.num_layers * llm.spec.num_experts
@@ -439,7 +475,7 @@ def test_counters_and_stats(ckpt, resident):
     assert s["misses"] == sum(v["misses"] for v in layers.values()) > 0
     assert s["hit_rate"] == round(s["hits"] / (s["hits"] + s["misses"]), 4)
     for v in layers.values():
-        assert set(v) == {"hits", "misses", "bytes_fetched", "hit_rate"}
+        assert set(v) == {"hits", "misses", "bytes_fetched", "hit_rate", "prefetched", "prefetch_hits"}
         assert v["bytes_fetched"] == v["misses"] * backend.slot_bytes  # decode path: every miss one slot copy
         assert v["hit_rate"] == round(v["hits"] / (v["hits"] + v["misses"]), 4)
     assert s["bytes_fetched"] == s["misses"] * backend.slot_bytes

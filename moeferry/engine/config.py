@@ -26,6 +26,7 @@ class EngineConfig:
     moe_cache_auto: bool = False        # ... or what the memory plan leaves
     moe_cache_policy: str = "lru"
     moe_prefill_overlap: bool = True    # stream layer l+1's experts while layer l computes
+    moe_decode_prefetch: bool = True    # offload decode: fetch layer l+1's predicted misses while layer l computes
     moe_cpu_threads: int | None = None  # None: the physical cores
     moe_cpu_layers: int = 0             # cpu backend: the first N MoE layers compute every expert on the CPU
     moe_hybrid_max_fetch: int | None = None  # hybrid: most PCIe fetches per layer and step

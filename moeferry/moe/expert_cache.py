@@ -6,8 +6,8 @@ experts] mirrors it and is all the MoE kernels read. A replacement policy is one
 `LRUPolicy` (the default) orders slots by last use and never evicts an expert the current
 step needs.
 
-Counters per layer: hits, misses (experts a step needed and the cache lacked) and bytes
-fetched into slots.
+Counters per layer: hits, misses (experts a step needed and the cache lacked), bytes fetched
+into slots, and of the decode prefetch: experts prefetched and how many of them a step then hit.
 """
 from __future__ import annotations
 
@@ -54,15 +54,20 @@ POLICIES = {"lru": LRUPolicy}
 
 
 class LayerCounters:
-    __slots__ = ("hits", "misses", "bytes_fetched")
+    __slots__ = ("hits", "misses", "bytes_fetched", "prefetched", "prefetch_hits")
 
     def __init__(self):
-        self.hits = self.misses = self.bytes_fetched = 0
+        self.hits = self.misses = self.bytes_fetched = self.prefetched = self.prefetch_hits = 0
+
+    def add(self, other: "LayerCounters") -> None:
+        for name in self.__slots__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_dict(self) -> dict:
         total = self.hits + self.misses
         return {"hits": self.hits, "misses": self.misses, "bytes_fetched": self.bytes_fetched,
-                "hit_rate": round(self.hits / total, 4) if total else None}
+                "hit_rate": round(self.hits / total, 4) if total else None,
+                "prefetched": self.prefetched, "prefetch_hits": self.prefetch_hits}
 
 
 class ExpertCache:
@@ -81,6 +86,7 @@ class ExpertCache:
         self.free_slots = list(range(buffer.num_slots - 1, -1, -1))
         self.policy = POLICIES[policy]()
         self.counters = {layer: LayerCounters() for layer in self.layers}
+        self.prefetched: set[Key] = set()  # fetched ahead of their layer's step, not yet used by it
         self.gather = False  # fetch by the one-launch gather kernel (set by the backend when it wins)
 
     @property
@@ -104,16 +110,31 @@ class ExpertCache:
         c = self.counters[layer]
         c.hits += len(hits)
         c.misses += len(misses)
-        self.policy.touch([(layer, e) for e in hits])
+        keys = [(layer, e) for e in hits]
+        if self.prefetched:
+            c.prefetch_hits += sum(k in self.prefetched for k in keys)
+            self.prefetched = {k for k in self.prefetched if k[0] != layer}
+        self.policy.touch(keys)
 
-    def fetch(self, layer: int, experts: list[int], bank: SlotBuffer, keep: set[int]) -> list[int]:
+    def prefetch(self, layer: int, experts: list[int], bank: SlotBuffer, keep: set[Key]) -> list[int]:
+        """Fetch the predicted `experts` of `layer` that are not cached, evicting nothing in
+        `keep` (keys the step in flight uses) or predicted; returns the experts placed."""
+        _, misses = self.cached(layer, experts)
+        placed = self.fetch(layer, misses, bank, keep=set(experts), protect=keep)
+        self.counters[layer].prefetched += len(placed)
+        self.prefetched.update((layer, e) for e in placed)
+        return placed
+
+    def fetch(self, layer: int, experts: list[int], bank: SlotBuffer, keep: set[int],
+              protect: set[Key] = frozenset()) -> list[int]:
         """Copy `experts` of `layer` from their host `bank` into slots, evicting least recently
-        used experts outside `keep` (experts of this layer the step needs). Returns the experts
+        used experts outside `keep` (experts of this layer the step needs) and `protect` (keys of
+        other layers in use). Returns the experts
         that got a slot (a prefix of `experts`: fewer when the cache is smaller than the step's
         working set). Copies are enqueued on the current stream; the device table row is updated
         after them, in order."""
         r = self.row_of[layer]
-        protected = {(layer, e) for e in keep}
+        protected = {(layer, e) for e in keep} | protect
         need = len(experts) - len(self.free_slots)
         for key in self.policy.victims(max(need, 0), protected):
             self._evict(key)
@@ -138,6 +159,7 @@ class ExpertCache:
         self.owner[s] = None
         self.free_slots.append(s)
         self.policy.remove(key)
+        self.prefetched.discard(key)
 
     def _sync_table(self) -> None:
         """The device table from the host's (pinned: an asynchronous copy, in stream order)."""
@@ -170,6 +192,7 @@ class ExpertCache:
         self.host_table.fill_(-1)
         self.owner = [None] * num_slots
         self.policy = POLICIES[self.policy.name]()
+        self.prefetched = set()
         for i, (layer, e) in enumerate(survivors):
             self.buffer.copy_slots([i], banks[layer], [e])
             self.slot_at[self.row_of[layer], e] = i
@@ -182,9 +205,7 @@ class ExpertCache:
     def stats(self) -> dict:
         total = LayerCounters()
         for c in self.counters.values():
-            total.hits += c.hits
-            total.misses += c.misses
-            total.bytes_fetched += c.bytes_fetched
+            total.add(c)
         return {"slots": self.num_slots, "slots_used": self.num_slots - len(self.free_slots),
                 "slot_bytes": self.buffer.bytes_per_slot, **total.as_dict(),
                 "layers": {str(layer): c.as_dict() for layer, c in self.counters.items()}}

@@ -10,7 +10,10 @@ serve a miss.
 
 Per layer and step: the router's expert ids come to the host (one sync: the cache is managed
 on the host), hits run from their slots in place, misses go to their lane, and the layer's MoE
-kernel waits only for its own copies. On a CPU-only machine the "device" is the CPU too:
+kernel waits only for its own copies. Decode prefetch (offload on CUDA): the next MoE layer's
+router applied to this layer's input predicts its experts (read back in the same sync), and the
+predicted misses are copied on a copy stream while this layer computes; the next layer waits
+for those copies before it touches the cache. On a CPU-only machine the "device" is the CPU too:
 copies are memcpy and the kernels are the CPU references, so CI runs the same cache logic.
 """
 from __future__ import annotations
@@ -31,12 +34,16 @@ log = logging.getLogger("moeferry.moe")
 STAGING_SLOTS = 32  # slots per staging half (prefill streams a layer's misses in chunks of this)
 
 
-def distinct_experts(ids: torch.Tensor) -> list[int]:
-    """The sorted distinct expert ids of a step (a host sync): a decode step's few ids are read
-    back as they are (cheaper than a unique kernel), a prefill chunk's are made unique first."""
+def distinct_experts(ids: torch.Tensor, guess: torch.Tensor | None = None) -> tuple[list[int], list[int]]:
+    """The sorted distinct expert ids of a step and of a guess for the next layer (one host sync):
+    a decode step's few ids are read back as they are (cheaper than a unique kernel), a prefill
+    chunk's are made unique first."""
+    if guess is not None:
+        both = torch.cat([ids.reshape(-1), guess.reshape(-1)]).tolist()
+        return sorted(set(both[:ids.numel()])), sorted(set(both[ids.numel():]))
     if ids.numel() <= 256:
-        return sorted(set(ids.reshape(-1).tolist()))
-    return torch.unique(ids).tolist()
+        return sorted(set(ids.reshape(-1).tolist())), []
+    return torch.unique(ids).tolist(), []
 
 
 class OffloadBackend:
@@ -57,6 +64,9 @@ class OffloadBackend:
         self.gather: bool | None = None               # misses by the gather kernel: measured in finish()
         self.cpu_layers = set()
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # decode prefetch: only the offload lane, and only where copies can overlap compute
+        self.prefetch = cfg.moe_decode_prefetch and name == "offload" and device.type == "cuda"
+        self.prefetch_done: torch.cuda.Event | None = None  # the copies of the prefetch in flight
         if cfg.moe_cpu_threads:
             torch.set_num_threads(cfg.moe_cpu_threads)
 
@@ -70,6 +80,19 @@ class OffloadBackend:
         self.groups.setdefault(self._layout(self.banks[layer]), []).append(layer)
         self.executors[layer] = OffloadExperts(self, layer)
         return self.executors[layer]
+
+    def link_routers(self, routers: dict) -> None:
+        """Each MoE layer's executor gets the next MoE layer's router (to predict its experts)."""
+        order = sorted(routers)
+        for layer, nxt in zip(order, order[1:]):
+            self.executors[layer].next_router = routers[nxt]
+            self.executors[layer].next = self.executors[nxt]
+
+    def settle(self) -> None:
+        """Wait (host) for the prefetch in flight: its table copy reads the host table."""
+        if self.prefetch_done is not None:
+            self.prefetch_done.synchronize()
+            self.prefetch_done = None
 
     @staticmethod
     def _layout(buf: SlotBuffer) -> tuple:
@@ -111,6 +134,7 @@ class OffloadBackend:
         total = expert_slots if expert_slots is not None else self.requested_slots()
         if total is None:
             raise ValueError("the offload backend needs an expert slot count (--moe-cache-size / -rate / -auto)")
+        self.settle()
         self._release_device()
         if self.gather is None:  # before the cache takes the device's memory
             self._choose_transfer()
@@ -175,6 +199,7 @@ class OffloadBackend:
 
     def shrink(self, num_slots: int) -> int:
         """Elastic shrink (the OOM guard): keep `num_slots` slots in all; returns bytes freed."""
+        self.settle()
         caches = self.distinct_caches
         have = sum(c.num_slots for c in caches)
         freed = 0
@@ -192,6 +217,7 @@ class OffloadBackend:
                "host_bytes": self.host_bytes, "hits": hits, "misses": misses,
                "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
                "bytes_fetched": sum(p["bytes_fetched"] for p in per),
+               "prefetched": sum(p["prefetched"] for p in per), "prefetch_hits": sum(p["prefetch_hits"] for p in per),
                "cpu_experts": sum(ex.cpu_experts for ex in self.executors.values()),
                "layers": {k: v for p in per for k, v in p["layers"].items()}}
         return out
@@ -206,6 +232,7 @@ class OffloadExperts:
         self.cache: ExpertCache | None = None
         self.staging: SlotBuffer | None = None
         self.cpu_experts = 0  # experts computed on the CPU so far
+        self.next_router = self.next = None  # the next MoE layer's router and executor (link_routers)
 
     def bind(self) -> None:
         self.cache = self.b.caches.get(self.layer)
@@ -218,13 +245,18 @@ class OffloadExperts:
 
     # -- the step ---------------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        needed = distinct_experts(ids)  # the one host sync of the layer
+        ahead = self.b.prefetch and self.next is not None and x.shape[0] <= STAGING_SLOTS
+        guess = torch.topk(self.next_router(x), ids.shape[-1], dim=-1).indices if ahead else None
+        needed, predicted = distinct_experts(ids, guess)  # the one host sync of the layer
+        self.b.settle()  # the previous layer's prefetch has landed (table and slots)
         if self.cache is None:  # a cpu-backend layer without device slots
             self.cpu_experts += len(needed)
             return self._on_cpu(x, ids, weights, needed)
         hits, misses = self.cache.cached(self.layer, needed)
         self.cache.record(self.layer, hits, misses)
         if not misses:
+            if predicted:
+                self._prefetch(predicted, needed)
             return self._run(self.cache.buffer, x, ids, weights, self.cache.row(self.layer))
         if self.b.name == "cpu":
             fetch, on_cpu = [], misses
@@ -242,6 +274,8 @@ class OffloadExperts:
         else:
             placed = self.cache.fetch(self.layer, fetch, self.bank, keep=set(needed))
             leftover = fetch[len(placed):]  # the cache is smaller than this step's working set
+            if predicted:
+                self._prefetch(predicted, needed)
             out = self._run(self.cache.buffer, x, ids, weights, self.cache.row(self.layer))
             self.cache.counters[self.layer].bytes_fetched += len(leftover) * self.bank.bytes_per_slot
         if leftover:
@@ -250,6 +284,21 @@ class OffloadExperts:
             self.cpu_experts += len(on_cpu)
             out = out + self._on_cpu(x, ids, weights, on_cpu, inputs)
         return out
+
+    def _prefetch(self, predicted: list[int], needed: list[int]) -> None:
+        """Copy the next layer's predicted misses on the copy stream (this layer's own fetches,
+        queued before, go first; nothing this step uses is evicted). The next layer waits for
+        them (`settle`) before it reads or changes the cache."""
+        nxt, stream = self.next, self.b.copy_stream
+        if nxt.cache is None:
+            return
+        keep = {(self.layer, e) for e in needed}
+        if stream is None:  # no copy stream: in line (tests run the bookkeeping on the CPU)
+            nxt.cache.prefetch(nxt.layer, predicted, nxt.bank, keep)
+            return
+        with torch.cuda.stream(stream):
+            if nxt.cache.prefetch(nxt.layer, predicted, nxt.bank, keep):
+                self.b.prefetch_done = stream.record_event()
 
     def _run(self, buf: SlotBuffer, x, ids, weights, row: torch.Tensor) -> torch.Tensor:
         if self.b.kernels:

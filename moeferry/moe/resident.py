@@ -78,6 +78,9 @@ class ResidentBackend:
         """The shared expert can be one more slot of a layer's kernel (`add_layer(..., shared)`)."""
         return use_kernels(self.device)
 
+    def link_routers(self, routers: dict) -> None:
+        """Resident experts need no prediction of the next layer's routing (offload prefetches)."""
+
     def add_layer(self, layer: int, experts: LayerExperts, shared: ExpertWeights | None = None):
         """The layer's executor; `shared` (only when `takes_shared`): the shared expert, in the
         routed experts' format, held in slot E and run with them (`shared_weight=` per token)."""
