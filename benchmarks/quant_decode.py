@@ -334,7 +334,27 @@ def bench_e2e(args, log):
         f"b16 {out['b16']:.1f} tok/s  graphs: {out['graphs']}")
     if args.profile:
         profile_step(engine, log)
+    out["decode_path"] = decode_path_rates(engine, log)
     return out
+
+
+def decode_path_rates(engine, log, upto=(1, 2, 4)):
+    """Whole-model decode with the MoE decode path on for T <= t (each t of `upto`), the graphs
+    recaptured: what `moe_gemm.DECODE_MAX_TOKENS` should be, judged on the model."""
+    from moeferry.ops.triton import moe_gemm as G
+    saved, rates = dict(G.DECODE_MAX_TOKENS), {}
+    try:
+        for t in upto:
+            G.DECODE_MAX_TOKENS.update({k: t for k in saved})
+            if engine.graphs is not None:
+                engine.graphs.invalidate()
+            rates[t] = {b: decode_rate(engine, b) for b in (1, 4)}
+            log(f"  MoE decode path for T <= {t}: decode b1 {rates[t][1]:.1f} tok/s  b4 {rates[t][4]:.1f} tok/s")
+    finally:
+        G.DECODE_MAX_TOKENS.update(saved)
+        if engine.graphs is not None:
+            engine.graphs.invalidate()
+    return rates
 
 
 def main():
