@@ -269,11 +269,14 @@ def case_gdn_chunked_equals_one_pass(device, seed=8):
 
 
 def case_gdn_decode(device, seed=9):
-    """Fused gates + l2norm + update + output for 5 sequences; a padded slot (-1) writes nothing."""
+    """Fused gates + l2norm + update + output for 5 sequences; a padded slot (-1) writes nothing.
+    The gates come as views of one [B, 2 Hv] output (b | a), as the model's fused projection gives them."""
     from moeferry.ops.triton import gdn as tg
     g = _gen(seed)
     hk, hv, dk, dv = 2, 4, 32, 64
     q, k, v, a, b, a_log, dt_bias = _gdn_inputs(g, 6, hk, hv, dk, dv, device)
+    b, a = torch.cat([b, a], dim=-1).split([hv, hv], dim=-1)
+    assert not a.is_contiguous() and a.stride(0) == b.stride(0) == 2 * hv
     pool = torch.randn(7, hv, dk, dv, generator=g).to(device)
     ref_pool = pool.clone()
     slots = torch.tensor([3, 0, 6, 1, 2, -1], dtype=torch.int32, device=device)

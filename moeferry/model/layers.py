@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from moeferry.model.batch import ForwardBatch
-from moeferry.model.linear import Linear
+from moeferry.model.linear import Linear, Linears
 from moeferry.model.spec import ModelSpec
 from moeferry.ops.attention import paged_attention, store_kv
 from moeferry.ops.conv import causal_conv1d
@@ -68,7 +68,8 @@ class GatedDeltaNet:
     def __init__(self, spec: ModelSpec, in_qkv, in_z, in_b, in_a, out_proj, conv_weight, a_log, dt_bias,
                  norm_weight, state_index: int):
         self.spec, self.state_index = spec, state_index
-        self.in_qkv, self.in_z, self.in_b, self.in_a, self.out_proj = in_qkv, in_z, in_b, in_a, out_proj
+        self.in_qkv, self.in_z, self.out_proj = in_qkv, in_z, out_proj
+        self.in_ba = Linears(in_b, in_a)  # the two small gate projections, one GEMM when both are plain
         self.conv_weight, self.a_log, self.dt_bias, self.norm_weight = conv_weight, a_log, dt_bias, norm_weight
 
     def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -81,10 +82,11 @@ class GatedDeltaNet:
         q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
         state = ctx.state_pool.recurrent[self.state_index]
+        gate_b, gate_a = self.in_ba(x)
         if b.is_decode:  # gates fused into the recurrent step
-            o = gdn_decode_gated(q, k, v, self.in_a(x), self.in_b(x), self.a_log, self.dt_bias, state, slots)
+            o = gdn_decode_gated(q, k, v, gate_a, gate_b, self.a_log, self.dt_bias, state, slots)
         else:
-            g, beta = gdn_gates(self.in_a(x), self.in_b(x), self.a_log, self.dt_bias)
+            g, beta = gdn_gates(gate_a, gate_b, self.a_log, self.dt_bias)
             o = gdn_prefill(q, k, v, g, beta, state, cu, slots, b.max_q_len or None)
         z = self.in_z(x).reshape(t * hv, dv)
         o = gated_rms_norm(o.reshape(t * hv, dv), z, self.norm_weight, s.rms_norm_eps)
@@ -107,16 +109,20 @@ class SparseMoE:
     slot of its kernel) and is given the gate's weight per token."""
 
     def __init__(self, spec: ModelSpec, router: Linear, experts, shared: DenseMLP | None, shared_gate: Linear | None):
-        self.spec, self.router, self.experts = spec, router, experts
-        self.shared, self.shared_gate = shared, shared_gate
+        self.spec, self.experts, self.shared = spec, experts, shared
+        self.gates = Linears(router, shared_gate) if shared_gate is not None else Linears(router)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gates.first(x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_topk(self.router(x), self.spec.top_k, self.spec.norm_topk_prob)
-        if self.shared_gate is not None and self.shared is None:
-            return self.experts(x, ids, weights, shared_weight=torch.sigmoid(self.shared_gate(x)))
+        logits, *shared_logit = self.gates(x)  # router and shared-expert gate: one GEMM when both are plain
+        weights, ids = route_topk(logits, self.spec.top_k, self.spec.norm_topk_prob)
+        if shared_logit and self.shared is None:
+            return self.experts(x, ids, weights, shared_weight=torch.sigmoid(shared_logit[0]))
         out = self.experts(x, ids, weights)
         if self.shared is not None:
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+            out = out + torch.sigmoid(shared_logit[0]) * self.shared(x)
         return out
 
 

@@ -26,6 +26,26 @@ class Linear:
         return self.weight.numel() * self.weight.element_size()
 
 
+class Linears:
+    """Several projections of the same input as one GEMM when they are all plain `Linear`s
+    (their weights concatenated: one launch instead of several); a tuple of outputs either way."""
+
+    def __init__(self, *parts):
+        self.sizes = [m.out_features for m in parts]
+        self.fused = Linear(torch.cat([m.weight for m in parts])) if all(type(m) is Linear for m in parts) and \
+            len({m.weight.dtype for m in parts}) == 1 else None
+        self.parts = None if self.fused is not None else parts
+
+    def __call__(self, x: torch.Tensor) -> tuple:
+        if self.fused is not None:
+            return self.fused(x).split(self.sizes, dim=-1)
+        return tuple(m(x) for m in self.parts)
+
+    def first(self, x: torch.Tensor) -> torch.Tensor:
+        """Only the first projection's output (the rest computed too when fused: one GEMM)."""
+        return self(x)[0] if self.fused is not None else self.parts[0](x)
+
+
 class QuantLinear:
     """A weight kept in its packed checkpoint format. On CUDA (or under
     MOEFERRY_TRITON_INTERPRET=1) a Triton GEMM of the format's device form reads the packed

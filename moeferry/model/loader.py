@@ -132,7 +132,7 @@ def load_model(reader: CheckpointReader, spec: ModelSpec, dtype: torch.dtype, de
         mlp = _moe(w, spec, p + "mlp.", i, experts_backend) if spec.is_moe_layer(i) else _mlp(w, p + "mlp.", h, spec.dense_intermediate_size)
         layers.append(DecoderLayer(spec, mixer, mlp, w.tensor(p + "input_layernorm.weight", (h,)),
                                    w.tensor(p + "post_attention_layernorm.weight", (h,))))
-    experts_backend.link_routers({i: l.mlp.router for i, l in enumerate(layers) if isinstance(l.mlp, SparseMoE)})
+    experts_backend.link_routers({i: l.mlp.router_logits for i, l in enumerate(layers) if isinstance(l.mlp, SparseMoE)})
     embed = w.tensor("model.embed_tokens.weight", (spec.vocab_size, h))
     tied = spec.tie_word_embeddings and not any(n.startswith("lm_head.") for n in reader.tensors)
     lm_head = Linear(embed) if tied else w.linear("lm_head", spec.vocab_size, h)

@@ -222,8 +222,8 @@ def gdn_decode_gated(q, k, v, a, b, a_log, dt_bias, state_pool, state_slots) -> 
     if bsz == 0:
         return out
     assert state_pool.dtype == torch.float32 and state_pool.is_contiguous()
-    a, b = a.contiguous(), b.contiguous()
-    assert a.stride(0) == b.stride(0)
+    if a.stride(-1) != 1 or b.stride(-1) != 1 or a.stride(0) != b.stride(0):  # views of one GEMM's output pass as they are
+        a, b = a.contiguous(), b.contiguous()
     slots = as_device_int(state_slots, q.device)
     bk = next_pow2(dk)
     bv = min(next_pow2(dv), 32)
