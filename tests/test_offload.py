@@ -363,6 +363,32 @@ def test_prefetch_never_evicts_what_the_step_uses(ckpt):
     cache.check()
 
 
+def test_complete_cache_reads_nothing_on_the_host(ckpt, ref_logits, trace, monkeypatch):
+    """Every expert cached: no step reads expert ids on the host (decode graphs may capture it);
+    hits are counted on the device, and a shrink ends it."""
+    arch = "qwen3_5_moe"
+    llm = build(ckpt, arch, "bf16", "offload-100%")
+    backend = llm.engine.experts
+    assert backend.complete and backend.graph_safe
+
+    def no_sync(*a, **k):
+        raise AssertionError("a complete cache read expert ids on the host")
+
+    original = offload_mod.distinct_experts
+    monkeypatch.setattr(offload_mod, "distinct_experts", no_sync)
+    got = llm.logits(PROMPT, chunk_size=CHUNKS)
+    assert rel_err(got, ref_logits(arch, "bf16", [PROMPT], CHUNKS)[0]) <= TOL
+    s = llm.engine.stats()["experts"]
+    assert s["hits"] == sum(len(n) for _, n, _ in trace) > 0 and s["misses"] == 0 and s["hit_rate"] == 1.0
+    assert llm.engine.stats()["experts"]["hits"] == s["hits"]  # folded in once
+    monkeypatch.setattr(offload_mod, "distinct_experts", original)
+    backend.shrink(backend.expert_slots - 1)
+    assert not backend.complete and not backend.graph_safe
+    got = llm.logits(PROMPT, chunk_size=CHUNKS)
+    assert rel_err(got, ref_logits(arch, "bf16", [PROMPT], CHUNKS)[0]) <= TOL
+    check_all(llm)
+
+
 # -- 6. cpu backend, first layer entirely on the CPU ---------------------------------------------
 @pytest.mark.parametrize("arch,preset", [("qwen3_moe", "bf16"), ("qwen3_5_moe", "mixed_nvfp4")])
 def test_cpu_layers(arch, preset, ckpt, ref_logits, trace):

@@ -72,10 +72,13 @@ def _plan(cfg: EngineConfig, spec, model, experts, device, dtype, free_at_start:
     return plan, sizes, transients.worst
 
 
-def _decode_graphs(cfg: EngineConfig, model, cache: CacheManager, sizes: EngineSizes, device) -> DecodeGraphs | None:
-    """CUDA graphs of the decode step: resident experts only (the offload backends read the
+def _decode_graphs(cfg: EngineConfig, model, cache: CacheManager, sizes: EngineSizes, device,
+                   experts, plan: MemoryPlan | None) -> DecodeGraphs | None:
+    """CUDA graphs of the decode step: resident experts, or an offload cache holding every
+    expert whose plan reserved the graph pool (otherwise the offload backends read the
     router's choices on the host in every layer, which a graph cannot)."""
-    if not (cfg.cuda_graphs and device.type == "cuda" and not cfg.offloads_experts):
+    planned = not cfg.offloads_experts or plan is None or plan.graphs.bytes > 0
+    if not (cfg.cuda_graphs and device.type == "cuda" and experts.graph_safe and planned):
         return None
     max_pages = min(sizes.num_pages, -(-sizes.max_seq_len // sizes.page_size))
     return DecodeGraphs(model, cache.kv, cache.states, sizes.num_state_slots, max_pages, sizes.page_size, device)
@@ -115,7 +118,7 @@ class Engine:
         cache = CacheManager.build(spec, sizes.num_pages, sizes.page_size, sizes.num_state_slots, cfg.prefix_cache,
                                    dtype, device)
         sizes = replace(sizes, expert_slots=experts.expert_slots)
-        graphs = _decode_graphs(cfg, model, cache, sizes, device)
+        graphs = _decode_graphs(cfg, model, cache, sizes, device, experts, plan)
         engine = cls(cfg, spec, model, experts, cache, sizes, graphs, plan, guard_bytes)
         report("warming up", 0.95)
         engine.warm_up()                                                         # 5. warm up
@@ -185,6 +188,9 @@ class Engine:
         self.sizes = replace(self.sizes, expert_slots=slots)
         if self.graphs is not None:
             self.graphs.invalidate()
+            if not self.experts.graph_safe:  # the shrunk cache misses: steps read ids on the host
+                self.graphs.disabled = "the expert cache no longer holds every expert (shrunk)"
+                log.warning("CUDA graphs off: %s", self.graphs.disabled)
 
     def stats(self) -> dict:
         return {"experts": self.experts.stats(), "memory": self.guard.stats()}

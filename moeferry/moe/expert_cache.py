@@ -87,6 +87,9 @@ class ExpertCache:
         self.policy = POLICIES[policy]()
         self.counters = {layer: LayerCounters() for layer in self.layers}
         self.prefetched: set[Key] = set()  # fetched ahead of their layer's step, not yet used by it
+        # hits of steps that never leave the device (a cache holding every expert: `count_on_device`)
+        self.device_hits = torch.zeros(len(self.layers), dtype=torch.int64, device=device)
+        self._seen = torch.zeros(len(self.layers), num_experts, dtype=torch.int32, device=device)
         self.gather = False  # fetch by the one-launch gather kernel (set by the backend when it wins)
 
     @property
@@ -115,6 +118,20 @@ class ExpertCache:
             c.prefetch_hits += sum(k in self.prefetched for k in keys)
             self.prefetched = {k for k in self.prefetched if k[0] != layer}
         self.policy.touch(keys)
+
+    @property
+    def complete(self) -> bool:
+        """Every expert of every layer is cached (nothing can miss or be evicted)."""
+        return len(self.free_slots) == self.num_slots - len(self.layers) * self.num_experts
+
+    def count_on_device(self, layer: int, ids: torch.Tensor) -> None:
+        """A step's hits (its distinct experts) counted without a host sync, so that the step
+        can run inside a CUDA graph; `stats` reads the sum. Only for a complete cache."""
+        r = self.row_of[layer]
+        seen = self._seen[r]
+        seen.zero_()
+        seen.index_fill_(0, ids.reshape(-1), 1)
+        self.device_hits[r] += seen.sum()
 
     def prefetch(self, layer: int, experts: list[int], bank: SlotBuffer, keep: set[Key]) -> list[int]:
         """Fetch the predicted `experts` of `layer` that are not cached, evicting nothing in
@@ -203,6 +220,9 @@ class ExpertCache:
         return before - self.buffer.nbytes
 
     def stats(self) -> dict:
+        for layer, n in zip(self.layers, self.device_hits.tolist()):  # fold the device's counts in
+            self.counters[layer].hits += n
+        self.device_hits.zero_()
         total = LayerCounters()
         for c in self.counters.values():
             total.add(c)

@@ -67,6 +67,7 @@ class OffloadBackend:
         # decode prefetch: only the offload lane, and only where copies can overlap compute
         self.prefetch = cfg.moe_decode_prefetch and name == "offload" and device.type == "cuda"
         self.prefetch_done: torch.cuda.Event | None = None  # the copies of the prefetch in flight
+        self.complete = False  # every expert cached (_check_complete)
         if cfg.moe_cpu_threads:
             torch.set_num_threads(cfg.moe_cpu_threads)
 
@@ -87,6 +88,16 @@ class OffloadBackend:
         for layer, nxt in zip(order, order[1:]):
             self.executors[layer].next_router = routers[nxt]
             self.executors[layer].next = self.executors[nxt]
+
+    def _check_complete(self) -> None:
+        """Whether every layer's cache holds all its experts: then steps need no host sync and
+        CUDA graphs can capture decode, as with resident experts (after finish and shrink)."""
+        self.complete = bool(self.caches) and len(self.caches) == len(self.banks) and all(
+            c.complete for c in self.distinct_caches)
+
+    @property
+    def graph_safe(self) -> bool:
+        return self.complete
 
     def settle(self) -> None:
         """Wait (host) for the prefetch in flight: its table copy reads the host table."""
@@ -157,6 +168,9 @@ class OffloadBackend:
                 self.staging[key] = SlotBuffer.allocate_like(first, 2 * STAGING_SLOTS, device=self.device)
         for layer, ex in self.executors.items():
             ex.bind()
+        self._check_complete()
+        if self.complete:
+            log.info("expert cache holds every expert: steps read nothing on the host (decode graphs allowed)")
         if self.name == "hybrid":
             from moeferry.moe.bandwidth import MissSplit
             self.split = MissSplit.measure(self, self.cfg.moe_hybrid_max_fetch)
@@ -174,6 +188,7 @@ class OffloadBackend:
             return
         self.caches.clear()
         self.staging.clear()
+        self.complete = False
         for ex in self.executors.values():
             ex.cache = ex.staging = None
         if self.device.type == "cuda":
@@ -207,6 +222,7 @@ class OffloadBackend:
             freed += c.shrink(max(1, num_slots * c.num_slots // max(have, 1)), self.banks)
         for ex in self.executors.values():
             ex.bind()
+        self._check_complete()
         return freed
 
     def stats(self) -> dict:
@@ -245,6 +261,9 @@ class OffloadExperts:
 
     # -- the step ---------------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.b.complete:  # every expert cached: no miss can happen, nothing to read on the host
+            self.cache.count_on_device(self.layer, ids)
+            return self._run(self.cache.buffer, x, ids, weights, self.cache.row(self.layer))
         ahead = self.b.prefetch and self.next is not None and x.shape[0] <= STAGING_SLOTS
         guess = torch.topk(self.next_router(x), ids.shape[-1], dim=-1).indices if ahead else None
         needed, predicted = distinct_experts(ids, guess)  # the one host sync of the layer

@@ -78,6 +78,8 @@ class ResidentBackend:
         """The shared expert can be one more slot of a layer's kernel (`add_layer(..., shared)`)."""
         return use_kernels(self.device)
 
+    graph_safe = True  # nothing read on the host during a step
+
     def link_routers(self, routers: dict) -> None:
         """Resident experts need no prediction of the next layer's routing (offload prefetches)."""
 
