@@ -44,14 +44,17 @@ def _decode(engine, prompts, steps):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("preset", ALL)
-def test_decode_graphs_in_use(preset, tmp_path):
+@pytest.mark.parametrize("preset,backend", [(p, "resident") for p in ALL] + [("mixed_nvfp4", "offload")])
+def test_decode_graphs_in_use(preset, backend, tmp_path):
+    """(offload: a cache of every expert, which reads nothing on the host, is captured too.)"""
     from moeferry.checkpoint.synthetic import make_model
     from moeferry.engine.config import EngineConfig
     from moeferry.engine.engine import Engine
     path = make_model(tmp_path / preset, arch="qwen3_5_moe", size="tiny", seed=1, dtype="bfloat16",
                       quant=None if preset == "bf16" else preset)
-    engine = Engine.build(EngineConfig(str(path), "cuda", "bfloat16", num_tokens=256, num_state_slots=4))
+    extra = dict(moe_cache_rate=1.0) if backend == "offload" else {}
+    engine = Engine.build(EngineConfig(str(path), "cuda", "bfloat16", moe_backend=backend, num_tokens=256,
+                                       num_state_slots=4, **extra))
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, engine.spec.vocab_size, (n,), generator=gen).tolist() for n in (5, 11)]
     graphed = _decode(engine, prompts, STEPS)

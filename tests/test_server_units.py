@@ -109,3 +109,17 @@ def test_restart_after_cache_shrinks_keeps_the_smaller_cache(tmp_path):
     assert (e.moe_cache_size, e.moe_cache_auto, e.moe_cache_rate) == (90, False, None)
     resident = WorkerSpec(EngineConfig(str(tmp_path)))
     assert smaller_plan(resident, {"memory": {"cache_shrinks": 1}, "experts": {"slots": 8}}) is resident
+
+
+def test_bench_summary_counts_textless_requests_without_timing_them():
+    """A request whose tokens decoded to no text (usage says 128) completed: it counts in the
+    throughput but not in TTFT/TPOT; a request with no tokens at all failed."""
+    from moeferry.bench.serve import Result, summarize, table
+    timed = Result(ok=True, prompt_tokens=8, output_tokens=5, ttft=0.5, e2e=0.9, itl=[0.1] * 4)
+    textless = Result(ok=True, prompt_tokens=8, output_tokens=128, ttft=None, e2e=3.0)
+    failed = Result(error="no tokens streamed")
+    report = summarize([timed, textless, failed], 2.0, [50])
+    assert (report["completed"], report["failed"], report["textless"]) == (2, 1, 1)
+    assert report["output_tokens"] == 133 and report["output_throughput"] == 66.5
+    assert report["ttft_ms"]["p50"] == 500.0 and abs(report["tpot_ms"]["mean"] - 100.0) < 1e-9
+    assert "Requests streaming no text" in table(report, "t")

@@ -31,7 +31,7 @@ class Result:
     ok: bool = False
     prompt_tokens: int = 0
     output_tokens: int = 0
-    ttft: float = 0.0
+    ttft: float | None = None  # None: tokens came but no text (random weights: held-back bytes)
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
@@ -172,7 +172,9 @@ async def one_request(client, url: str, body: dict, timeout: float) -> Result:
         return res
     res.e2e = time.perf_counter() - start
     res.output_tokens = res.output_tokens or chunks
-    res.ok = chunks > 0
+    # tokens whose text is empty (bytes of an unfinished character, often with random weights)
+    # stream nothing: the request still completed; it counts in throughput, not in TTFT/TPOT/ITL
+    res.ok = chunks > 0 or res.output_tokens > 0
     if not res.ok:
         res.error = "no tokens streamed"
     return res
@@ -239,14 +241,16 @@ def _stats(values: list[float], percentiles: list[float], scale: float = 1000.0)
 def summarize(results: list[Result], duration: float, percentiles: list[float]) -> dict:
     ok = [r for r in results if r.ok]
     inp, out = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
-    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    timed = [r for r in ok if r.ttft is not None]
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in timed if r.output_tokens > 1]
     return {
         "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
         "input_tokens": inp, "output_tokens": out,
         "request_throughput": len(ok) / duration if duration else 0.0,
         "output_throughput": out / duration if duration else 0.0,
         "total_token_throughput": (inp + out) / duration if duration else 0.0,
-        "ttft_ms": _stats([r.ttft for r in ok], percentiles), "tpot_ms": _stats(tpot, percentiles),
+        "textless": len(ok) - len(timed),
+        "ttft_ms": _stats([r.ttft for r in timed], percentiles), "tpot_ms": _stats(tpot, percentiles),
         "itl_ms": _stats([x for r in ok for x in r.itl], percentiles), "e2e_ms": _stats([r.e2e for r in ok],
                                                                                           percentiles),
         "errors": sorted({r.error for r in results if not r.ok})[:10],
@@ -255,6 +259,7 @@ def summarize(results: list[Result], duration: float, percentiles: list[float]) 
 
 def table(report: dict, title: str) -> str:
     rows = [("Successful requests", report["completed"]), ("Failed requests", report["failed"]),
+            ("Requests streaming no text", report["textless"]),
             ("Benchmark duration (s)", f"{report['duration_s']:.2f}"),
             ("Total input tokens", report["input_tokens"]), ("Total output tokens", report["output_tokens"]),
             ("Request throughput (req/s)", f"{report['request_throughput']:.2f}"),
