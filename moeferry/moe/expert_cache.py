@@ -126,7 +126,8 @@ class ExpertCache:
 
     def count_on_device(self, layer: int, ids: torch.Tensor) -> None:
         """A step's hits (its distinct experts) counted without a host sync, so that the step
-        can run inside a CUDA graph; `stats` reads the sum. Only for a complete cache."""
+        can run inside a CUDA graph; `stats` reads the sum. Only for a complete cache (nothing
+        can be evicted, so the LRU order is not kept: a shrink keeps the last-filled experts)."""
         r = self.row_of[layer]
         seen = self._seen[r]
         seen.zero_()
