@@ -123,3 +123,24 @@ def test_gpu_real_shapes(fmt, n, k):
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--worker":
     _worker(int(sys.argv[2]), int(sys.argv[3]))
+
+
+def test_linears_fuse_plain_projections_only(monkeypatch):
+    """`Linears`: plain projections become one GEMM (outputs equal the separate ones); a
+    quantized part keeps every projection separate, with the same outputs."""
+    from moeferry.model.linear import Linear, Linears
+    monkeypatch.delenv("MOEFERRY_TRITON_INTERPRET", raising=False)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 64, generator=g)
+    a, b = Linear(torch.randn(8, 64, generator=g)), Linear(torch.randn(1, 64, generator=g))
+    fused = Linears(a, b)
+    assert fused.fused is not None and fused.fused.weight.shape == (9, 64)
+    ya, yb = fused(x)
+    assert torch.allclose(ya, a(x), atol=1e-5) and torch.allclose(yb, b(x), atol=1e-5)
+    assert torch.allclose(fused.first(x), a(x), atol=1e-5)
+    f = FORMATS["int4_awq"]
+    q = QuantLinear(f.packed(f.quantize(torch.randn(16, 64, generator=g))), "int4_awq")
+    mixed = Linears(a, q)
+    assert mixed.fused is None
+    ya, yq = mixed(x)
+    assert torch.equal(ya, a(x)) and torch.equal(yq, q(x)) and torch.equal(mixed.first(x), a(x))

@@ -121,8 +121,8 @@ class SparseMoE:
         if shared_logit and self.shared is None:
             return self.experts(x, ids, weights, shared_weight=torch.sigmoid(shared_logit[0]))
         out = self.experts(x, ids, weights)
-        if self.shared is not None:
-            out = out + torch.sigmoid(shared_logit[0]) * self.shared(x)
+        if self.shared is not None:  # out + sigmoid(gate) * shared(x), the product and sum in one op
+            out = torch.addcmul(out, torch.sigmoid(shared_logit[0]), self.shared(x))
         return out
 
 
