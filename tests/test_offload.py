@@ -358,7 +358,7 @@ def test_prefetch_never_evicts_what_the_step_uses(ckpt):
     (cache,) = caches(llm)
     first, second = sorted(backend.executors)[:2]
     cache.fetch(first, [0], backend.banks[first], keep={0})
-    assert cache.prefetch(second, [1, 2], backend.banks[second], keep={(first, 0)}) == []
+    assert cache.prefetch(second, [1, 2], backend.banks[second], protect={(first, 0)}) == []
     assert cache.slot_of(first, 0) >= 0
     cache.check()
 

@@ -131,8 +131,7 @@ class DecodeGraphs:
                 out = self.model.forward(batch, self.kv_pool, self.state_pool)
         except RuntimeError as e:
             torch.cuda.synchronize()
-            self.disabled = f"decode step cannot be captured ({str(e).splitlines()[0]}){sync_site(e)}"
-            log.warning("CUDA graphs off: %s", self.disabled)
+            self.disable(f"decode step cannot be captured ({str(e).splitlines()[0]}){sync_site(e)}")
             return False
         self.pool = graph.pool()
         self.graphs[size] = (graph, out)
@@ -155,6 +154,11 @@ class DecodeGraphs:
         graph, out = self.graphs[size]
         graph.replay()
         return out[: len(chunks)].clone()
+
+    def disable(self, reason: str) -> None:
+        """Decode runs eagerly from now on; the log says why."""
+        self.disabled = reason
+        log.warning("CUDA graphs off: %s", reason)
 
     def invalidate(self) -> None:
         """Drop every graph (after pools or weights were reallocated); they recapture on use."""

@@ -189,8 +189,7 @@ class Engine:
         if self.graphs is not None:
             self.graphs.invalidate()
             if not self.experts.graph_safe:  # the shrunk cache misses: steps read ids on the host
-                self.graphs.disabled = "the expert cache no longer holds every expert (shrunk)"
-                log.warning("CUDA graphs off: %s", self.graphs.disabled)
+                self.graphs.disable("the expert cache no longer holds every expert (shrunk)")
 
     def stats(self) -> dict:
         return {"experts": self.experts.stats(), "memory": self.guard.stats()}

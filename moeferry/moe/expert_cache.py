@@ -134,11 +134,11 @@ class ExpertCache:
         seen.index_fill_(0, ids.reshape(-1), 1)
         self.device_hits[r] += seen.sum()
 
-    def prefetch(self, layer: int, experts: list[int], bank: SlotBuffer, keep: set[Key]) -> list[int]:
+    def prefetch(self, layer: int, experts: list[int], bank: SlotBuffer, protect: set[Key]) -> list[int]:
         """Fetch the predicted `experts` of `layer` that are not cached, evicting nothing in
-        `keep` (keys the step in flight uses) or predicted; returns the experts placed."""
+        `protect` (keys the step in flight uses) or predicted; returns the experts placed."""
         _, misses = self.cached(layer, experts)
-        placed = self.fetch(layer, misses, bank, keep=set(experts), protect=keep)
+        placed = self.fetch(layer, misses, bank, keep=set(experts), protect=protect)
         self.counters[layer].prefetched += len(placed)
         self.prefetched.update((layer, e) for e in placed)
         return placed
@@ -220,13 +220,18 @@ class ExpertCache:
         self.table.table.copy_(self.host_table)
         return before - self.buffer.nbytes
 
-    def stats(self) -> dict:
-        for layer, n in zip(self.layers, self.device_hits.tolist()):  # fold the device's counts in
+    def totals(self) -> LayerCounters:
+        """The counters summed over the layers (the device's hit counts folded in first)."""
+        for layer, n in zip(self.layers, self.device_hits.tolist()):
             self.counters[layer].hits += n
         self.device_hits.zero_()
         total = LayerCounters()
         for c in self.counters.values():
             total.add(c)
+        return total
+
+    def stats(self) -> dict:
+        total = self.totals()
         return {"slots": self.num_slots, "slots_used": self.num_slots - len(self.free_slots),
                 "slot_bytes": self.buffer.bytes_per_slot, **total.as_dict(),
                 "layers": {str(layer): c.as_dict() for layer, c in self.counters.items()}}

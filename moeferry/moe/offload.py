@@ -24,7 +24,7 @@ import math
 import torch
 
 from moeferry.moe.bank import build_bank, pinnable, plan_loading
-from moeferry.moe.expert_cache import ExpertCache
+from moeferry.moe.expert_cache import ExpertCache, LayerCounters
 from moeferry.moe.layer_experts import LayerExperts
 from moeferry.moe.resident import use_kernels
 from moeferry.moe.slots import SlotBuffer
@@ -67,7 +67,6 @@ class OffloadBackend:
         # decode prefetch: only the offload lane, and only where copies can overlap compute
         self.prefetch = cfg.moe_decode_prefetch and name == "offload" and device.type == "cuda"
         self.prefetch_done: torch.cuda.Event | None = None  # the copies of the prefetch in flight
-        self.complete = False  # every expert cached (_check_complete)
         if cfg.moe_cpu_threads:
             torch.set_num_threads(cfg.moe_cpu_threads)
 
@@ -89,11 +88,11 @@ class OffloadBackend:
             self.executors[layer].next_router = routers[nxt]
             self.executors[layer].next = self.executors[nxt]
 
-    def _check_complete(self) -> None:
-        """Whether every layer's cache holds all its experts: then steps need no host sync and
-        CUDA graphs can capture decode, as with resident experts (after finish and shrink)."""
-        self.complete = bool(self.caches) and len(self.caches) == len(self.banks) and all(
-            c.complete for c in self.distinct_caches)
+    @property
+    def complete(self) -> bool:
+        """Every layer's cache holds all its experts: then no step reads expert ids on the host
+        and CUDA graphs can capture decode, as with resident experts."""
+        return len(self.caches) == len(self.banks) > 0 and all(c.complete for c in self.distinct_caches)
 
     @property
     def graph_safe(self) -> bool:
@@ -168,7 +167,6 @@ class OffloadBackend:
                 self.staging[key] = SlotBuffer.allocate_like(first, 2 * STAGING_SLOTS, device=self.device)
         for layer, ex in self.executors.items():
             ex.bind()
-        self._check_complete()
         if self.complete:
             log.info("expert cache holds every expert: steps read nothing on the host (decode graphs allowed)")
         if self.name == "hybrid":
@@ -188,7 +186,6 @@ class OffloadBackend:
             return
         self.caches.clear()
         self.staging.clear()
-        self.complete = False
         for ex in self.executors.values():
             ex.cache = ex.staging = None
         if self.device.type == "cuda":
@@ -222,21 +219,18 @@ class OffloadBackend:
             freed += c.shrink(max(1, num_slots * c.num_slots // max(have, 1)), self.banks)
         for ex in self.executors.values():
             ex.bind()
-        self._check_complete()
         return freed
 
     def stats(self) -> dict:
-        per = [c.stats() for c in self.distinct_caches]
-        hits, misses = sum(p["hits"] for p in per), sum(p["misses"] for p in per)
-        out = {"backend": self.name, "slots": self.expert_slots, "slots_used": sum(p["slots_used"] for p in per),
-               "device_bytes": self.device_bytes,
-               "host_bytes": self.host_bytes, "hits": hits, "misses": misses,
-               "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
-               "bytes_fetched": sum(p["bytes_fetched"] for p in per),
-               "prefetched": sum(p["prefetched"] for p in per), "prefetch_hits": sum(p["prefetch_hits"] for p in per),
-               "cpu_experts": sum(ex.cpu_experts for ex in self.executors.values()),
-               "layers": {k: v for p in per for k, v in p["layers"].items()}}
-        return out
+        caches = self.distinct_caches
+        per = [c.stats() for c in caches]
+        total = LayerCounters()
+        for c in caches:
+            total.add(c.totals())
+        return {"backend": self.name, "slots": self.expert_slots, "slots_used": sum(p["slots_used"] for p in per),
+                "device_bytes": self.device_bytes, "host_bytes": self.host_bytes, **total.as_dict(),
+                "cpu_experts": sum(ex.cpu_experts for ex in self.executors.values()),
+                "layers": {k: v for p in per for k, v in p["layers"].items()}}
 
 
 class OffloadExperts:
@@ -261,7 +255,7 @@ class OffloadExperts:
 
     # -- the step ---------------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if self.b.complete:  # every expert cached: no miss can happen, nothing to read on the host
+        if self.cache is not None and self.cache.complete:  # no miss can happen: nothing to read on the host
             self.cache.count_on_device(self.layer, ids)
             return self._run(self.cache.buffer, x, ids, weights, self.cache.row(self.layer))
         ahead = self.b.prefetch and self.next is not None and x.shape[0] <= STAGING_SLOTS
