@@ -25,7 +25,7 @@
 # Knobs (env): BUDGET_S, RUNS, SEED_MAX_S / OFFLOAD_MAX_S (those runs' limits, default 360 / 400: FreeToken 0.1.2 boots in 70-110 s), LEAVE_GIB (empty: no ballast), CACHE_SIZE, SKEW, SKEW_FT, FT_ARGS,
 # BENCH_FLAGS / BENCH_ARGS (serve flags of both engines / bench_serve.py options of the bench run),
 # SIZE / LAYERS / QUANT_DEVICE (make-model geometry, quantizer device; empty = CPU), SEED_ARGS / OFFLOAD_ARGS (appended to every seed_scenario.py /
-# offload.py call), SKIP_WHEELS=1 (a machine that has the packages). A CPU wiring check:
+# offload.py call), GPUTESTS (pytest arguments of the gputests run, default "tests"), SKIP_WHEELS=1 (a machine that has the packages). A CPU wiring check:
 #   SKIP_WHEELS=1 SIZE=tiny QUANT_DEVICE= LEAVE_GIB= CACHE_SIZE=12 RUNS="seed offload" SEED_ARGS="--host 127.0.0.1 --prompts 2 \
 #   --prompt-tokens 64" OFFLOAD_ARGS="--prefill 64 --out-tokens 8" bash benchmarks/gpu_offload_run.sh
 set -uo pipefail
@@ -147,7 +147,7 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       load)     step load 60 200 python3 benchmarks/load_speed.py --model "$WORK/ckpt" --device cuda --layers 3 \
                   --load-model ;;
       e2e)      step e2e 120 240 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e" --profile ;;
-      gputests) step gputests 120 300 bash -c "mkdir -p $WORK/gputests; python3 -m pytest tests -m gpu -q -p no:cacheprovider -rf > $WORK/gputests/pytest.log 2>&1; tail -n 30 $WORK/gputests/pytest.log > $WORK/gputests/pytest.md" ;;
+      gputests) step gputests 120 300 bash -c "mkdir -p $WORK/gputests; python3 -m pytest ${GPUTESTS:-tests} -m gpu -q -p no:cacheprovider -rf > $WORK/gputests/pytest.log 2>&1; tail -n 30 $WORK/gputests/pytest.log > $WORK/gputests/pytest.md" ;;
       offload)  step offload 250 ${OFFLOAD_MAX_S:-400} offload offload "$WORK/ckpt" ;;
       offload_nopf) step offload_nopf 150 240 offload offload_nopf "$WORK/ckpt" --engines moeferry \
                   --ours-args "--disable-moe-decode-prefetch" ;;

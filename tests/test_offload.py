@@ -351,6 +351,52 @@ def test_decode_prefetch_keeps_logits(arch, preset, variant, ckpt, ref_logits, t
     assert s["bytes_fetched"] == (s["misses"] + s["prefetched"]) * backend.slot_bytes
 
 
+class RunAtOnce:
+    """A capture's cuts, for the CPU: each cut's host part runs at once (all rows real)."""
+
+    def __init__(self):
+        self.cuts = 0
+
+    def cut(self, work) -> None:
+        self.cuts += 1
+        work(1 << 30)
+
+
+@pytest.mark.parametrize("arch,preset", [("qwen3_5_moe", "mixed_nvfp4"), ("qwen3_moe", "bf16")])
+def test_cut_step_equals_eager(arch, preset, ckpt, ref_logits):
+    """A partial cache captured piecewise: the host part each layer runs at its cut (read the
+    ids, fetch, prefetch) gives the eager step's logits, counters and cache contents."""
+    runs = {}
+    for cut in (False, True):
+        llm = build(ckpt, arch, preset, "offload-25%")
+        backend = llm.engine.experts
+        backend.prefetch = True
+        cuts = backend.capturing = RunAtOnce() if cut else None
+        got = llm.logits(PROMPT, chunk_size=CHUNKS)
+        backend.capturing = None
+        assert rel_err(got, ref_logits(arch, preset, [PROMPT], CHUNKS)[0]) <= TOL
+        stats = llm.engine.stats()["experts"]
+        runs[cut] = (got, {k: stats[k] for k in ("hits", "misses", "prefetched", "bytes_fetched")}, contents(llm))
+        check_all(llm)
+        if cut:
+            assert cuts.cuts > 0 and cuts.cuts % len(backend.executors) == 0  # every layer of every step
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert runs[True][1] == runs[False][1]
+    assert_same_contents(runs[True][2], runs[False][2])
+
+
+def test_graph_mode_needs_a_steps_working_set(ckpt, monkeypatch):
+    """Piecewise capture only for the offload lane on CUDA, with every cache holding max_batch x
+    top_k experts (a step's experts could not be left over to stream inside a graph)."""
+    llm = build(ckpt, "qwen3_5_moe", "bf16", "offload-25%")  # 8 of 32 slots, top_k 2
+    backend = llm.engine.experts
+    assert backend.graph_mode(1) is None  # the CPU
+    monkeypatch.setattr(backend, "device", torch.device("cuda"))
+    assert backend.graph_mode(4) == "piecewise" and backend.graph_mode(5) is None
+    backend.name = "hybrid"
+    assert backend.graph_mode(1) is None
+
+
 def test_prefetch_never_evicts_what_the_step_uses(ckpt):
     """A prefetch into a cache holding only this step's experts places nothing."""
     llm = build(ckpt, "qwen3_moe", "bf16", "offload-1")
@@ -369,7 +415,7 @@ def test_complete_cache_reads_nothing_on_the_host(ckpt, ref_logits, trace, monke
     arch = "qwen3_5_moe"
     llm = build(ckpt, arch, "bf16", "offload-100%")
     backend = llm.engine.experts
-    assert backend.complete and backend.graph_safe
+    assert backend.complete and backend.graph_mode(4) == "whole"
 
     def no_sync(*a, **k):
         raise AssertionError("a complete cache read expert ids on the host")
@@ -383,7 +429,7 @@ def test_complete_cache_reads_nothing_on_the_host(ckpt, ref_logits, trace, monke
     assert llm.engine.stats()["experts"]["hits"] == s["hits"]  # folded in once
     monkeypatch.setattr(offload_mod, "distinct_experts", original)
     backend.shrink(backend.expert_slots - 1)
-    assert not backend.complete and not backend.graph_safe
+    assert not backend.complete and backend.graph_mode(4) is None  # CPU: nothing captures a partial cache
     got = llm.logits(PROMPT, chunk_size=CHUNKS)
     assert rel_err(got, ref_logits(arch, "bf16", [PROMPT], CHUNKS)[0]) <= TOL
     check_all(llm)

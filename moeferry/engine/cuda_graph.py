@@ -14,12 +14,20 @@ debug mode set to error: an op that synchronises with the host (e.g. the referen
 reason in `disabled` (a first warm-up without the check compiles and autotunes kernels, whose
 benchmarking may synchronise legitimately). Graphs hold raw pointers into the KV/state pools and weights: call
 `invalidate()` after any of them is reallocated.
+
+A step whose expert backend must act on the host between two kernels (an offload cache that
+can miss: each MoE layer reads its router's choices and fetches the misses) is captured
+piecewise (`StepGraphs`): the backend cuts the capture at each such point, and a replay runs
+the graphs in order with the host work between them. The check run calls each cut's host
+work at once, with the sync check off for it alone.
 """
 from __future__ import annotations
 
 import logging
 import os
 import traceback
+from contextlib import contextmanager
+from typing import Callable
 
 import torch
 
@@ -45,10 +53,70 @@ def sync_site(e: BaseException) -> str:
     return f" at {path}:{f.lineno} in {f.name}: `{(f.line or '').strip()}`"
 
 
+HostWork = Callable[[int], None]  # a cut's host work, given the number of real (unpadded) rows
+
+
+class StepGraphs:
+    """One decode step as a chain of CUDA graphs, cut where the host must act (`cut(work)`
+    while capturing); `replay(rows)` runs graph 0, work 0, graph 1, ... The graphs share one
+    memory pool, which is safe because they always replay in the order they were captured."""
+
+    def __init__(self, pool=None):
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.work: list[HostWork] = []
+        self.pool = pool
+
+    def begin(self) -> None:
+        self.graphs.append(torch.cuda.CUDAGraph())
+        self.graphs[-1].capture_begin(pool=self.pool)
+
+    def end(self) -> None:
+        self.graphs[-1].capture_end()
+        if self.pool is None:
+            self.pool = self.graphs[-1].pool()
+
+    def cut(self, work: HostWork) -> None:
+        """End the graph being captured; `work` runs after it at replay, before the next graph."""
+        self.end()
+        self.work.append(work)
+        self.begin()
+
+    def abort(self) -> None:
+        """Leave capture mode after a failure (the partial graph is dropped)."""
+        try:
+            self.graphs[-1].capture_end()
+        except RuntimeError:
+            pass
+        self.graphs.clear()
+
+    def replay(self, rows: int) -> None:
+        for i, graph in enumerate(self.graphs):
+            graph.replay()
+            if i < len(self.work):
+                self.work[i](rows)
+
+
+class CheckedCuts:
+    """The sync-check run's cuts: the host work runs at once, with the sync check off for it."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+
+    def cut(self, work: HostWork) -> None:
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            work(self.rows)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+
+
 class DecodeGraphs:
     def __init__(self, model, kv_pool, state_pool, max_batch: int, max_pages: int, page_size: int,
-                 device: torch.device, sizes: list[int] | None = None):
-        self.model, self.kv_pool, self.state_pool = model, kv_pool, state_pool
+                 device: torch.device, sizes: list[int] | None = None, experts=None):
+        """`experts`: the expert backend; its `capturing` is set to the step being captured, so
+        that a layer which must act on the host can cut it (None: nothing cuts)."""
+        self.model, self.kv_pool, self.state_pool, self.experts = model, kv_pool, state_pool, experts
         self.sizes = sorted(set(sizes or default_sizes(max_batch)))
         self.max_batch, self.max_pages, self.page_size = self.sizes[-1], max_pages, page_size
         self.device = device
@@ -61,7 +129,7 @@ class DecodeGraphs:
         # the buffers can be refilled next step without waiting for the device.
         self._host_tokens = torch.zeros(3, n, dtype=torch.long)
         self._host_meta = torch.zeros(3 * n + 1, dtype=torch.int32)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[StepGraphs, torch.Tensor]] = {}
         self.pool = None
         self.disabled: str | None = None
         if os.environ.get("MOEFERRY_CUDA_GRAPHS", "1") == "0":
@@ -109,6 +177,18 @@ class DecodeGraphs:
         return (self.disabled is None and 0 < len(chunks) <= self.max_batch
                 and all(len(c.tokens) == 1 and len(c.pages) <= self.max_pages for c in chunks))
 
+    @contextmanager
+    def _cuts(self, cuts):
+        """The expert backend sees `cuts` as the step being captured (if it can cut one)."""
+        if self.experts is None:
+            yield
+            return
+        self.experts.capturing = cuts
+        try:
+            yield
+        finally:
+            self.experts.capturing = None
+
     def _capture(self, size: int) -> bool:
         self._fill_padding(0, self.max_batch)
         self.tokens.copy_(self._host_tokens)
@@ -116,25 +196,33 @@ class DecodeGraphs:
         batch = self._batch(size)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream())
+        step = StepGraphs(self.pool)
         try:
             with torch.cuda.stream(stream):
                 self.model.forward(batch, self.kv_pool, self.state_pool)  # compiles / autotunes kernels
                 prev = torch.cuda.get_sync_debug_mode()
                 torch.cuda.set_sync_debug_mode("error")
                 try:
-                    self.model.forward(batch, self.kv_pool, self.state_pool)  # finds host syncs
+                    with self._cuts(CheckedCuts(size)):
+                        self.model.forward(batch, self.kv_pool, self.state_pool)  # finds host syncs
                 finally:
                     torch.cuda.set_sync_debug_mode(prev)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            torch.cuda.synchronize(self.device)
+            with torch.cuda.stream(stream), self._cuts(step):
+                step.begin()
                 out = self.model.forward(batch, self.kv_pool, self.state_pool)
+                step.end()
         except RuntimeError as e:
+            if step.graphs:
+                step.abort()
             torch.cuda.synchronize()
             self.disable(f"decode step cannot be captured ({str(e).splitlines()[0]}){sync_site(e)}")
             return False
-        self.pool = graph.pool()
-        self.graphs[size] = (graph, out)
+        self.pool = step.pool
+        self.graphs[size] = (step, out)
+        if len(step.graphs) > 1:
+            log.info("decode x%d captured in %d graphs (cut at %d host steps)", size, len(step.graphs),
+                     len(step.work))
         return True
 
     def capture_all(self) -> bool:
@@ -151,8 +239,8 @@ class DecodeGraphs:
         if size not in self.graphs and not self._capture(size):
             return None
         self._load(chunks, size)
-        graph, out = self.graphs[size]
-        graph.replay()
+        step, out = self.graphs[size]
+        step.replay(len(chunks))
         return out[: len(chunks)].clone()
 
     def disable(self, reason: str) -> None:

@@ -74,14 +74,18 @@ def _plan(cfg: EngineConfig, spec, model, experts, device, dtype, free_at_start:
 
 def _decode_graphs(cfg: EngineConfig, model, cache: CacheManager, sizes: EngineSizes, device,
                    experts, plan: MemoryPlan | None) -> DecodeGraphs | None:
-    """CUDA graphs of the decode step: resident experts, or an offload cache holding every
-    expert whose plan reserved the graph pool (otherwise the offload backends read the
-    router's choices on the host in every layer, which a graph cannot)."""
+    """CUDA graphs of the decode step: whole with resident experts or an offload cache holding
+    every expert; piecewise (cut at each layer's host part) for a partial offload cache; none
+    for cpu and hybrid or where the plan reserved no graph pool (`experts.graph_mode`)."""
     planned = not cfg.offloads_experts or plan is None or plan.graphs.bytes > 0
-    if not (cfg.cuda_graphs and device.type == "cuda" and experts.graph_safe and planned):
+    mode = experts.graph_mode(sizes.num_state_slots)
+    if not (cfg.cuda_graphs and device.type == "cuda" and mode and planned):
         return None
     max_pages = min(sizes.num_pages, -(-sizes.max_seq_len // sizes.page_size))
-    return DecodeGraphs(model, cache.kv, cache.states, sizes.num_state_slots, max_pages, sizes.page_size, device)
+    log.info("decode CUDA graphs: %s", "captured whole" if mode == "whole"
+             else "piecewise (cut at each MoE layer: the host reads its experts and fetches the misses)")
+    return DecodeGraphs(model, cache.kv, cache.states, sizes.num_state_slots, max_pages, sizes.page_size, device,
+                        experts=experts)
 
 
 class Engine:
@@ -188,8 +192,8 @@ class Engine:
         self.sizes = replace(self.sizes, expert_slots=slots)
         if self.graphs is not None:
             self.graphs.invalidate()
-            if not self.experts.graph_safe:  # the shrunk cache misses: steps read ids on the host
-                self.graphs.disable("the expert cache no longer holds every expert (shrunk)")
+            if not self.experts.graph_mode(self.graphs.max_batch):  # a step's working set no longer fits
+                self.graphs.disable("the shrunk expert cache holds less than a decode step's experts")
 
     def stats(self) -> dict:
         return {"experts": self.experts.stats(), "memory": self.guard.stats()}

@@ -15,6 +15,11 @@ router applied to this layer's input predicts its experts (read back in the same
 predicted misses are copied on a copy stream while this layer computes; the next layer waits
 for those copies before it touches the cache. On a CPU-only machine the "device" is the CPU too:
 copies are memcpy and the kernels are the CPU references, so CI runs the same cache logic.
+
+CUDA graphs: a cache holding every expert reads nothing on the host, so decode is captured
+whole. A partial cache of the offload lane is captured piecewise: while `capturing` is set
+(`moeferry.engine.cuda_graph`), each layer cuts the step after its router, and its host part
+(read the ids, fetch the misses, start the prefetch) runs between two graphs at replay.
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ class OffloadBackend:
     """Expert backends `offload`, `cpu` and `hybrid` (the `name` says which lane misses take)."""
 
     takes_shared = False  # the shared expert stays a dense MLP (a cache slot would be evictable)
+    capturing = None  # the decode step being captured (set by DecodeGraphs): layers cut it at their host part
 
     def __init__(self, cfg, spec, device: torch.device, dtype: torch.dtype, name: str = "offload"):
         self.cfg, self.spec, self.device, self.dtype, self.name = cfg, spec, device, dtype, name
@@ -94,9 +100,17 @@ class OffloadBackend:
         and CUDA graphs can capture decode, as with resident experts."""
         return len(self.caches) == len(self.banks) > 0 and all(c.complete for c in self.distinct_caches)
 
-    @property
-    def graph_safe(self) -> bool:
-        return self.complete
+    def graph_mode(self, max_batch: int) -> str | None:
+        """How CUDA graphs can capture a decode step of up to `max_batch` sequences: "whole"
+        when every expert is cached; "piecewise" for the offload lane on CUDA when every cache
+        holds a step's whole working set (max_batch x top_k experts: nothing is left over to
+        stream, which a graph could not); None otherwise (cpu and hybrid compute on the host)."""
+        if self.complete:
+            return "whole"
+        fits = all(c.num_slots >= max_batch * self.spec.top_k for c in self.distinct_caches)
+        if self.name == "offload" and self.device.type == "cuda" and self.caches and fits:
+            return "piecewise"
+        return None
 
     def settle(self) -> None:
         """Wait (host) for the prefetch in flight: its table copy reads the host table."""
@@ -260,16 +274,17 @@ class OffloadExperts:
             return self._run(self.cache.buffer, x, ids, weights, self.cache.row(self.layer))
         ahead = self.b.prefetch and self.next is not None and x.shape[0] <= STAGING_SLOTS
         guess = torch.topk(self.next_router(x), ids.shape[-1], dim=-1).indices if ahead else None
+        if self.b.capturing is not None:  # a graph-captured decode step: the host part runs at the cut
+            self.b.capturing.cut(lambda rows: self._place(ids[:rows], None if guess is None else guess[:rows]))
+            return self._run(self.cache.buffer, x, ids, weights, self.cache.row(self.layer))
         needed, predicted = distinct_experts(ids, guess)  # the one host sync of the layer
         self.b.settle()  # the previous layer's prefetch has landed (table and slots)
         if self.cache is None:  # a cpu-backend layer without device slots
             self.cpu_experts += len(needed)
             return self._on_cpu(x, ids, weights, needed)
-        hits, misses = self.cache.cached(self.layer, needed)
-        self.cache.record(self.layer, hits, misses)
+        misses = self._lookup(needed)
         if not misses:
-            if predicted:
-                self._prefetch(predicted, needed)
+            self._fetch([], needed, predicted)
             return self._run(self.cache.buffer, x, ids, weights, self.cache.row(self.layer))
         if self.b.name == "cpu":
             fetch, on_cpu = [], misses
@@ -285,10 +300,7 @@ class OffloadExperts:
             leftover = fetch
             self.cache.counters[self.layer].bytes_fetched += len(fetch) * self.bank.bytes_per_slot
         else:
-            placed = self.cache.fetch(self.layer, fetch, self.bank, keep=set(needed))
-            leftover = fetch[len(placed):]  # the cache is smaller than this step's working set
-            if predicted:
-                self._prefetch(predicted, needed)
+            leftover = self._fetch(fetch, needed, predicted)
             out = self._run(self.cache.buffer, x, ids, weights, self.cache.row(self.layer))
             self.cache.counters[self.layer].bytes_fetched += len(leftover) * self.bank.bytes_per_slot
         if leftover:
@@ -297,6 +309,30 @@ class OffloadExperts:
             self.cpu_experts += len(on_cpu)
             out = out + self._on_cpu(x, ids, weights, on_cpu, inputs)
         return out
+
+    def _lookup(self, needed: list[int]) -> list[int]:
+        """The misses among the step's experts (hits counted and touched)."""
+        hits, misses = self.cache.cached(self.layer, needed)
+        self.cache.record(self.layer, hits, misses)
+        return misses
+
+    def _fetch(self, experts: list[int], needed: list[int], predicted: list[int]) -> list[int]:
+        """Copy `experts` into cache slots, then start the prefetch of the next layer's
+        `predicted` experts; returns the experts left without a slot (the cache is smaller
+        than this step's working set)."""
+        placed = self.cache.fetch(self.layer, experts, self.bank, keep=set(needed))
+        if predicted:
+            self._prefetch(predicted, needed)
+        return experts[len(placed):]
+
+    def _place(self, ids: torch.Tensor, guess: torch.Tensor | None) -> None:
+        """A captured step's host part (at its cut, between two graphs): read the router's
+        choices, fetch the misses, start the prefetch. `graph_mode` made sure they all fit."""
+        needed, predicted = distinct_experts(ids, guess)
+        self.b.settle()
+        left = self._fetch(self._lookup(needed), needed, predicted)
+        if left:
+            raise RuntimeError(f"layer {self.layer}: {len(left)} experts got no cache slot inside a CUDA graph")
 
     def _prefetch(self, predicted: list[int], needed: list[int]) -> None:
         """Copy the next layer's predicted misses on the copy stream (this layer's own fetches,

@@ -78,7 +78,11 @@ class ResidentBackend:
         """The shared expert can be one more slot of a layer's kernel (`add_layer(..., shared)`)."""
         return use_kernels(self.device)
 
-    graph_safe = True  # nothing read on the host during a step
+    capturing = None  # set by DecodeGraphs while it captures (resident layers never cut a step)
+
+    def graph_mode(self, max_batch: int) -> str:
+        """Decode is captured whole: nothing is read on the host during a step."""
+        return "whole"
 
     def link_routers(self, routers: dict) -> None:
         """Resident experts need no prediction of the next layer's routing (offload prefetches)."""
