@@ -317,15 +317,63 @@ def profile_step(engine, log, top=15):
         log(f"    {e.device_time_total / 2:8.1f} us  x{e.count // 2:4d}  {e.key[:90]}")
 
 
+def piecewise_breakdown(engine, log, batch=1, steps=12) -> dict:
+    """Where a piecewise-captured decode step's time goes (offload, partial cache): launching
+    the graphs, waiting for the device at each cut (the graphs' GPU time), and the host's cache
+    work at the cuts (ids, lookups, fetch and prefetch launches), in ms per step."""
+    from moeferry.engine import cuda_graph as CG
+    acc = dict(launch=0.0, wait=0.0, host=0.0)
+    plain = CG.StepGraphs.replay
+
+    def timed(self, rows):
+        for i, graph in enumerate(self.graphs):
+            t0 = time.perf_counter()
+            graph.replay()
+            t1 = time.perf_counter()
+            acc["launch"] += t1 - t0
+            if i < len(self.work):
+                torch.cuda.current_stream().synchronize()
+                t2 = time.perf_counter()
+                acc["wait"] += t2 - t1
+                self.work[i](rows)
+                acc["host"] += time.perf_counter() - t2
+
+    decode_rate(engine, batch, steps=2, warmup=2)
+    CG.StepGraphs.replay = timed
+    try:
+        rate = decode_rate(engine, batch, steps=steps, warmup=0)
+    finally:
+        CG.StepGraphs.replay = plain
+    per = {k: round(v * 1e3 / steps, 3) for k, v in acc.items()}
+    log(f"  piecewise b{batch}: {rate:.1f} tok/s (timed: each cut synchronised first); per step ms: "
+        f"graph launches {per['launch']}, device wait {per['wait']}, host cache work {per['host']}")
+    return dict(tok_s=rate, **per)
+
+
 def bench_e2e(args, log):
     import moeferry
     from moeferry.engine.config import EngineConfig
     from moeferry.engine.engine import Engine
     log(f"moeferry from {Path(moeferry.__file__).parent}")
     t0 = time.perf_counter()
-    engine = Engine.build(EngineConfig(args.checkpoint, DEV.type, "bfloat16", num_tokens=4096, num_state_slots=40))
+    extra = (dict(moe_backend="offload", moe_cache_size=args.offload, num_state_slots=4) if args.offload
+             else dict(num_state_slots=40))
+    engine = Engine.build(EngineConfig(args.checkpoint, DEV.type, "bfloat16", num_tokens=4096, **extra))
     load_s = time.perf_counter() - t0
     out = dict(load_s=load_s, checkpoint=args.checkpoint)
+    if args.offload:  # decode through a partial cache: piecewise graphs against eager, and the breakdown
+        for b in (1, 4):
+            out[f"b{b}"] = decode_rate(engine, b)
+        graphs, engine.graphs = engine.graphs, None
+        out["eager_b1"] = decode_rate(engine, 1)
+        engine.graphs = graphs
+        out["graphs"] = "off" if graphs is None else (graphs.disabled or f"on (sizes {sorted(graphs.graphs)})")
+        out["cache"] = {k: v for k, v in engine.stats()["experts"].items() if k != "layers"}
+        log(f"  offload {args.offload} slots: load {load_s:.1f} s  decode b1 {out['b1']:.1f} tok/s  b4 {out['b4']:.1f}"
+            f"  eager b1 {out['eager_b1']:.1f}  graphs: {out['graphs']}  cache {out['cache']}")
+        if graphs is not None and graphs.disabled is None:
+            out["breakdown"] = {b: piecewise_breakdown(engine, log, b) for b in (1, 4)}
+        return out
     for b in (1, 4, 16):
         out[f"b{b}"] = decode_rate(engine, b)
     g = engine.graphs
@@ -365,6 +413,8 @@ def main():
     ap.add_argument("--tag", default="")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--offload", type=int, default=0, metavar="SLOTS",
+                    help="e2e: the offload backend with this many cache slots (piecewise graphs vs eager, breakdown)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (set MOEFERRY_TRITON_INTERPRET=1)")
     args = ap.parse_args()
     global DEV, SMOKE
