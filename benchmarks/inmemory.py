@@ -115,7 +115,8 @@ def moeferry_engine(config: dict, hf_model, device: str, dtype: torch.dtype, num
     from moeferry.engine.engine import Engine
     reader = StateDictReader(config, dict(hf_model.state_dict()))
     cfg = EngineConfig("(in memory)", device, str(dtype).removeprefix("torch."), num_tokens=num_tokens,
-                       page_size=page_size, num_state_slots=max_seqs, cuda_graphs=cuda_graphs)
+                       page_size=page_size, num_state_slots=max_seqs, max_running_requests=max_seqs,
+                       cuda_graphs=cuda_graphs)
     return Engine.build(cfg, reader=reader)
 
 

@@ -347,6 +347,17 @@ def piecewise_breakdown(engine, log, batch=1, steps=12) -> dict:
     per = {k: round(v * 1e3 / steps, 3) for k, v in acc.items()}
     log(f"  piecewise b{batch}: {rate:.1f} tok/s (timed: each cut synchronised first); per step ms: "
         f"graph launches {per['launch']}, device wait {per['wait']}, host cache work {per['host']}")
+    if batch == 1:  # the host work by function (cProfile over a few plain steps)
+        import cProfile
+        import io
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        decode_rate(engine, 1, steps=4, warmup=0)
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        log(text.getvalue())
     return dict(tok_s=rate, **per)
 
 
@@ -357,7 +368,7 @@ def bench_e2e(args, log):
     log(f"moeferry from {Path(moeferry.__file__).parent}")
     t0 = time.perf_counter()
     extra = (dict(moe_backend="offload", moe_cache_size=args.offload, num_state_slots=4) if args.offload
-             else dict(num_state_slots=40))
+             else dict(num_state_slots=40, max_running_requests=40))
     engine = Engine.build(EngineConfig(args.checkpoint, DEV.type, "bfloat16", num_tokens=4096, **extra))
     load_s = time.perf_counter() - t0
     out = dict(load_s=load_s, checkpoint=args.checkpoint)

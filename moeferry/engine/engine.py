@@ -78,14 +78,14 @@ def _decode_graphs(cfg: EngineConfig, model, cache: CacheManager, sizes: EngineS
     every expert; piecewise (cut at each layer's host part) for a partial offload cache; none
     for cpu and hybrid or where the plan reserved no graph pool (`experts.graph_mode`)."""
     planned = not cfg.offloads_experts or plan is None or plan.graphs.bytes > 0
-    mode = experts.graph_mode(sizes.num_state_slots)
+    max_batch = min(cfg.max_running_requests, sizes.num_state_slots)  # the scheduler's largest decode batch
+    mode = experts.graph_mode(max_batch)
     if not (cfg.cuda_graphs and device.type == "cuda" and mode and planned):
         return None
     max_pages = min(sizes.num_pages, -(-sizes.max_seq_len // sizes.page_size))
     log.info("decode CUDA graphs: %s", "captured whole" if mode == "whole"
              else "piecewise (cut at each MoE layer: the host reads its experts and fetches the misses)")
-    return DecodeGraphs(model, cache.kv, cache.states, sizes.num_state_slots, max_pages, sizes.page_size, device,
-                        experts=experts)
+    return DecodeGraphs(model, cache.kv, cache.states, max_batch, max_pages, sizes.page_size, device, experts=experts)
 
 
 class Engine:
