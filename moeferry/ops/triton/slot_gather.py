@@ -21,13 +21,13 @@ BLOCK = 2048   # words per program
 
 
 @triton.jit
-def _gather_kernel(slots_ptr, n_slots,
+def _gather_kernel(slots_ptr, width,
                    a0, b0, sa0, sb0, n0, a1, b1, sa1, sb1, n1, a2, b2, sa2, sb2, n2, a3, b3, sa3, sb3, n3,
                    a4, b4, sa4, sb4, n4, a5, b5, sa5, sb5, n5, a6, b6, sa6, sb6, n6, a7, b7, sa7, sb7, n7,
                    BLOCK: tl.constexpr):
     i, part, blk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s = tl.load(slots_ptr + i).to(tl.int64)            # source slot (bank)
-    d = tl.load(slots_ptr + n_slots + i).to(tl.int64)  # destination slot (device)
+    d = tl.load(slots_ptr + width + i).to(tl.int64)  # destination slot (device)
     src, dst, n = a0 + s * sa0, b0 + d * sb0, n0
     if part == 1:
         src, dst, n = a1 + s * sa1, b1 + d * sb1, n1
@@ -55,19 +55,45 @@ def word_view(t: torch.Tensor) -> torch.Tensor | None:
     return t.reshape(t.shape[0], -1).view(torch.uint8).view(torch.int32)
 
 
-def gather_slots(pairs: list[tuple[torch.Tensor, torch.Tensor]], src_slots: list[int], dst_slots: list[int]) -> None:
-    """For each (source [S, W], destination [S', W]) word view: destination[dst_slots[i]] =
-    source[src_slots[i]], in one launch on the current stream. Sources may be pinned host
-    tensors (read over PCIe by the kernel); destinations are device tensors."""
-    if not src_slots:
-        return
-    if len(pairs) > MAX_PARTS:
-        raise ValueError(f"at most {MAX_PARTS} tensors per slot, got {len(pairs)}")
-    device = pairs[0][1].device
-    slots = torch.tensor([src_slots, dst_slots], dtype=torch.int32, pin_memory=device.type == "cuda")
-    slots = slots.to(device, non_blocking=True)
-    args = []
-    for a, b in pairs + [pairs[0]] * (MAX_PARTS - len(pairs)):
-        args += [a, b, a.stride(0), b.stride(0), a.shape[1]]
-    most = max(a.shape[1] for a, _ in pairs)
-    _gather_kernel[(len(src_slots), len(pairs), triton.cdiv(most, BLOCK))](slots, len(src_slots), *args, BLOCK=BLOCK)
+class SlotGather:
+    """Gather launches from one source to one destination slot buffer (their word views as
+    `pairs` of (source [S, W], destination [S', W])): the kernel's arguments are built once,
+    and the slot indices go through a ring of pinned and device buffers, each reused only after
+    the launch that read it has finished (a decode step launches one or two gathers a layer)."""
+
+    RING, WIDTH = 4, 64
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+        if len(pairs) > MAX_PARTS:
+            raise ValueError(f"at most {MAX_PARTS} tensors per slot, got {len(pairs)}")
+        self.pairs, self.device = pairs, pairs[0][1].device
+        self.args = []
+        for a, b in pairs + [pairs[0]] * (MAX_PARTS - len(pairs)):
+            self.args += [a, b, a.stride(0), b.stride(0), a.shape[1]]
+        self.blocks = triton.cdiv(max(a.shape[1] for a, _ in pairs), BLOCK)
+        cuda = self.device.type == "cuda"
+        self.host = [torch.zeros(2, self.WIDTH, dtype=torch.int32, pin_memory=cuda) for _ in range(self.RING)]
+        self.slots = [torch.zeros(2, self.WIDTH, dtype=torch.int32, device=self.device) for _ in range(self.RING)]
+        self.done = [torch.cuda.Event() if cuda else None for _ in range(self.RING)]
+        self.used = [False] * self.RING
+        self.turn = 0
+
+    def __call__(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """destination[dst_slots[i]] = source[src_slots[i]] for every pair, in one launch on the
+        current stream (more than WIDTH experts: one launch per WIDTH)."""
+        for at in range(0, len(src_slots), self.WIDTH):
+            self._launch(src_slots[at:at + self.WIDTH], dst_slots[at:at + self.WIDTH])
+
+    def _launch(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        i, n = self.turn, len(src_slots)
+        self.turn = (i + 1) % self.RING
+        if self.used[i] and self.done[i] is not None:
+            self.done[i].synchronize()  # the launch that last read this buffer has run
+        host = self.host[i].numpy()
+        host[0, :n], host[1, :n] = src_slots, dst_slots
+        slots = self.slots[i]
+        slots.copy_(self.host[i], non_blocking=True)
+        _gather_kernel[(n, len(self.pairs), self.blocks)](slots, self.WIDTH, *self.args, BLOCK=BLOCK)
+        if self.done[i] is not None:
+            self.done[i].record()
+        self.used[i] = True
