@@ -322,8 +322,14 @@ def piecewise_breakdown(engine, log, batch=1, steps=12) -> dict:
     the graphs, waiting for the device at each cut (the graphs' GPU time), and the host's cache
     work at the cuts (ids, lookups, fetch and prefetch launches), in ms per step."""
     from moeferry.engine import cuda_graph as CG
-    acc = dict(launch=0.0, wait=0.0, host=0.0)
+    acc = dict(launch=0.0, wait=0.0, host=0.0, prefetch_wait=0.0)
     plain = CG.StepGraphs.replay
+    backend, settle = engine.experts, engine.experts.settle
+
+    def timed_settle():  # waiting for the previous layer's prefetch copies (counted inside host work)
+        t = time.perf_counter()
+        settle()
+        acc["prefetch_wait"] += time.perf_counter() - t
 
     def timed(self, rows):
         for i, graph in enumerate(self.graphs):
@@ -339,22 +345,22 @@ def piecewise_breakdown(engine, log, batch=1, steps=12) -> dict:
                 acc["host"] += time.perf_counter() - t2
 
     decode_rate(engine, batch, steps=2, warmup=2)
-    CG.StepGraphs.replay = timed
+    CG.StepGraphs.replay, backend.settle = timed, timed_settle
     try:
-        rate = decode_rate(engine, batch, steps=steps, warmup=0)
+        rate = decode_rate(engine, batch, steps=steps, warmup=0)  # (its prompt's prefill is timed too)
     finally:
         CG.StepGraphs.replay = plain
+        del backend.settle
     per = {k: round(v * 1e3 / steps, 3) for k, v in acc.items()}
     log(f"  piecewise b{batch}: {rate:.1f} tok/s (timed: each cut synchronised first); per step ms: "
-        f"graph launches {per['launch']}, device wait {per['wait']}, host cache work {per['host']}")
+        f"graph launches {per['launch']}, device wait {per['wait']}, host cache work {per['host']} "
+        f"(of which waiting for the prefetch copies {per['prefetch_wait']})")
     if batch == 1:  # the host work by function (cProfile over a few plain steps)
         import cProfile
         import io
         import pstats
         prof = cProfile.Profile()
-        prof.enable()
-        decode_rate(engine, 1, steps=4, warmup=0)
-        prof.disable()
+        decode_rate(engine, 1, steps=4, warmup=0, around=prof)  # the decode steps alone
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
         log(text.getvalue())

@@ -105,3 +105,13 @@ def test_deficit_is_the_request_less_what_was_free():
     assert deficit_bytes(msg) == 256 * 2**20 - int(161.5 * 2**20)
     assert deficit_bytes("Tried to allocate 1.00 GiB.") == 2**30
     assert deficit_bytes("injected out-of-memory error in step 3") == 0
+
+
+def test_boot_self_test_runs_again_after_a_shrink(model, monkeypatch):
+    """A self-test round that shrank the cache is repeated (a shrink drops the decode graphs,
+    recaptured after the prefill passed): on the CPU the self-test's two steps are steps 1, 2."""
+    monkeypatch.setenv("MOEFERRY_FAULT_OOM_STEPS", "1")
+    llm = LLM(model, dtype="float32", max_extend_tokens=8, moe_backend="offload")  # auto cache: planned
+    guard = llm.engine.guard
+    assert len(guard.shrinks) == 1 and guard.steps == 4  # round 1 (shrank), round 2 (clean)
+    assert llm.engine.plan.expert_slots == llm.engine.experts.expert_slots
