@@ -218,16 +218,18 @@ def check_gather(fmt, h=64, i=32, bank_slots=6, seed=0):
     for buf in (copied, gathered):
         for t in (*buf.gate_up.tensors().values(), *buf.down.tensors().values()):
             t.view(torch.uint8).fill_(7)
-    assert copied.copy_slots(dst, bank, src) == gathered.copy_slots(dst, bank, src, gather=True)
-    assert gathered._word_pairs(bank) is not None, "every slot tensor is whole words"
+    from moeferry.ops.triton.slot_gather import CONFIGS
+    config = CONFIGS[seed % len(CONFIGS)]
+    assert copied.copy_slots(dst, bank, src) == gathered.copy_slots(dst, bank, src, gather=config)
+    assert gathered._gather_from(bank, config) is not None, "every slot tensor is whole words"
     for m in ("gate_up", "down"):
         for name, t in getattr(copied, m).tensors().items():
             assert torch.equal(t.view(torch.uint8), getattr(getattr(gathered, m), name).view(torch.uint8)), (m, name)
     return 0.0
 
 
-for _f in FORMAT_NAMES:
-    CASES[f"gather-slots-{_f}"] = (check_gather, dict(fmt=_f))
+for _n, _f in enumerate(FORMAT_NAMES):  # each format with another gather config
+    CASES[f"gather-slots-{_f}"] = (check_gather, dict(fmt=_f, seed=_n))
 
 
 def check_shared_in_slots(quant=None):

@@ -18,9 +18,10 @@ def _sync(device: torch.device) -> None:
 
 
 def time_fetch(bank: SlotBuffer, device: torch.device, experts: int = 8, repeats: int = 3,
-               gather: bool = False) -> float:
+               gather: tuple[int, int] | None = None) -> float:
     """Seconds to copy one expert bank -> device slot (median over `repeats` batches of `experts`,
-    host time included); `gather`: by the one-launch gather kernel, else one copy per tensor."""
+    host time included); `gather`: by the one-launch gather kernel in that config, else one copy
+    per tensor."""
     n = min(experts, bank.num_slots)
     dst = SlotBuffer.allocate_like(bank, n, device=device)
     times = []
@@ -34,32 +35,38 @@ def time_fetch(bank: SlotBuffer, device: torch.device, experts: int = 8, repeats
     return sorted(times)[len(times) // 2]
 
 
-def choose_gather(bank: SlotBuffer, device: torch.device) -> tuple[bool, str]:
-    """Whether decode misses move by the gather kernel (`moeferry.ops.triton.slot_gather`): only
-    if it moves the bytes exactly and a batch of 8 experts arrives sooner than by copies. Returns
-    (use it, what was measured)."""
+def choose_gather(bank: SlotBuffer, device: torch.device) -> tuple[tuple[int, int] | None, str]:
+    """How decode misses move: the gather kernel (`moeferry.ops.triton.slot_gather`) in the
+    config that moves a batch of 8 experts soonest, if it moves the bytes exactly and beats one
+    copy per tensor; else None (the copies). Returns (config or None, what was measured)."""
+    from moeferry.ops.triton.slot_gather import CONFIGS
     if device.type != "cuda":
-        return False, "per-tensor copies (no CUDA)"
+        return None, "per-tensor copies (no CUDA)"
     src = list(range(min(8, bank.num_slots)))[::-1]
+    timed = {}
     try:
-        dst = SlotBuffer.allocate_like(bank, len(src), device=device)
-        dst.copy_slots(list(range(len(src))), bank, src, gather=True)
-        _sync(device)
-        for m in ("gate_up", "down"):
-            for name, t in getattr(dst, m).tensors().items():
-                want = getattr(getattr(bank, m), name)[src]
-                if not torch.equal(t.cpu().view(torch.uint8), want.view(torch.uint8)):
-                    return False, f"per-tensor copies (the gather kernel moved {m}.{name} wrong)"
-        del dst
-        gather_s = min(time_fetch(bank, device, gather=True) for _ in range(2))
+        for config in CONFIGS:
+            dst = SlotBuffer.allocate_like(bank, len(src), device=device)
+            dst.copy_slots(list(range(len(src))), bank, src, gather=config)
+            _sync(device)
+            for m in ("gate_up", "down"):
+                for name, t in getattr(dst, m).tensors().items():
+                    want = getattr(getattr(bank, m), name)[src]
+                    if not torch.equal(t.cpu().view(torch.uint8), want.view(torch.uint8)):
+                        return None, f"per-tensor copies (the gather kernel {config} moved {m}.{name} wrong)"
+            del dst
+            timed[config] = min(time_fetch(bank, device, gather=config) for _ in range(2))
         copy_s = min(time_fetch(bank, device) for _ in range(2))
     except Exception as e:  # e.g. a device that cannot read pinned host memory from a kernel
-        return False, f"per-tensor copies (gather kernel unavailable: {type(e).__name__}: {str(e)[:120]})"
+        return None, f"per-tensor copies (gather kernel unavailable: {type(e).__name__}: {str(e)[:120]})"
+    best = min(timed, key=timed.get)
     mib = bank.bytes_per_slot / 2**20
-    what = (f"an expert ({mib:.2f} MiB) arrives in {gather_s * 1e6:.0f} us by the gather kernel, "
-            f"{copy_s * 1e6:.0f} us by per-tensor copies")
-    use = gather_s < copy_s
-    return use, f"{'gather kernel' if use else 'per-tensor copies'}: {what}"
+    what = (f"an expert ({mib:.2f} MiB) arrives in {timed[best] * 1e6:.0f} us by the gather kernel "
+            f"({best[0]} words x {best[1]} warps a program; "
+            + ", ".join(f"{c[0]}x{c[1]} {t * 1e6:.0f} us" for c, t in timed.items() if c != best)
+            + f"), {copy_s * 1e6:.0f} us by per-tensor copies")
+    use = timed[best] < copy_s
+    return (best if use else None), f"{'gather kernel' if use else 'per-tensor copies'}: {what}"
 
 
 def time_cpu_expert(bank: SlotBuffer, tokens: int = 1, repeats: int = 3) -> float:

@@ -90,7 +90,7 @@ class ExpertCache:
         # hits of steps that never leave the device (a cache holding every expert: `count_on_device`)
         self.device_hits = torch.zeros(len(self.layers), dtype=torch.int64, device=device)
         self._seen = torch.zeros(len(self.layers), num_experts, dtype=torch.int32, device=device)
-        self.gather = False  # fetch by the one-launch gather kernel (set by the backend when it wins)
+        self.gather = None  # fetch by the one-launch gather kernel in this config (set by the backend when it wins)
 
     @property
     def num_slots(self) -> int:

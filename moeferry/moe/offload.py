@@ -67,7 +67,8 @@ class OffloadBackend:
         self.executors: dict[int, OffloadExperts] = {}
         self.load_threads = 1
         self.split = None                             # hybrid: MissSplit, measured in finish()
-        self.gather: bool | None = None               # misses by the gather kernel: measured in finish()
+        self.gather: tuple | None = None              # misses by the gather kernel in this config (measured in finish())
+        self.transfer_chosen = False
         self.cpu_layers = set()
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # decode prefetch: only the offload lane, and only where copies can overlap compute
@@ -160,7 +161,7 @@ class OffloadBackend:
             raise ValueError("the offload backend needs an expert slot count (--moe-cache-size / -rate / -auto)")
         self.settle()
         self._release_device()
-        if self.gather is None:  # before the cache takes the device's memory
+        if not self.transfer_chosen:  # before the cache takes the device's memory
             self._choose_transfer()
         if self.name == "cpu" and self.cfg.moe_cpu_layers:
             self.cpu_layers = set(sorted(self.banks)[: self.cfg.moe_cpu_layers])
@@ -173,7 +174,7 @@ class OffloadBackend:
             slots = max(1, total * len(layers) // n_layers)
             cache = ExpertCache(SlotBuffer.allocate_like(first, slots, device=self.device), layers,
                                 first.num_slots, self.cfg.moe_cache_policy)
-            cache.gather = self.gather and self.name != "cpu"
+            cache.gather = self.gather if self.name != "cpu" else None
             cache.fill(self.banks)
             for layer in layers:
                 self.caches[layer] = cache
@@ -192,6 +193,7 @@ class OffloadBackend:
         """Decode misses move by the one-launch gather kernel or by copies: measured, the faster kept."""
         from moeferry.moe.bandwidth import choose_gather
         self.gather, what = choose_gather(next(iter(self.banks.values())), self.device)
+        self.transfer_chosen = True
         log.info("expert fetches: %s", what)
 
     def _release_device(self) -> None:

@@ -133,30 +133,31 @@ class SlotBuffer:
             for s, ex in enumerate(experts):
                 self.write(s, ex)
 
-    def copy_slots(self, dst: list[int], src: "SlotBuffer", src_slots: list[int], gather: bool = False) -> int:
+    def copy_slots(self, dst: list[int], src: "SlotBuffer", src_slots: list[int], gather=None) -> int:
         """Copy experts from `src` (e.g. a host bank) into slots `dst` on the current stream;
-        returns bytes copied. `gather`: one kernel launch reads them all (`slot_gather`; `src`
-        pinned or on the device), else one copy per tensor per expert."""
+        returns bytes copied. `gather` (a `slot_gather.CONFIGS` entry): one kernel launch reads
+        them all (`src` pinned or on the device); None: one copy per tensor per expert."""
         if gather and dst:
-            launch = self._gather_from(src)
+            launch = self._gather_from(src, gather)
             if launch is not None:
                 launch(src_slots, dst)
                 return self.bytes_per_slot * len(dst)
         return self.gate_up.copy_slots(dst, src.gate_up, src_slots) + self.down.copy_slots(dst, src.down, src_slots)
 
-    def _gather_from(self, src: "SlotBuffer"):
-        """The `SlotGather` from `src` into this buffer (made on first use, kept per source);
-        None when some tensor's slot is not whole words."""
+    def _gather_from(self, src: "SlotBuffer", config: tuple[int, int]):
+        """The `SlotGather` from `src` into this buffer (made on first use, kept per source and
+        config); None when some tensor's slot is not whole words."""
         gathers = self.__dict__.setdefault("_gathers", {})
-        if id(src) not in gathers:
+        key = (id(src), config)
+        if key not in gathers:
             views = [(m.word_views(), getattr(src, name).word_views()) for name, m in
                      (("gate_up", self.gate_up), ("down", self.down))]
             launch = None
             if not any(d is None or s is None for d, s in views):
                 from moeferry.ops.triton.slot_gather import SlotGather
-                launch = SlotGather([(s, d) for dv, sv in views for s, d in zip(sv, dv)])
-            gathers[id(src)] = (src, launch)  # the source kept: its id stays its own
-        return gathers[id(src)][1]
+                launch = SlotGather([(s, d) for dv, sv in views for s, d in zip(sv, dv)], config)
+            gathers[key] = (src, launch)  # the source kept: its id stays its own
+        return gathers[key][1]
 
     def read_slot(self, slot: int) -> tuple[dict, dict]:
         """A copy of one slot's contents in `pack`'s form (the inverse of `write_packed`)."""

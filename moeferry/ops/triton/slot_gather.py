@@ -17,7 +17,9 @@ import triton
 import triton.language as tl
 
 MAX_PARTS = 8  # tensors per slot that one launch moves (gate_up and down: at most 4 each)
-BLOCK = 2048   # words per program
+# (words per program, warps): a pinned host read's latency is hidden by the reads in flight, which
+# these trade against the programs' count; the offload backend times each at boot, keeps the fastest
+CONFIGS = ((2048, 4), (4096, 8), (8192, 8), (1024, 4))
 
 
 @triton.jit
@@ -63,14 +65,15 @@ class SlotGather:
 
     RING, WIDTH = 4, 64
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], config: tuple[int, int] = CONFIGS[0]):
         if len(pairs) > MAX_PARTS:
             raise ValueError(f"at most {MAX_PARTS} tensors per slot, got {len(pairs)}")
         self.pairs, self.device = pairs, pairs[0][1].device
         self.args = []
         for a, b in pairs + [pairs[0]] * (MAX_PARTS - len(pairs)):
             self.args += [a, b, a.stride(0), b.stride(0), a.shape[1]]
-        self.blocks = triton.cdiv(max(a.shape[1] for a, _ in pairs), BLOCK)
+        self.block, self.warps = config
+        self.blocks = triton.cdiv(max(a.shape[1] for a, _ in pairs), self.block)
         cuda = self.device.type == "cuda"
         self.host = [torch.zeros(2, self.WIDTH, dtype=torch.int32, pin_memory=cuda) for _ in range(self.RING)]
         self.slots = [torch.zeros(2, self.WIDTH, dtype=torch.int32, device=self.device) for _ in range(self.RING)]
@@ -93,7 +96,8 @@ class SlotGather:
         host[0, :n], host[1, :n] = src_slots, dst_slots
         slots = self.slots[i]
         slots.copy_(self.host[i], non_blocking=True)
-        _gather_kernel[(n, len(self.pairs), self.blocks)](slots, self.WIDTH, *self.args, BLOCK=BLOCK)
+        _gather_kernel[(n, len(self.pairs), self.blocks)](slots, self.WIDTH, *self.args, BLOCK=self.block,
+                                                          num_warps=self.warps)
         if self.done[i] is not None:
             self.done[i].record()
         self.used[i] = True
