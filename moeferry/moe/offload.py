@@ -337,9 +337,11 @@ class OffloadExperts:
             raise RuntimeError(f"layer {self.layer}: {len(left)} experts got no cache slot inside a CUDA graph")
 
     def _prefetch(self, predicted: list[int], needed: list[int]) -> None:
-        """Copy the next layer's predicted misses on the copy stream (this layer's own fetches,
-        queued before, go first; nothing this step uses is evicted). The next layer waits for
-        them (`settle`) before it reads or changes the cache."""
+        """Copy the next layer's predicted misses on the copy stream, after this layer's own
+        fetches (queued on the compute stream since the layer's sync: they are on the critical
+        path, and both would share the link), overlapping the compute that follows; nothing this
+        step uses is evicted. The next layer waits for them (`settle`) before it reads or
+        changes the cache."""
         nxt, stream = self.next, self.b.copy_stream
         if nxt.cache is None:
             return
@@ -347,6 +349,7 @@ class OffloadExperts:
         if stream is None:  # no copy stream: in line (tests run the bookkeeping on the CPU)
             nxt.cache.prefetch(nxt.layer, predicted, nxt.bank, keep)
             return
+        stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             if nxt.cache.prefetch(nxt.layer, predicted, nxt.bank, keep):
                 self.b.prefetch_done = stream.record_event()
