@@ -5,7 +5,10 @@ scales). One DMA copy per tensor per expert costs ~10 us of host time (40 layers
 per token: milliseconds), and each small copy pays the copy engine's fixed cost. Pinned host
 memory is addressable from the device (unified addressing), so this kernel reads every tensor
 of every missed expert straight from the host bank and writes its slot: one launch per layer.
-`moeferry.moe.offload` times it against the copies at boot and keeps the faster.
+`moeferry.moe.offload` times it against the copies at boot and keeps the faster. Its host cost is
+what a decode step pays per fetch (measured on the H200: ~176 us a call when the launch took
+every tensor as five arguments), so the tensors' addresses and strides sit in a device
+descriptor built once per (bank, cache) pair, and a launch takes three arguments.
 
 The tensors are moved as 32-bit words: every slot tensor of the registry's formats holds a
 multiple of 4 bytes per slot (`word_view` refuses otherwise, and the copies are used).
@@ -16,35 +19,24 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_PARTS = 8  # tensors per slot that one launch moves (gate_up and down: at most 4 each)
 # (words per program, warps): a pinned host read's latency is hidden by the reads in flight, which
 # these trade against the programs' count; the offload backend times each at boot, keeps the fastest
 CONFIGS = ((2048, 4), (4096, 8), (8192, 8), (1024, 4))
+FIELDS = tl.constexpr(5)  # per tensor in the descriptor: source and destination address, their slot strides, words
 
 
 @triton.jit
-def _gather_kernel(slots_ptr, width,
-                   a0, b0, sa0, sb0, n0, a1, b1, sa1, sb1, n1, a2, b2, sa2, sb2, n2, a3, b3, sa3, sb3, n3,
-                   a4, b4, sa4, sb4, n4, a5, b5, sa5, sb5, n5, a6, b6, sa6, sb6, n6, a7, b7, sa7, sb7, n7,
-                   BLOCK: tl.constexpr):
+def _gather_kernel(desc_ptr, slots_ptr, width, BLOCK: tl.constexpr):
+    """Program (i, part, blk): words blk*BLOCK.. of tensor `part` of the i-th expert moved. The
+    descriptor holds each tensor's addresses as integers (a pinned host tensor's address is valid
+    on the device), so a launch takes three arguments whatever the tensors."""
     i, part, blk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    s = tl.load(slots_ptr + i).to(tl.int64)            # source slot (bank)
+    s = tl.load(slots_ptr + i).to(tl.int64)          # source slot (bank)
     d = tl.load(slots_ptr + width + i).to(tl.int64)  # destination slot (device)
-    src, dst, n = a0 + s * sa0, b0 + d * sb0, n0
-    if part == 1:
-        src, dst, n = a1 + s * sa1, b1 + d * sb1, n1
-    elif part == 2:
-        src, dst, n = a2 + s * sa2, b2 + d * sb2, n2
-    elif part == 3:
-        src, dst, n = a3 + s * sa3, b3 + d * sb3, n3
-    elif part == 4:
-        src, dst, n = a4 + s * sa4, b4 + d * sb4, n4
-    elif part == 5:
-        src, dst, n = a5 + s * sa5, b5 + d * sb5, n5
-    elif part == 6:
-        src, dst, n = a6 + s * sa6, b6 + d * sb6, n6
-    elif part == 7:
-        src, dst, n = a7 + s * sa7, b7 + d * sb7, n7
+    field = desc_ptr + part * FIELDS
+    src = tl.load(field).to(tl.pointer_type(tl.int32)) + s * tl.load(field + 2)
+    dst = tl.load(field + 1).to(tl.pointer_type(tl.int32)) + d * tl.load(field + 3)
+    n = tl.load(field + 4)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
@@ -66,12 +58,9 @@ class SlotGather:
     RING, WIDTH = 4, 64
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], config: tuple[int, int] = CONFIGS[0]):
-        if len(pairs) > MAX_PARTS:
-            raise ValueError(f"at most {MAX_PARTS} tensors per slot, got {len(pairs)}")
-        self.pairs, self.device = pairs, pairs[0][1].device
-        self.args = []
-        for a, b in pairs + [pairs[0]] * (MAX_PARTS - len(pairs)):
-            self.args += [a, b, a.stride(0), b.stride(0), a.shape[1]]
+        self.pairs, self.device = pairs, pairs[0][1].device  # the tensors kept alive: the descriptor has their addresses
+        self.desc = torch.tensor([[a.data_ptr(), b.data_ptr(), a.stride(0), b.stride(0), a.shape[1]] for a, b in pairs],
+                                 dtype=torch.int64).to(self.device)
         self.block, self.warps = config
         self.blocks = triton.cdiv(max(a.shape[1] for a, _ in pairs), self.block)
         cuda = self.device.type == "cuda"
@@ -96,7 +85,7 @@ class SlotGather:
         host[0, :n], host[1, :n] = src_slots, dst_slots
         slots = self.slots[i]
         slots.copy_(self.host[i], non_blocking=True)
-        _gather_kernel[(n, len(self.pairs), self.blocks)](slots, self.WIDTH, *self.args, BLOCK=self.block,
+        _gather_kernel[(n, len(self.pairs), self.blocks)](self.desc, slots, self.WIDTH, BLOCK=self.block,
                                                           num_warps=self.warps)
         if self.done[i] is not None:
             self.done[i].record()
