@@ -390,10 +390,13 @@ class OffloadExperts:
         return out
 
     def _copy_chunk(self, chunk: list[int], half: int, stream, freed):
+        """Copy a chunk of experts into a staging half (by the gather kernel when the boot chose
+        it: one launch instead of a copy per tensor per expert, which bound a short prompt's
+        prefill on the host); on `stream` after the half's last readers, returning its event."""
         base = half * (self.staging.num_slots // 2)
         dst = list(range(base, base + len(chunk)))
         if stream is None:
-            self.staging.copy_slots(dst, self.bank, chunk)
+            self.staging.copy_slots(dst, self.bank, chunk, gather=self.cache.gather)
             return None
         compute = torch.cuda.current_stream()
         with torch.cuda.stream(stream):
@@ -401,7 +404,7 @@ class OffloadExperts:
                 stream.wait_stream(compute)
             else:
                 stream.wait_event(freed[half])
-            self.staging.copy_slots(dst, self.bank, chunk)
+            self.staging.copy_slots(dst, self.bank, chunk, gather=self.cache.gather)
             return stream.record_event()
 
     @staticmethod

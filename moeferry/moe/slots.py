@@ -133,7 +133,8 @@ class SlotBuffer:
             for s, ex in enumerate(experts):
                 self.write(s, ex)
 
-    def copy_slots(self, dst: list[int], src: "SlotBuffer", src_slots: list[int], gather=None) -> int:
+    def copy_slots(self, dst: list[int], src: "SlotBuffer", src_slots: list[int],
+                   gather: tuple[int, int] | None = None) -> int:
         """Copy experts from `src` (e.g. a host bank) into slots `dst` on the current stream;
         returns bytes copied. `gather` (a `slot_gather.CONFIGS` entry): one kernel launch reads
         them all (`src` pinned or on the device); None: one copy per tensor per expert."""
