@@ -385,6 +385,17 @@ def test_cut_step_equals_eager(arch, preset, ckpt, ref_logits):
     assert_same_contents(runs[True][2], runs[False][2])
 
 
+def test_split_choices_reads_only_the_real_rows():
+    """A padded graph batch: the host part reads the first rows' choices of the step and of
+    the guess, never the padding rows' (nor the guess as the step's)."""
+    ids = torch.tensor([[3, 1], [1, 7], [9, 9]])    # 3 rows, top-2; the last row is padding
+    guess = torch.tensor([[5, 4], [4, 6], [8, 8]])
+    flat = offload_mod.choices(ids, guess).tolist()
+    assert offload_mod.split_choices(flat, 2 * 2, ids.numel()) == ([1, 3, 7], [4, 5, 6])
+    assert offload_mod.split_choices(flat, 1 << 30, ids.numel()) == ([1, 3, 7, 9], [4, 5, 6, 8])
+    assert offload_mod.distinct_experts(ids, guess) == ([1, 3, 7, 9], [4, 5, 6, 8])
+
+
 def test_graph_mode_needs_a_steps_working_set(ckpt, monkeypatch):
     """Piecewise capture only for the offload lane on CUDA, with every cache holding max_batch x
     top_k experts (a step's experts could not be left over to stream inside a graph)."""

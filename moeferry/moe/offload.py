@@ -39,13 +39,25 @@ log = logging.getLogger("moeferry.moe")
 STAGING_SLOTS = 32  # slots per staging half (prefill streams a layer's misses in chunks of this)
 
 
+def choices(ids: torch.Tensor, guess: torch.Tensor | None) -> torch.Tensor:
+    """A step's expert ids and the guess for the next layer's, flattened one after the other
+    (read back in one copy)."""
+    return ids.reshape(-1) if guess is None else torch.cat([ids.reshape(-1), guess.reshape(-1)])
+
+
+def split_choices(flat: list[int], first: int, each: int) -> tuple[list[int], list[int]]:
+    """(the sorted distinct ids among the step's first `first` choices, the same of the guess),
+    from `choices` read back (`each` choices of each)."""
+    first = min(first, each)
+    return sorted(set(flat[:first])), sorted(set(flat[each:each + first]))
+
+
 def distinct_experts(ids: torch.Tensor, guess: torch.Tensor | None = None) -> tuple[list[int], list[int]]:
     """The sorted distinct expert ids of a step and of a guess for the next layer (one host sync):
     a decode step's few ids are read back as they are (cheaper than a unique kernel), a prefill
     chunk's are made unique first."""
     if guess is not None:
-        both = torch.cat([ids.reshape(-1), guess.reshape(-1)]).tolist()
-        return sorted(set(both[:ids.numel()])), sorted(set(both[ids.numel():]))
+        return split_choices(choices(ids, guess).tolist(), ids.numel(), ids.numel())
     if ids.numel() <= 256:
         return sorted(set(ids.reshape(-1).tolist())), []
     return torch.unique(ids).tolist(), []
@@ -277,7 +289,8 @@ class OffloadExperts:
         ahead = self.b.prefetch and self.next is not None and x.shape[0] <= STAGING_SLOTS
         guess = torch.topk(self.next_router(x), ids.shape[-1], dim=-1).indices if ahead else None
         if self.b.capturing is not None:  # a graph-captured decode step: the host part runs at the cut
-            self.b.capturing.cut(lambda rows: self._place(ids[:rows], None if guess is None else guess[:rows]))
+            flat, k = choices(ids, guess), ids.shape[-1]  # concatenated inside the graph
+            self.b.capturing.cut(lambda rows: self._place(flat, rows * k, ids.numel()))
             return self._run(self.cache.buffer, x, ids, weights, self.cache.row(self.layer))
         needed, predicted = distinct_experts(ids, guess)  # the one host sync of the layer
         self.b.settle()  # the previous layer's prefetch has landed (table and slots)
@@ -327,10 +340,11 @@ class OffloadExperts:
             self._prefetch(predicted, needed)
         return experts[len(placed):]
 
-    def _place(self, ids: torch.Tensor, guess: torch.Tensor | None) -> None:
+    def _place(self, flat: torch.Tensor, first: int, each: int) -> None:
         """A captured step's host part (at its cut, between two graphs): read the router's
-        choices, fetch the misses, start the prefetch. `graph_mode` made sure they all fit."""
-        needed, predicted = distinct_experts(ids, guess)
+        choices of the real rows (the first `first` of `each`; `flat` from `choices`), fetch the
+        misses, start the prefetch. `graph_mode` made sure they all fit."""
+        needed, predicted = split_choices(flat.tolist(), first, each)
         self.b.settle()
         left = self._fetch(self._lookup(needed), needed, predicted)
         if left:
