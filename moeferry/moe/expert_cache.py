@@ -151,6 +151,8 @@ class ExpertCache:
         that got a slot (a prefix of `experts`: fewer when the cache is smaller than the step's
         working set). Copies are enqueued on the current stream; the device table row is updated
         after them, in order."""
+        if not experts:
+            return []
         r = self.row_of[layer]
         protected = {(layer, e) for e in keep} | protect
         need = len(experts) - len(self.free_slots)

@@ -357,8 +357,8 @@ class OffloadExperts:
         step uses is evicted. The next layer waits for them (`settle`) before it reads or
         changes the cache."""
         nxt, stream = self.next, self.b.copy_stream
-        if nxt.cache is None:
-            return
+        if nxt.cache is None or not nxt.cache.cached(nxt.layer, predicted)[1]:
+            return  # (nothing to copy: no stream work at all)
         keep = {(self.layer, e) for e in needed}
         if stream is None:  # no copy stream: in line (tests run the bookkeeping on the CPU)
             nxt.cache.prefetch(nxt.layer, predicted, nxt.bank, keep)
