@@ -122,7 +122,7 @@ def render(info: dict, rows: list[dict]) -> str:
             f"{ballast_note(info)}; {info['prompts']} prompts x "
             f"{info['prompt_tokens']} tokens, {info['concurrency']} at a time\n\n`{info['flags']}`\n\n")
     headers = ["engine", "boot s", "expert slots", "completed", "restarts", "survived", "OOM in log",
-               "TTFT median s", "decode tok/s after", "first error"]
+               "TTFT median s", "decode tok/s after", "decode end to end tok/s", "first error"]
     table = []
     for r in rows:
         if r.get("skipped"):
@@ -137,6 +137,7 @@ def render(info: dict, rows: list[dict]) -> str:
                       r.get("expert_slots"), f"{r.get('completed', 0)}/{info['prompts']}", r.get("restarts"),
                       "yes" if survived else "NO", "yes" if r.get("oom_in_log") else "no",
                       statistics.median(ttfts) if ttfts else None, (r.get("decode") or {}).get("tok_s"),
+                      (r.get("decode") or {}).get("e2e_tok_s"),
                       (err or "")[:160].replace("|", "/") or None])
     text = head + md_table(headers, table)
     for r in rows:  # moeferry's memory plan as it printed it at boot
