@@ -120,6 +120,10 @@ def self_test(engine) -> None:
         if len(engine.guard.shrinks) == before:
             break
         log.info("boot self-test: the expert cache shrank in round %d; running the worst steps again", done)
+    else:
+        log.warning("boot self-test: the expert cache still shrank in round %d of %d; serving with %d slots "
+                    "(the runtime guard absorbs what is left)", SELF_TEST_ROUNDS, SELF_TEST_ROUNDS,
+                    engine.experts.expert_slots)
 
 
 def _self_test_round(engine) -> None:
