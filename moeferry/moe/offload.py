@@ -33,6 +33,7 @@ from moeferry.moe.expert_cache import ExpertCache, LayerCounters
 from moeferry.moe.layer_experts import LayerExperts
 from moeferry.moe.resident import use_kernels
 from moeferry.moe.slots import SlotBuffer
+from moeferry.ops.moe import route_topk
 
 log = logging.getLogger("moeferry.moe")
 
@@ -287,7 +288,7 @@ class OffloadExperts:
             self.cache.count_on_device(self.layer, ids)
             return self._run(self.cache.buffer, x, ids, weights, self.cache.row(self.layer))
         ahead = self.b.prefetch and self.next is not None and x.shape[0] <= STAGING_SLOTS
-        guess = torch.topk(self.next_router(x), ids.shape[-1], dim=-1).indices if ahead else None
+        guess = route_topk(self.next_router(x), ids.shape[-1], False)[1] if ahead else None  # one kernel on CUDA
         if self.b.capturing is not None:  # a graph-captured decode step: the host part runs at the cut
             flat, k = choices(ids, guess), ids.shape[-1]  # concatenated inside the graph
             self.b.capturing.cut(lambda rows: self._place(flat, rows * k, ids.numel()))
