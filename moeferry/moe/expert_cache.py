@@ -126,7 +126,7 @@ class ExpertCache:
 
     def count_on_device(self, layer: int, ids: torch.Tensor) -> None:
         """A step's hits (its distinct experts) counted without a host sync, so that the step
-        can run inside a CUDA graph; `stats` reads the sum. Only for a complete cache (nothing
+        can run inside a CUDA graph; `totals` folds them in. Only for a complete cache (nothing
         can be evicted, so the LRU order is not kept: a shrink keeps the last-filled experts)."""
         r = self.row_of[layer]
         seen = self._seen[r]
@@ -232,11 +232,13 @@ class ExpertCache:
             total.add(c)
         return total
 
-    def stats(self) -> dict:
-        total = self.totals()
-        return {"slots": self.num_slots, "slots_used": self.num_slots - len(self.free_slots),
-                "slot_bytes": self.buffer.bytes_per_slot, **total.as_dict(),
-                "layers": {str(layer): c.as_dict() for layer, c in self.counters.items()}}
+    @property
+    def slots_used(self) -> int:
+        return self.num_slots - len(self.free_slots)
+
+    def layer_stats(self) -> dict:
+        """Each layer's counters as served (call `totals` first: it folds the device's hit counts in)."""
+        return {str(layer): c.as_dict() for layer, c in self.counters.items()}
 
     def check(self) -> None:
         """Integrity (tests): host table, owners, free list and device table agree."""

@@ -252,14 +252,13 @@ class OffloadBackend:
 
     def stats(self) -> dict:
         caches = self.distinct_caches
-        per = [c.stats() for c in caches]
         total = LayerCounters()
         for c in caches:
-            total.add(c.totals())
-        return {"backend": self.name, "slots": self.expert_slots, "slots_used": sum(p["slots_used"] for p in per),
+            total.add(c.totals())  # once per cache: it folds the device's hit counts into the layers'
+        return {"backend": self.name, "slots": self.expert_slots, "slots_used": sum(c.slots_used for c in caches),
                 "device_bytes": self.device_bytes, "host_bytes": self.host_bytes, **total.as_dict(),
                 "cpu_experts": sum(ex.cpu_experts for ex in self.executors.values()),
-                "layers": {k: v for p in per for k, v in p["layers"].items()}}
+                "layers": {k: v for c in caches for k, v in c.layer_stats().items()}}
 
 
 class OffloadExperts:
