@@ -285,13 +285,13 @@ class OffloadExperts:
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.cache is not None and self.cache.complete:  # no miss can happen: nothing to read on the host
             self.cache.count_on_device(self.layer, ids)
-            return self._run(self.cache.buffer, x, ids, weights, self.cache.row(self.layer))
+            return self._run_cached(x, ids, weights)
         ahead = self.b.prefetch and self.next is not None and x.shape[0] <= STAGING_SLOTS
         guess = route_topk(self.next_router(x), ids.shape[-1], False)[1] if ahead else None  # one kernel on CUDA
         if self.b.capturing is not None:  # a graph-captured decode step: the host part runs at the cut
             flat, k = choices(ids, guess), ids.shape[-1]  # concatenated inside the graph
             self.b.capturing.cut(lambda rows: self._place(flat, rows * k, ids.numel()))
-            return self._run(self.cache.buffer, x, ids, weights, self.cache.row(self.layer))
+            return self._run_cached(x, ids, weights)
         needed, predicted = distinct_experts(ids, guess)  # the one host sync of the layer
         self.b.settle()  # the previous layer's prefetch has landed (table and slots)
         if self.cache is None:  # a cpu-backend layer without device slots
@@ -300,7 +300,7 @@ class OffloadExperts:
         misses = self._lookup(needed)
         if not misses:
             self._fetch([], needed, predicted)
-            return self._run(self.cache.buffer, x, ids, weights, self.cache.row(self.layer))
+            return self._run_cached(x, ids, weights)
         if self.b.name == "cpu":
             fetch, on_cpu = [], misses
         elif self.b.name == "hybrid":
@@ -311,12 +311,12 @@ class OffloadExperts:
         # a prefill-sized chunk (more tokens than a staging half) missing more experts than a half holds
         streaming = self.staging is not None and len(fetch) > STAGING_SLOTS and x.shape[0] > STAGING_SLOTS
         if streaming:  # a big prefill chunk: hits in place, misses through staging, the cache untouched
-            out = self._run(self.cache.buffer, x, ids, weights, self.cache.row(self.layer))
+            out = self._run_cached(x, ids, weights)
             leftover = fetch
             self.cache.counters[self.layer].bytes_fetched += len(fetch) * self.bank.bytes_per_slot
         else:
             leftover = self._fetch(fetch, needed, predicted)
-            out = self._run(self.cache.buffer, x, ids, weights, self.cache.row(self.layer))
+            out = self._run_cached(x, ids, weights)
             self.cache.counters[self.layer].bytes_fetched += len(leftover) * self.bank.bytes_per_slot
         if leftover:
             out = out + self._stream(x, ids, weights, leftover)
@@ -367,6 +367,10 @@ class OffloadExperts:
         with torch.cuda.stream(stream):
             if nxt.cache.prefetch(nxt.layer, predicted, nxt.bank, keep):
                 self.b.prefetch_done = stream.record_event()
+
+    def _run_cached(self, x, ids, weights) -> torch.Tensor:
+        """The experts this layer has in the cache (its table row: others read as absent)."""
+        return self._run(self.cache.buffer, x, ids, weights, self.cache.row(self.layer))
 
     def _run(self, buf: SlotBuffer, x, ids, weights, row: torch.Tensor) -> torch.Tensor:
         if self.b.kernels:
