@@ -19,8 +19,8 @@
 #   moe       quant_decode.py moe: the MoE decode path against the grouped-GEMM path (issue 13 item 3)
 #   load      load_speed.py: loading per layer, old and new paths, and load_model (issue 13 item 5)
 #   e2e       quant_decode.py e2e: in-process resident decode b1/b4/b16 and an eager profile (issue 13)
-#   e2e_offload  quant_decode.py e2e --offload CACHE_SIZE: in-process offload decode, piecewise graphs
-#             against eager, and where a graphed step's time goes (no ballast)
+#   e2e_offload  quant_decode.py e2e --offload CACHE_SIZE: in-process offload decode, graphs with the
+#             cache managed on the device, piecewise graphs, eager; where a piecewise step's time goes (no ballast)
 #   gputests  pytest -m gpu (the whole GPU suite)
 # Returned under $OUT: results.md (every table), results.json, logs.tgz (server, ballast and
 # make-model logs), driver.log, gpu.txt.

@@ -367,6 +367,49 @@ def piecewise_breakdown(engine, log, batch=1, steps=12) -> dict:
     return dict(tok_s=rate, **per)
 
 
+def offload_rates(engine, out: dict, tag: str, log) -> None:
+    """Decode b1/b4 in the engine's current mode, and the cache's counters over those steps."""
+    engine.stats()  # counters so far folded in and read: the rates' own come next
+    before = {k: v for k, v in engine.stats()["experts"].items() if isinstance(v, int)}
+    for b in (1, 4):
+        out[f"{tag}_b{b}"] = decode_rate(engine, b)
+    after = engine.stats()["experts"]
+    hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+    out[f"{tag}_hit_rate"] = round(hits / max(hits + misses, 1), 4)
+    out[f"{tag}_prefetched"] = after["prefetched"] - before["prefetched"]
+    out[f"{tag}_misses"] = misses
+    g = engine.graphs
+    out[f"{tag}_graphs"] = "off" if g is None else (g.disabled or f"on (sizes {sorted(g.graphs)})")
+    log(f"  {tag}: decode b1 {out[f'{tag}_b1']:.1f} tok/s  b4 {out[f'{tag}_b4']:.1f}  hit rate "
+        f"{out[f'{tag}_hit_rate']}  misses {misses}  prefetched {out[f'{tag}_prefetched']}  graphs {out[f'{tag}_graphs']}")
+
+
+def bench_offload(engine, slots: int, out: dict, log) -> dict:
+    """Offload decode through a partial cache three ways: graphs with the cache managed on the
+    device (the default where it can be), piecewise graphs (host-managed), eager; then where a
+    piecewise step's time goes."""
+    backend = engine.experts
+    mode = backend.graph_mode(engine.graphs.max_batch) if engine.graphs is not None else None
+    out["graph_mode"] = mode
+    log(f"  offload {slots} slots: load {out['load_s']:.1f} s  graph mode {mode}")
+    offload_rates(engine, out, mode or "eager", log)
+    out["b1"], out["b4"] = out[f"{mode or 'eager'}_b1"], out[f"{mode or 'eager'}_b4"]
+    if engine.graphs is None:
+        return out
+    if mode == "device":
+        backend.device_managed = False
+        engine.graphs.invalidate()
+        offload_rates(engine, out, "piecewise", log)
+    graphs, engine.graphs = engine.graphs, None
+    out["eager_b1"] = decode_rate(engine, 1)
+    engine.graphs = graphs
+    out["cache"] = {k: v for k, v in engine.stats()["experts"].items() if k != "layers"}
+    log(f"  eager b1 {out['eager_b1']:.1f} tok/s  cache {out['cache']}")
+    if graphs.disabled is None and backend.graph_mode(graphs.max_batch) == "piecewise":
+        out["breakdown"] = {b: piecewise_breakdown(engine, log, b) for b in (1, 4)}
+    return out
+
+
 def bench_e2e(args, log):
     import moeferry
     from moeferry.engine.config import EngineConfig
@@ -378,19 +421,8 @@ def bench_e2e(args, log):
     engine = Engine.build(EngineConfig(args.checkpoint, DEV.type, "bfloat16", num_tokens=4096, **extra))
     load_s = time.perf_counter() - t0
     out = dict(load_s=load_s, checkpoint=args.checkpoint)
-    if args.offload:  # decode through a partial cache: piecewise graphs against eager, and the breakdown
-        for b in (1, 4):
-            out[f"b{b}"] = decode_rate(engine, b)
-        graphs, engine.graphs = engine.graphs, None
-        out["eager_b1"] = decode_rate(engine, 1)
-        engine.graphs = graphs
-        out["graphs"] = "off" if graphs is None else (graphs.disabled or f"on (sizes {sorted(graphs.graphs)})")
-        out["cache"] = {k: v for k, v in engine.stats()["experts"].items() if k != "layers"}
-        log(f"  offload {args.offload} slots: load {load_s:.1f} s  decode b1 {out['b1']:.1f} tok/s  b4 {out['b4']:.1f}"
-            f"  eager b1 {out['eager_b1']:.1f}  graphs: {out['graphs']}  cache {out['cache']}")
-        if graphs is not None and graphs.disabled is None:
-            out["breakdown"] = {b: piecewise_breakdown(engine, log, b) for b in (1, 4)}
-        return out
+    if args.offload:  # decode through a partial cache: device-managed graphs, piecewise, eager; the breakdown
+        return bench_offload(engine, args.offload, out, log)
     for b in (1, 4, 16):
         out[f"b{b}"] = decode_rate(engine, b)
     g = engine.graphs
@@ -431,7 +463,7 @@ def main():
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--offload", type=int, default=0, metavar="SLOTS",
-                    help="e2e: the offload backend with this many cache slots (piecewise graphs vs eager, breakdown)")
+                    help="e2e: the offload backend with this many cache slots (device-managed graphs, piecewise, eager; breakdown)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (set MOEFERRY_TRITON_INTERPRET=1)")
     args = ap.parse_args()
     global DEV, SMOKE

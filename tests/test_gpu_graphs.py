@@ -45,27 +45,34 @@ def _decode(engine, prompts, steps):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset,backend", [(p, "resident") for p in ALL]
-                         + [("mixed_nvfp4", "offload"), ("mixed_nvfp4", "offload-partial")])
+                         + [("mixed_nvfp4", "offload"), ("mixed_nvfp4", "offload-partial"),
+                            ("mixed_nvfp4", "offload-piecewise")])
 def test_decode_graphs_in_use(preset, backend, tmp_path):
     """(offload: a cache of every expert, which reads nothing on the host, is captured whole;
-    offload-partial: half the experts cached, captured piecewise, the misses fetched between
-    the graphs.)"""
+    offload-partial: half the experts cached, managed on the device: captured whole, the misses
+    looked up and fetched inside the graph; offload-piecewise: the same cache managed on the
+    host, captured piecewise, the misses fetched between the graphs.)"""
     from moeferry.checkpoint.synthetic import make_model
     from moeferry.engine.config import EngineConfig
     from moeferry.engine.engine import Engine
     path = make_model(tmp_path / preset, arch="qwen3_5_moe", size="tiny", seed=1, dtype="bfloat16",
                       quant=None if preset == "bf16" else preset)
-    extra = {"offload": dict(moe_cache_rate=1.0), "offload-partial": dict(moe_cache_size=16)}.get(backend, {})
+    extra = {"offload": dict(moe_cache_rate=1.0)}.get(backend, dict(moe_cache_size=16) if "-" in backend else {})
     engine = Engine.build(EngineConfig(str(path), "cuda", "bfloat16", moe_backend=backend.split("-")[0],
                                        num_tokens=256, num_state_slots=4, **extra))
+    if backend.startswith("offload-"):
+        assert engine.experts.graph_mode(4) == "device", engine.experts.graph_mode(4)
+    if backend == "offload-piecewise":
+        engine.experts.device_managed = False
+        engine.graphs.invalidate()
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, engine.spec.vocab_size, (n,), generator=gen).tolist() for n in (5, 11)]
     graphed = _decode(engine, prompts, STEPS)
     assert engine.graphs.disabled is None, f"{preset}: {engine.graphs.disabled}"
     assert engine.graphs.graphs, f"{preset}: no decode graph captured"
     pieces = {len(step.graphs) for step, _ in engine.graphs.graphs.values()}
-    assert pieces == ({1} if backend != "offload-partial" else {engine.spec.num_layers + 1}), pieces
-    if backend == "offload-partial":
+    assert pieces == ({1} if backend != "offload-piecewise" else {engine.spec.num_layers + 1}), pieces
+    if backend.startswith("offload-"):
         s = engine.stats()["experts"]
         assert s["misses"] > 0 and s["hits"] > 0, s
     graphs, engine.graphs = engine.graphs, None

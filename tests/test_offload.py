@@ -370,7 +370,7 @@ def test_cut_step_equals_eager(arch, preset, ckpt, ref_logits):
     for cut in (False, True):
         llm = build(ckpt, arch, preset, "offload-25%")
         backend = llm.engine.experts
-        backend.prefetch = True
+        backend.prefetch, backend.device_managed = True, False  # host-managed: the piecewise path
         cuts = backend.capturing = RunAtOnce() if cut else None
         got = llm.logits(PROMPT, chunk_size=CHUNKS)
         backend.capturing = None
@@ -385,6 +385,79 @@ def test_cut_step_equals_eager(arch, preset, ckpt, ref_logits):
     assert_same_contents(runs[True][2], runs[False][2])
 
 
+def decode_on_device(llm, monkeypatch) -> list[int]:
+    """Run every all-decode step the way a graph managing the cache on the device does (here
+    eagerly: the CPU is the device): the state handed over first, the layers inside a "capture"
+    that must never be cut. Returns the batch sizes of the steps run that way."""
+    engine, backend = llm.engine, llm.engine.experts
+    plain, steps = engine.run_batch, []
+
+    def run(chunks):
+        if not (all(len(c.tokens) == 1 for c in chunks) and backend.steps_on_device(len(chunks))):
+            return plain(chunks)
+        backend.before_graph(len(chunks))
+        backend.capturing = never = RunAtOnce()
+        try:
+            return plain(chunks)
+        finally:
+            backend.capturing = None
+            assert never.cuts == 0
+            steps.append(len(chunks))
+
+    monkeypatch.setattr(engine, "run_batch", run)
+    return steps
+
+
+DEVICE_CASES = [("qwen3_5_moe", "mixed_nvfp4", True), ("qwen3_moe", "bf16", True), ("qwen3_5_moe", "bf16", False),
+                ("qwen3_moe", "int4_awq", True)]
+
+
+@pytest.mark.parametrize("arch,preset,prefetch", DEVICE_CASES, ids=["-".join(map(str, c)) for c in DEVICE_CASES])
+def test_device_managed_decode_equals_resident(arch, preset, prefetch, ckpt, ref_logits, monkeypatch):
+    """Decode steps that look up, evict and fetch on the device (`DeviceLRU`), between prefill
+    chunks managed on the host: resident's logits, alone and batched; the state handed back
+    and forth stays whole (owners, table, LRU order, free list); the counters add up."""
+    llm = build(ckpt, arch, preset, "offload-25%", moe_cache_size=24)
+    backend = llm.engine.experts
+    backend.prefetch = prefetch
+    calls = []
+    plain_call = OffloadExperts.__call__
+
+    def call(self, x, ids, weights):
+        calls.append(len(torch.unique(ids)))
+        return plain_call(self, x, ids, weights)
+
+    monkeypatch.setattr(OffloadExperts, "__call__", call)
+    steps = decode_on_device(llm, monkeypatch)
+    got = llm.logits(PROMPT, chunk_size=CHUNKS)
+    assert rel_err(got, ref_logits(arch, preset, [PROMPT], CHUNKS)[0]) <= TOL
+    for g, w in zip(llm.logits_batch(BATCH, [5, 3, 1]), ref_logits(arch, preset, BATCH, [5, 3, 1])):
+        assert rel_err(g, w) <= TOL
+    assert 1 in steps and max(steps) > 1, steps  # alone and batched, on the device
+    check_all(llm)  # (takes the state back from the device first)
+    s = llm.engine.stats()["experts"]
+    assert s["hits"] + s["misses"] == sum(calls) and s["misses"] > 0
+    assert s["bytes_fetched"] == (s["misses"] + s["prefetched"]) * backend.slot_bytes
+    assert (s["prefetched"] > 0) == prefetch
+
+
+def test_device_lru_hand_over_keeps_the_order(ckpt):
+    """on_device then on_host gives back the same owners, table, LRU order and prefetched set."""
+    llm = build(ckpt, "qwen3_moe", "bf16", "offload-25%")
+    llm.logits(PROMPT, chunk_size=CHUNKS)
+    (cache,) = caches(llm)
+    cache.prefetched = {cache.owner[s] for s in range(2) if cache.owner[s] is not None}
+    before = (list(cache.owner), cache.host_table.clone(), list(cache.policy.order), set(cache.prefetched),
+              sorted(cache.free_slots))
+    cache.on_device()
+    cache.host_table.fill_(-1)  # stale while the device owns the state
+    cache.on_host()
+    after = (list(cache.owner), cache.host_table.clone(), list(cache.policy.order), set(cache.prefetched),
+             sorted(cache.free_slots))
+    assert before[0] == after[0] and torch.equal(before[1], after[1]) and before[2:] == after[2:]
+    cache.check()
+
+
 def test_split_choices_reads_only_the_real_rows():
     """A padded graph batch: the host part reads the first rows' choices of the step and of
     the guess, never the padding rows' (nor the guess as the step's)."""
@@ -397,13 +470,19 @@ def test_split_choices_reads_only_the_real_rows():
 
 
 def test_graph_mode_needs_a_steps_working_set(ckpt, monkeypatch):
-    """Piecewise capture only for the offload lane on CUDA, with every cache holding max_batch x
-    top_k experts (a step's experts could not be left over to stream inside a graph)."""
+    """Graphs of a partial cache only for the offload lane on CUDA: managed on the device when
+    the gather kernel works and every cache holds two steps' experts, else piecewise with every
+    cache holding max_batch x top_k experts (a step's experts could not be left over to stream
+    inside a graph)."""
     llm = build(ckpt, "qwen3_5_moe", "bf16", "offload-25%")  # 8 of 32 slots, top_k 2
     backend = llm.engine.experts
     assert backend.graph_mode(1) is None  # the CPU
     monkeypatch.setattr(backend, "device", torch.device("cuda"))
     assert backend.graph_mode(4) == "piecewise" and backend.graph_mode(5) is None
+    backend.gather_kernel = (2048, 4)  # the gather kernel works: the device manages two steps' experts
+    assert backend.graph_mode(2) == "device" and backend.graph_mode(3) == "piecewise"
+    backend.device_managed = False
+    assert backend.graph_mode(2) == "piecewise"
     backend.name = "hybrid"
     assert backend.graph_mode(1) is None
 

@@ -370,6 +370,54 @@ def case_slot_gather(device, seed=11):
     return 0.0
 
 
+def case_slot_gather_indexed(device, seed=12):
+    """The gather from slot lists on the device (as a CUDA graph runs it): a negative
+    destination moves nothing; int64 sources (router ids) and int32 destinations."""
+    from moeferry.ops.triton.slot_gather import SlotGather
+    g = _gen(seed)
+    src = [torch.randint(-2**31, 2**31 - 1, (16, w), generator=g, dtype=torch.int32) for w in (33, 2050)]
+    if device == "cuda":
+        src = [t.pin_memory() for t in src]
+    dst = [torch.randint(-2**31, 2**31 - 1, (9, t.shape[1]), generator=g, dtype=torch.int32).to(device) for t in src]
+    ref = [d.cpu().clone() for d in dst]
+    frm = torch.tensor([3, 15, 0, 7, 7])
+    to = torch.tensor([8, -1, 0, -1, 4], dtype=torch.int32)
+    SlotGather(list(zip(src, dst))).indexed(frm.to(device), to.to(device))
+    for r, t in zip(ref, src):
+        r[to[to >= 0].long()] = t[frm[to >= 0]]
+    for d, r in zip(dst, ref):
+        assert torch.equal(d.cpu(), r), "gathered slots differ"
+    return 0.0
+
+
+def case_cache_resolve(device, seed=13):
+    """The device cache's lookup + LRU eviction kernel against its CPU reference, call after
+    call on the same state (steps and prefetches, repeated ids, a cache filling from empty,
+    two table rows): the slots chosen, table, owners, stamps, flags, clock and counters."""
+    from moeferry.moe.device_lru import DeviceLRU, resolve_reference
+    from moeferry.ops.triton.cache_resolve import resolve
+    g = _gen(seed)
+    rows, experts, slots = 2, 24, 13
+    states = []
+    for dev in ("cpu", device):
+        lru = DeviceLRU(slots, torch.zeros(rows, 4, dtype=torch.int64, device=dev))
+        states.append((lru, torch.full((rows, experts), -1, dtype=torch.int32, device=dev)))
+    for step in range(40):
+        n = int(torch.randint(1, 7, (1,), generator=g))  # at most slots // 2 distinct ids
+        ids = torch.randint(0, 9 if step % 3 else experts, (n,), generator=g)
+        row, prefetch = step % rows, step % 4 == 3
+        (ref, ref_table), (lru, table) = states
+        want = resolve_reference(ref, ref_table, row, ids, prefetch)
+        got = resolve(ids.to(device), table, lru.owner, lru.stamps, lru.flags, lru.clock, lru.counts, row, prefetch)
+        for a, b, what in ((got, want, "dst"), (table, ref_table, "table"), (lru.owner, ref.owner, "owner"),
+                           (lru.stamps, ref.stamps, "stamps"), (lru.flags, ref.flags, "flags"),
+                           (lru.clock, ref.clock, "clock"), (lru.counts, ref.counts, "counts")):
+            assert torch.equal(a.cpu(), b), f"step {step}: {what} {a.cpu().tolist()} != {b.tolist()}"
+    (ref, ref_table), _ = states
+    assert int(ref.counts[:, 1].sum()) > slots and int(ref.counts[:, 0].sum()) > 0  # it evicted, and hit
+    return 0.0
+
+
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 

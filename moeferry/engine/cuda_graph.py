@@ -15,9 +15,11 @@ reason in `disabled` (a first warm-up without the check compiles and autotunes k
 benchmarking may synchronise legitimately). Graphs hold raw pointers into the KV/state pools and weights: call
 `invalidate()` after any of them is reallocated.
 
-A step whose expert backend must act on the host between two kernels (an offload cache that
-can miss: each MoE layer reads its router's choices and fetches the misses) is captured
-piecewise (`StepGraphs`): the backend cuts the capture at each such point, and a replay runs
+The expert backend's `before_graph(size)` runs before a graph of that size is checked,
+captured or replayed (an offload cache managed on the device during graph steps takes its state
+from the host there). A step whose expert backend must act on the host between two kernels (an
+offload cache that can miss and is managed on the host: each MoE layer reads its router's
+choices and fetches the misses) is captured piecewise (`StepGraphs`): the backend cuts the capture at each such point, and a replay runs
 the graphs in order with the host work between them. The check run calls each cut's host
 work at once, with the sync check off for it alone.
 """
@@ -200,6 +202,7 @@ class DecodeGraphs:
         try:
             with torch.cuda.stream(stream):
                 self.model.forward(batch, self.kv_pool, self.state_pool)  # compiles / autotunes kernels
+                self._before(size)
                 prev = torch.cuda.get_sync_debug_mode()
                 torch.cuda.set_sync_debug_mode("error")
                 try:
@@ -208,6 +211,7 @@ class DecodeGraphs:
                 finally:
                     torch.cuda.set_sync_debug_mode(prev)
             torch.cuda.synchronize(self.device)
+            self._before(size)
             with torch.cuda.stream(stream), self._cuts(step):
                 step.begin()
                 out = self.model.forward(batch, self.kv_pool, self.state_pool)
@@ -225,6 +229,10 @@ class DecodeGraphs:
                      len(step.work))
         return True
 
+    def _before(self, size: int) -> None:
+        if self.experts is not None:
+            self.experts.before_graph(size)
+
     def capture_all(self) -> bool:
         for size in reversed(self.sizes):
             if size not in self.graphs and not self._capture(size):
@@ -239,6 +247,7 @@ class DecodeGraphs:
         if size not in self.graphs and not self._capture(size):
             return None
         self._load(chunks, size)
+        self._before(size)
         step, out = self.graphs[size]
         step.replay(len(chunks))
         return out[: len(chunks)].clone()

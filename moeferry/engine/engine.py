@@ -72,19 +72,27 @@ def _plan(cfg: EngineConfig, spec, model, experts, device, dtype, free_at_start:
     return plan, sizes, transients.worst
 
 
+GRAPH_MODES = {
+    "whole": "captured whole",
+    "device": "captured whole, the expert cache managed on the device (lookup, LRU eviction and fetches "
+              "of each MoE layer in the graph)",
+    "piecewise": "piecewise (cut at each MoE layer: the host reads its experts and fetches the misses)",
+}
+
+
 def _decode_graphs(cfg: EngineConfig, model, cache: CacheManager, sizes: EngineSizes, device,
                    experts, plan: MemoryPlan | None) -> DecodeGraphs | None:
     """CUDA graphs of the decode step: whole with resident experts or an offload cache holding
-    every expert; piecewise (cut at each layer's host part) for a partial offload cache; none
-    for cpu and hybrid or where the plan reserved no graph pool (`experts.graph_mode`)."""
+    every expert; whole with a partial offload cache managed on the device during decode, else
+    piecewise (cut at each layer's host part); none for cpu and hybrid or where the plan
+    reserved no graph pool (`experts.graph_mode`)."""
     planned = not cfg.offloads_experts or plan is None or plan.graphs.bytes > 0
     max_batch = min(cfg.max_running_requests, sizes.num_state_slots)  # the scheduler's largest decode batch
     mode = experts.graph_mode(max_batch)
     if not (cfg.cuda_graphs and device.type == "cuda" and mode and planned):
         return None
     max_pages = min(sizes.num_pages, -(-sizes.max_seq_len // sizes.page_size))
-    log.info("decode CUDA graphs: %s", "captured whole" if mode == "whole"
-             else "piecewise (cut at each MoE layer: the host reads its experts and fetches the misses)")
+    log.info("decode CUDA graphs: %s", GRAPH_MODES[mode])
     return DecodeGraphs(model, cache.kv, cache.states, max_batch, max_pages, sizes.page_size, device, experts=experts)
 
 

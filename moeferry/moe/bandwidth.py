@@ -35,13 +35,14 @@ def time_fetch(bank: SlotBuffer, device: torch.device, experts: int = 8, repeats
     return sorted(times)[len(times) // 2]
 
 
-def choose_gather(bank: SlotBuffer, device: torch.device) -> tuple[tuple[int, int] | None, str]:
-    """How decode misses move: the gather kernel (`moeferry.ops.triton.slot_gather`) in the
-    config that moves a batch of 8 experts soonest, if it moves the bytes exactly and beats one
-    copy per tensor; else None (the copies). Returns (config or None, what was measured)."""
+def choose_gather(bank: SlotBuffer, device: torch.device) -> tuple[tuple[int, int] | None, bool, str]:
+    """How misses move: the gather kernel (`moeferry.ops.triton.slot_gather`) in the config
+    that moves a batch of 8 experts soonest, if it moves the bytes exactly. Returns (that config
+    or None, whether it beats one copy per tensor: the host-managed path uses it then, while
+    steps that manage the cache on the device always need it; what was measured)."""
     from moeferry.ops.triton.slot_gather import CONFIGS
     if device.type != "cuda":
-        return None, "per-tensor copies (no CUDA)"
+        return None, False, "per-tensor copies (no CUDA)"
     src = list(range(min(8, bank.num_slots)))[::-1]
     timed = {}
     try:
@@ -53,12 +54,12 @@ def choose_gather(bank: SlotBuffer, device: torch.device) -> tuple[tuple[int, in
                 for name, t in getattr(dst, m).tensors().items():
                     want = getattr(getattr(bank, m), name)[src]
                     if not torch.equal(t.cpu().view(torch.uint8), want.view(torch.uint8)):
-                        return None, f"per-tensor copies (the gather kernel {config} moved {m}.{name} wrong)"
+                        return None, False, f"per-tensor copies (the gather kernel {config} moved {m}.{name} wrong)"
             del dst
             timed[config] = min(time_fetch(bank, device, gather=config) for _ in range(2))
         copy_s = min(time_fetch(bank, device) for _ in range(2))
     except Exception as e:  # e.g. a device that cannot read pinned host memory from a kernel
-        return None, f"per-tensor copies (gather kernel unavailable: {type(e).__name__}: {str(e)[:120]})"
+        return None, False, f"per-tensor copies (gather kernel unavailable: {type(e).__name__}: {str(e)[:120]})"
     best = min(timed, key=timed.get)
     mib = bank.bytes_per_slot / 2**20
     what = (f"an expert ({mib:.2f} MiB) arrives in {timed[best] * 1e6:.0f} us by the gather kernel "
@@ -66,7 +67,7 @@ def choose_gather(bank: SlotBuffer, device: torch.device) -> tuple[tuple[int, in
             + ", ".join(f"{c[0]}x{c[1]} {t * 1e6:.0f} us" for c, t in timed.items() if c != best)
             + f"), {copy_s * 1e6:.0f} us by per-tensor copies")
     use = timed[best] < copy_s
-    return (best if use else None), f"{'gather kernel' if use else 'per-tensor copies'}: {what}"
+    return best, use, f"{'gather kernel' if use else 'per-tensor copies'}: {what}"
 
 
 def time_cpu_expert(bank: SlotBuffer, tokens: int = 1, repeats: int = 3) -> float:

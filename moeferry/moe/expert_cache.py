@@ -6,6 +6,10 @@ experts] mirrors it and is all the MoE kernels read. A replacement policy is one
 `LRUPolicy` (the default) orders slots by last use and never evicts an expert the current
 step needs.
 
+Decode steps inside a CUDA graph manage the cache on the device instead (`DeviceLRU`, the same
+LRU at a layer step's granularity): `on_device()` hands the state over before a graph replays,
+`on_host()` takes it back before any host work, which every host-side method here does first.
+
 Counters per layer: hits, misses (experts a step needed and the cache lacked), bytes fetched
 into slots, and of the decode prefetch: experts prefetched and how many of them a step then hit.
 """
@@ -16,6 +20,7 @@ from collections import OrderedDict
 
 import torch
 
+from moeferry.moe.device_lru import DeviceLRU
 from moeferry.moe.slots import SlotBuffer, SlotTable
 
 Key = tuple[int, int]  # (layer, expert)
@@ -87,8 +92,11 @@ class ExpertCache:
         self.policy = POLICIES[policy]()
         self.counters = {layer: LayerCounters() for layer in self.layers}
         self.prefetched: set[Key] = set()  # fetched ahead of their layer's step, not yet used by it
-        # hits of steps that never leave the device (a cache holding every expert: `count_on_device`)
-        self.device_hits = torch.zeros(len(self.layers), dtype=torch.int64, device=device)
+        # counters of steps that never leave the device (a cache holding every expert:
+        # `count_on_device`; `DeviceLRU` steps): per layer hits, misses, prefetch hits, prefetched
+        self.device_counts = torch.zeros(len(self.layers), 4, dtype=torch.int64, device=device)
+        self.lru_on_device: DeviceLRU | None = None
+        self.device_owned = False  # the device's LRU state is the current one (the host's is stale)
         self._seen = torch.zeros(len(self.layers), num_experts, dtype=torch.int32, device=device)
         self.gather = None  # fetch by the one-launch gather kernel in this config (set by the backend when it wins)
 
@@ -103,8 +111,47 @@ class ExpertCache:
     def slot_of(self, layer: int, expert: int) -> int:
         return int(self.slot_at[self.row_of[layer], expert])
 
+    # -- the owner of the state: host or device --------------------------------------------
+    def on_device(self) -> None:
+        """Hand the state to the device (before decode steps that manage it there; not inside a
+        graph capture: this copies from the host)."""
+        if self.device_owned:
+            return
+        if self.lru_on_device is None:
+            self.lru_on_device = DeviceLRU(self.num_slots, self.device_counts)
+        e = self.num_experts
+        order = [(self.slot_of(layer, x), self.row_of[layer] * e + x) for layer, x in self.policy.order]
+        self.table.table.copy_(self.host_table)
+        self.lru_on_device.push(order, [self.slot_of(*k) for k in self.prefetched])
+        self.device_owned = True
+
+    def on_host(self) -> None:
+        """Take the state back from the device after steps that managed it there (one sync)."""
+        if not self.device_owned:
+            return
+        self.device_owned = False
+        order, prefetched = self.lru_on_device.pull()
+        self.host_table.copy_(self.table.table.cpu())
+        e = self.num_experts
+        self.owner = [None] * self.num_slots
+        self.policy = POLICIES[self.policy.name]()
+        for s, key in order:
+            self.owner[s] = (self.layers[key // e], key % e)
+            self.policy.insert(self.owner[s])
+        self.free_slots = [s for s in range(self.num_slots - 1, -1, -1) if self.owner[s] is None]
+        self.prefetched = {self.owner[s] for s in prefetched}
+
+    def resolve(self, layer: int, ids: torch.Tensor, prefetch: bool = False) -> torch.Tensor:
+        """A step's (or, `prefetch`, the next layer's predicted) experts placed by the device
+        (`DeviceLRU.resolve`); the slot each id must be copied into, -1 for none."""
+        if not self.device_owned:
+            raise RuntimeError("expert cache: resolve() on the device before on_device()")
+        return self.lru_on_device.resolve(self.table.table, self.row_of[layer], ids, prefetch)
+
+    # -- host-side management -----------------------------------------------------------------
     def cached(self, layer: int, experts: list[int]) -> tuple[list[int], list[int]]:
         """(hits, misses) among `experts` of `layer`."""
+        self.on_host()
         row = self.slot_at[self.row_of[layer]]
         hits = [e for e in experts if row[e] >= 0]
         return hits, [e for e in experts if row[e] < 0]
@@ -132,7 +179,7 @@ class ExpertCache:
         seen = self._seen[r]
         seen.zero_()
         seen.index_fill_(0, ids.reshape(-1), 1)
-        self.device_hits[r] += seen.sum()
+        self.device_counts[r, 0] += seen.sum()
 
     def prefetch(self, layer: int, experts: list[int], bank: SlotBuffer, protect: set[Key]) -> list[int]:
         """Fetch the predicted `experts` of `layer` that are not cached, evicting nothing in
@@ -153,6 +200,7 @@ class ExpertCache:
         after them, in order."""
         if not experts:
             return []
+        self.on_host()
         r = self.row_of[layer]
         protected = {(layer, e) for e in keep} | protect
         need = len(experts) - len(self.free_slots)
@@ -200,6 +248,8 @@ class ExpertCache:
         (it runs when the device is out of memory)."""
         if num_slots >= self.num_slots:
             return 0
+        self.on_host()
+        self.lru_on_device = None  # sized for the old slots: made again on use
         survivors = list(self.policy.order)[-num_slots:] if num_slots else []
         device = self.buffer.gate_up.w.device
         before = self.buffer.nbytes
@@ -223,10 +273,14 @@ class ExpertCache:
         return before - self.buffer.nbytes
 
     def totals(self) -> LayerCounters:
-        """The counters summed over the layers (the device's hit counts folded in first)."""
-        for layer, n in zip(self.layers, self.device_hits.tolist()):
-            self.counters[layer].hits += n
-        self.device_hits.zero_()
+        """The counters summed over the layers (the device's counts folded in first)."""
+        per_slot = self.buffer.bytes_per_slot
+        for layer, (hits, misses, pf_hits, pf) in zip(self.layers, self.device_counts.tolist()):
+            c = self.counters[layer]
+            c.hits, c.misses, c.prefetch_hits, c.prefetched = c.hits + hits, c.misses + misses, \
+                c.prefetch_hits + pf_hits, c.prefetched + pf
+            c.bytes_fetched += (misses + pf) * per_slot
+        self.device_counts.zero_()
         total = LayerCounters()
         for c in self.counters.values():
             total.add(c)
@@ -234,6 +288,7 @@ class ExpertCache:
 
     @property
     def slots_used(self) -> int:
+        self.on_host()
         return self.num_slots - len(self.free_slots)
 
     def layer_stats(self) -> dict:
@@ -242,6 +297,7 @@ class ExpertCache:
 
     def check(self) -> None:
         """Integrity (tests): host table, owners, free list and device table agree."""
+        self.on_host()
         seen = set()
         for r, layer in enumerate(self.layers):
             for e in range(self.num_experts):

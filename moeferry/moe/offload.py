@@ -17,9 +17,15 @@ for those copies before it touches the cache. On a CPU-only machine the "device"
 copies are memcpy and the kernels are the CPU references, so CI runs the same cache logic.
 
 CUDA graphs: a cache holding every expert reads nothing on the host, so decode is captured
-whole. A partial cache of the offload lane is captured piecewise: while `capturing` is set
-(`moeferry.engine.cuda_graph`), each layer cuts the step after its router, and its host part
-(read the ids, fetch the misses, start the prefetch) runs between two graphs at replay.
+whole. A partial cache of the offload lane is managed on the device during decode graphs
+where it can be (`graph_mode` "device": the gather kernel works and every cache holds two steps'
+experts): each layer's lookup, LRU eviction and table update is one kernel
+(`moeferry.moe.device_lru`), its misses one gather launch from the pinned bank, the next layer's
+predicted experts are resolved the same way and gathered on the copy stream while this layer
+computes; the whole step is one graph and the host only replays it. Otherwise the step is
+captured piecewise: while `capturing` is set (`moeferry.engine.cuda_graph`), each layer cuts
+the step after its router, and its host part (read the ids, fetch the misses, start the
+prefetch) runs between two graphs at replay.
 """
 from __future__ import annotations
 
@@ -80,7 +86,10 @@ class OffloadBackend:
         self.executors: dict[int, OffloadExperts] = {}
         self.load_threads = 1
         self.split = None                             # hybrid: MissSplit, measured in finish()
-        self.gather: tuple | None = None              # misses by the gather kernel in this config (measured in finish())
+        self.gather: tuple | None = None              # host-managed misses by the gather kernel in this config (when faster)
+        self.gather_kernel: tuple | None = None       # the gather kernel's config if it works here (device-managed steps)
+        self.device_managed = True                    # graphs manage a partial cache on the device where they can
+        self.prefetch_join: torch.cuda.Event | None = None  # a device-managed prefetch's copies, joined by the next layer
         self.transfer_chosen = False
         self.cpu_layers = set()
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -116,21 +125,62 @@ class OffloadBackend:
 
     def graph_mode(self, max_batch: int) -> str | None:
         """How CUDA graphs can capture a decode step of up to `max_batch` sequences: "whole"
-        when every expert is cached; "piecewise" for the offload lane on CUDA when every cache
-        holds a step's whole working set (max_batch x top_k experts: nothing is left over to
-        stream, which a graph could not); None otherwise (cpu and hybrid compute on the host)."""
+        when every expert is cached; for the offload lane on CUDA, "device" when the device can
+        manage the cache (`steps_on_device`), else "piecewise" when every cache holds a step's
+        whole working set (max_batch x top_k experts: nothing is left over to stream, which a
+        graph could not); None otherwise (cpu and hybrid compute on the host)."""
         if self.complete:
             return "whole"
-        fits = all(c.num_slots >= max_batch * self.spec.top_k for c in self.distinct_caches)
-        if self.name == "offload" and self.device.type == "cuda" and self.caches and fits:
-            return "piecewise"
-        return None
+        if self.name != "offload" or self.device.type != "cuda" or not self.caches:
+            return None
+        if self.steps_on_device(max_batch):
+            return "device"
+        return "piecewise" if self._holds(max_batch * self.spec.top_k) else None
+
+    def steps_on_device(self, rows: int) -> bool:
+        """Whether decode steps of `rows` sequences in a graph manage the cache on the device:
+        the offload lane with LRU, the gather kernel working here (or the CPU, in tests), and
+        every cache holding two steps' experts (a step's own are never victims then, nor, while
+        its prefetch places the next layer's, this layer's)."""
+        kernel = self.gather_kernel is not None or self.device.type == "cpu"
+        return (self.device_managed and self.name == "offload" and kernel and self.cfg.moe_cache_policy == "lru"
+                and bool(self.caches) and self._holds(2 * rows * self.spec.top_k))
+
+    def _holds(self, experts: int) -> bool:
+        return all(c.num_slots >= experts for c in self.distinct_caches)
+
+    def before_graph(self, rows: int) -> None:
+        """Before a decode graph of `rows` sequences runs (or is captured): hand each cache's
+        state to the device if the graph manages it there."""
+        self.prefetch_join = None  # (an event of an earlier, failed capture is never waited for)
+        if not self.complete and self.steps_on_device(rows):
+            self.settle()
+            for c in self.distinct_caches:
+                c.on_device()
 
     def settle(self) -> None:
         """Wait (host) for the prefetch in flight: its table copy reads the host table."""
         if self.prefetch_done is not None:
             self.prefetch_done.synchronize()
             self.prefetch_done = None
+
+    def start_prefetch(self, nxt: "OffloadExperts", guess: torch.Tensor) -> None:
+        """Device-managed: place `nxt`'s predicted experts (on the compute stream, where the
+        cache state lives) and gather them on the copy stream; `join_prefetch` waits for them."""
+        dst = nxt.cache.resolve(nxt.layer, guess, prefetch=True)
+        stream = self.copy_stream
+        if stream is None:
+            nxt.cache.buffer.copy_indexed(nxt.bank, guess, dst, self.gather_kernel)
+            return
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            nxt.cache.buffer.copy_indexed(nxt.bank, guess, dst, self.gather_kernel)
+            self.prefetch_join = stream.record_event()
+
+    def join_prefetch(self) -> None:
+        if self.prefetch_join is not None:
+            torch.cuda.current_stream().wait_event(self.prefetch_join)
+            self.prefetch_join = None
 
     @staticmethod
     def _layout(buf: SlotBuffer) -> tuple:
@@ -195,6 +245,8 @@ class OffloadBackend:
                 self.staging[key] = SlotBuffer.allocate_like(first, 2 * STAGING_SLOTS, device=self.device)
         for layer, ex in self.executors.items():
             ex.bind()
+            if ex.cache is not None and self.gather_kernel is not None:  # made now: not inside a graph capture
+                ex.cache.buffer.gather_launch(ex.bank, self.gather_kernel)
         if self.complete:
             log.info("expert cache holds every expert: steps read nothing on the host (decode graphs allowed)")
         if self.name == "hybrid":
@@ -205,7 +257,8 @@ class OffloadBackend:
     def _choose_transfer(self) -> None:
         """Decode misses move by the one-launch gather kernel or by copies: measured, the faster kept."""
         from moeferry.moe.bandwidth import choose_gather
-        self.gather, what = choose_gather(next(iter(self.banks.values())), self.device)
+        self.gather_kernel, faster, what = choose_gather(next(iter(self.banks.values())), self.device)
+        self.gather = self.gather_kernel if faster else None
         self.transfer_chosen = True
         log.info("expert fetches: %s", what)
 
@@ -288,6 +341,8 @@ class OffloadExperts:
             return self._run_cached(x, ids, weights)
         ahead = self.b.prefetch and self.next is not None and x.shape[0] <= STAGING_SLOTS
         guess = route_topk(self.next_router(x), ids.shape[-1], False)[1] if ahead else None  # one kernel on CUDA
+        if self.b.capturing is not None and self.b.steps_on_device(x.shape[0]):
+            return self._on_device(x, ids, weights, guess)
         if self.b.capturing is not None:  # a graph-captured decode step: the host part runs at the cut
             flat, k = choices(ids, guess), ids.shape[-1]  # concatenated inside the graph
             self.b.capturing.cut(lambda rows: self._place(flat, rows * k, ids.numel()))
@@ -324,6 +379,18 @@ class OffloadExperts:
             self.cpu_experts += len(on_cpu)
             out = out + self._on_cpu(x, ids, weights, on_cpu, inputs)
         return out
+
+    def _on_device(self, x, ids, weights, guess) -> torch.Tensor:
+        """A decode step in a graph, the cache managed on the device (`before_graph` handed it
+        over): no host work. The previous layer's prefetch lands first; this layer's misses are
+        gathered on the compute stream; the next layer's predicted experts are placed, and
+        gathered on the copy stream while this layer computes."""
+        self.b.join_prefetch()
+        flat = ids.reshape(-1)
+        self.cache.buffer.copy_indexed(self.bank, flat, self.cache.resolve(self.layer, flat), self.b.gather_kernel)
+        if guess is not None and self.next.cache is not None:
+            self.b.start_prefetch(self.next, guess.reshape(-1))
+        return self._run_cached(x, ids, weights)
 
     def _lookup(self, needed: list[int]) -> list[int]:
         """The misses among the step's experts (hits counted and touched)."""

@@ -84,6 +84,9 @@ class ResidentBackend:
         """Decode is captured whole: nothing is read on the host during a step."""
         return "whole"
 
+    def before_graph(self, rows: int) -> None:
+        """Nothing to hand over before a decode graph runs (offload's cache state may be)."""
+
     def link_routers(self, routers: dict) -> None:
         """Resident experts need no prediction of the next layer's routing (offload prefetches)."""
 

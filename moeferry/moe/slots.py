@@ -139,13 +139,27 @@ class SlotBuffer:
         returns bytes copied. `gather` (a `slot_gather.CONFIGS` entry): one kernel launch reads
         them all (`src` pinned or on the device); None: one copy per tensor per expert."""
         if gather and dst:
-            launch = self._gather_from(src, gather)
+            launch = self.gather_launch(src, gather)
             if launch is not None:
                 launch(src_slots, dst)
                 return self.bytes_per_slot * len(dst)
         return self.gate_up.copy_slots(dst, src.gate_up, src_slots) + self.down.copy_slots(dst, src.down, src_slots)
 
-    def _gather_from(self, src: "SlotBuffer", config: tuple[int, int]):
+    def copy_indexed(self, src: "SlotBuffer", src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                     gather: tuple[int, int] | None) -> None:
+        """Copy experts whose slot lists are tensors on this buffer's device (a negative
+        destination moves nothing): on CUDA the gather kernel in config `gather`, no host work
+        (a CUDA graph can hold it); on the CPU by indexing."""
+        if self.gate_up.w.device.type == "cuda":
+            self.gather_launch(src, gather).indexed(src_slots, dst_slots)
+            return
+        keep = dst_slots >= 0
+        to, frm = dst_slots[keep].long(), src_slots.reshape(-1)[keep].long()
+        for mine, theirs in ((self.gate_up, src.gate_up), (self.down, src.down)):
+            for name, t in mine.tensors().items():
+                t[to] = getattr(theirs, name)[frm].to(t.device)
+
+    def gather_launch(self, src: "SlotBuffer", config: tuple[int, int]):
         """The `SlotGather` from `src` into this buffer (made on first use, kept per source and
         config); None when some tensor's slot is not whole words."""
         gathers = self.__dict__.setdefault("_gathers", {})

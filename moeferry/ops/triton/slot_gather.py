@@ -26,19 +26,20 @@ FIELDS = tl.constexpr(5)  # per tensor in the descriptor: source and destination
 
 
 @triton.jit
-def _gather_kernel(desc_ptr, slots_ptr, width, BLOCK: tl.constexpr):
-    """Program (i, part, blk): words blk*BLOCK.. of tensor `part` of the i-th expert moved. The
-    descriptor holds each tensor's addresses as integers (a pinned host tensor's address is valid
-    on the device), so a launch takes three arguments whatever the tensors."""
+def _gather_kernel(desc_ptr, src_ptr, dst_ptr, BLOCK: tl.constexpr):
+    """Program (i, part, blk): words blk*BLOCK.. of tensor `part` of the i-th expert moved (none
+    where its destination slot is negative). The descriptor holds each tensor's addresses as
+    integers (a pinned host tensor's address is valid on the device), so a launch takes three
+    arguments besides the slot lists, whatever the tensors."""
     i, part, blk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    s = tl.load(slots_ptr + i).to(tl.int64)          # source slot (bank)
-    d = tl.load(slots_ptr + width + i).to(tl.int64)  # destination slot (device)
+    s = tl.load(src_ptr + i).to(tl.int64)  # source slot (bank)
+    d = tl.load(dst_ptr + i).to(tl.int64)  # destination slot (device), -1: skip
     field = desc_ptr + part * FIELDS
     src = tl.load(field).to(tl.pointer_type(tl.int32)) + s * tl.load(field + 2)
-    dst = tl.load(field + 1).to(tl.pointer_type(tl.int32)) + d * tl.load(field + 3)
+    dst = tl.load(field + 1).to(tl.pointer_type(tl.int32)) + tl.maximum(d, 0) * tl.load(field + 3)
     n = tl.load(field + 4)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
+    m = (offs < n) & (d >= 0)
     tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
 
 
@@ -85,8 +86,13 @@ class SlotGather:
         host[0, :n], host[1, :n] = src_slots, dst_slots
         slots = self.slots[i]
         slots.copy_(self.host[i], non_blocking=True)
-        _gather_kernel[(n, len(self.pairs), self.blocks)](self.desc, slots, self.WIDTH, BLOCK=self.block,
-                                                          num_warps=self.warps)
+        self.indexed(slots[0, :n], slots[1, :n])
         if self.done[i] is not None:
             self.done[i].record()
         self.used[i] = True
+
+    def indexed(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """The same from slot lists on the device (any integer dtype; a negative destination
+        moves nothing): no host work but the launch, so it can run inside a CUDA graph."""
+        _gather_kernel[(src_slots.numel(), len(self.pairs), self.blocks)](
+            self.desc, src_slots, dst_slots, BLOCK=self.block, num_warps=self.warps)
