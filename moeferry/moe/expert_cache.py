@@ -288,7 +288,8 @@ class ExpertCache:
 
     @property
     def slots_used(self) -> int:
-        self.on_host()
+        if self.device_owned:  # counted there: /v1/stats during decode takes nothing back
+            return int((self.lru_on_device.owner >= 0).sum())
         return self.num_slots - len(self.free_slots)
 
     def layer_stats(self) -> dict:
