@@ -372,22 +372,31 @@ def case_slot_gather(device, seed=11):
 
 def case_slot_gather_indexed(device, seed=12):
     """The gather from slot lists on the device (as a CUDA graph runs it): a negative
-    destination moves nothing; int64 sources (router ids) and int32 destinations."""
-    from moeferry.ops.triton.slot_gather import SlotGather
+    destination moves nothing; int64 sources (router ids) and int32 destinations; whole 16-byte
+    units (the vec path: addressed from base pointers) and not."""
+    from moeferry.ops.triton.slot_gather import CONFIGS, SlotGather
     g = _gen(seed)
-    src = [torch.randint(-2**31, 2**31 - 1, (16, w), generator=g, dtype=torch.int32) for w in (33, 2050)]
+    for widths, vec in (((36, 2048), True), ((33, 2050), False)):
+        _gather_indexed_once(device, g, widths, vec, CONFIGS[0])
+    return 0.0
+
+
+def _gather_indexed_once(device, g, widths, vec, config):
+    from moeferry.ops.triton.slot_gather import SlotGather
+    src = [torch.randint(-2**31, 2**31 - 1, (16, w), generator=g, dtype=torch.int32) for w in widths]
     if device == "cuda":
         src = [t.pin_memory() for t in src]
     dst = [torch.randint(-2**31, 2**31 - 1, (9, t.shape[1]), generator=g, dtype=torch.int32).to(device) for t in src]
     ref = [d.cpu().clone() for d in dst]
     frm = torch.tensor([3, 15, 0, 7, 7])
     to = torch.tensor([8, -1, 0, -1, 4], dtype=torch.int32)
-    SlotGather(list(zip(src, dst))).indexed(frm.to(device), to.to(device))
+    gather = SlotGather(list(zip(src, dst)), config)
+    assert gather.vec == vec
+    gather.indexed(frm.to(device), to.to(device))
     for r, t in zip(ref, src):
         r[to[to >= 0].long()] = t[frm[to >= 0]]
     for d, r in zip(dst, ref):
-        assert torch.equal(d.cpu(), r), "gathered slots differ"
-    return 0.0
+        assert torch.equal(d.cpu(), r), f"gathered slots differ (vec {vec})"
 
 
 def case_cache_resolve(device, seed=13):

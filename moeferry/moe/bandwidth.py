@@ -35,39 +35,53 @@ def time_fetch(bank: SlotBuffer, device: torch.device, experts: int = 8, repeats
     return sorted(times)[len(times) // 2]
 
 
-def choose_gather(bank: SlotBuffer, device: torch.device) -> tuple[tuple[int, int] | None, bool, str]:
+def choose_gather(bank: SlotBuffer, device: torch.device) -> tuple[tuple | None, bool, str]:
     """How misses move: the gather kernel (`moeferry.ops.triton.slot_gather`) in the config
-    that moves a batch of 8 experts soonest, if it moves the bytes exactly. Returns (that config
-    or None, whether it beats one copy per tensor: the host-managed path uses it then, while
-    steps that manage the cache on the device always need it; what was measured)."""
+    that moves a batch of 8 experts soonest among those that move the bytes exactly (a config
+    that fails or moves them wrong is left out, and the log says so). Returns (that config or
+    None, whether it beats one copy per tensor: the host-managed path uses it then, while steps
+    that manage the cache on the device always need it; what was measured)."""
     from moeferry.ops.triton.slot_gather import CONFIGS
     if device.type != "cuda":
         return None, False, "per-tensor copies (no CUDA)"
-    src = list(range(min(8, bank.num_slots)))[::-1]
-    timed = {}
-    try:
-        for config in CONFIGS:
-            dst = SlotBuffer.allocate_like(bank, len(src), device=device)
-            dst.copy_slots(list(range(len(src))), bank, src, gather=config)
-            _sync(device)
-            for m in ("gate_up", "down"):
-                for name, t in getattr(dst, m).tensors().items():
-                    want = getattr(getattr(bank, m), name)[src]
-                    if not torch.equal(t.cpu().view(torch.uint8), want.view(torch.uint8)):
-                        return None, False, f"per-tensor copies (the gather kernel {config} moved {m}.{name} wrong)"
-            del dst
-            timed[config] = min(time_fetch(bank, device, gather=config) for _ in range(2))
-        copy_s = min(time_fetch(bank, device) for _ in range(2))
-    except Exception as e:  # e.g. a device that cannot read pinned host memory from a kernel
-        return None, False, f"per-tensor copies (gather kernel unavailable: {type(e).__name__}: {str(e)[:120]})"
+    timed, failed = {}, []
+    for config in CONFIGS:
+        problem = _gather_problem(bank, device, config)
+        if problem:
+            failed.append(f"{_name(config)}: {problem}")
+            continue
+        timed[config] = min(time_fetch(bank, device, gather=config) for _ in range(2))
+    copy_s = min(time_fetch(bank, device) for _ in range(2))
+    if not timed:
+        return None, False, f"per-tensor copies (gather kernel unavailable: {'; '.join(failed)})"
     best = min(timed, key=timed.get)
     mib = bank.bytes_per_slot / 2**20
     what = (f"an expert ({mib:.2f} MiB) arrives in {timed[best] * 1e6:.0f} us by the gather kernel "
-            f"({best[0]} words x {best[1]} warps a program; "
-            + ", ".join(f"{c[0]}x{c[1]} {t * 1e6:.0f} us" for c, t in timed.items() if c != best)
-            + f"), {copy_s * 1e6:.0f} us by per-tensor copies")
+            f"({_name(best)}; " + ", ".join(f"{_name(c)} {t * 1e6:.0f} us" for c, t in timed.items() if c != best)
+            + f"), {copy_s * 1e6:.0f} us by per-tensor copies" + (f"; left out: {'; '.join(failed)}" if failed else ""))
     use = timed[best] < copy_s
     return best, use, f"{'gather kernel' if use else 'per-tensor copies'}: {what}"
+
+
+def _name(config: tuple) -> str:
+    return f"{config[0]} words x {config[1]} warps{' (16-byte accesses)' if config[2] else ''}"
+
+
+def _gather_problem(bank: SlotBuffer, device: torch.device, config: tuple) -> str | None:
+    """Why the gather kernel in `config` cannot be used here (None: it moves 8 experts exactly)."""
+    src = list(range(min(8, bank.num_slots)))[::-1]
+    try:
+        dst = SlotBuffer.allocate_like(bank, len(src), device=device)
+        dst.copy_slots(list(range(len(src))), bank, src, gather=config)
+        _sync(device)
+    except Exception as e:  # e.g. a device that cannot read pinned host memory from a kernel
+        return f"{type(e).__name__}: {str(e)[:120]}"
+    for m in ("gate_up", "down"):
+        for name, t in getattr(dst, m).tensors().items():
+            want = getattr(getattr(bank, m), name)[src]
+            if not torch.equal(t.cpu().view(torch.uint8), want.view(torch.uint8)):
+                return f"moved {m}.{name} wrong"
+    return None
 
 
 def time_cpu_expert(bank: SlotBuffer, tokens: int = 1, repeats: int = 3) -> float:

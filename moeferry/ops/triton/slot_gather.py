@@ -11,7 +11,11 @@ every tensor as five arguments), so the tensors' addresses and strides sit in a 
 descriptor built once per (bank, cache) pair, and a launch takes three arguments.
 
 The tensors are moved as 32-bit words: every slot tensor of the registry's formats holds a
-multiple of 4 bytes per slot (`word_view` refuses otherwise, and the copies are used).
+multiple of 4 bytes per slot (`word_view` refuses otherwise, and the copies are used). Where
+every tensor's address, slot stride and slot size are whole 16-byte units, a `vec` config
+addresses them from two base pointers in those units, so that the compiler knows the
+alignment and each thread moves 16 bytes per load and store instead of 4 (an address read
+from the descriptor carries no alignment the compiler could use).
 """
 from __future__ import annotations
 
@@ -19,25 +23,34 @@ import torch
 import triton
 import triton.language as tl
 
-# (words per program, warps): a pinned host read's latency is hidden by the reads in flight, which
-# these trade against the programs' count; the offload backend times each at boot, keeps the fastest
-CONFIGS = ((2048, 4), (4096, 8), (8192, 8), (1024, 4))
+# (words per program, warps, vec): a pinned host read's latency is hidden by the reads in flight,
+# which these trade against the programs' count; vec: 16-byte accesses where the tensors allow
+# (else the same config in words); the offload backend times each at boot, keeps the fastest
+CONFIGS = ((2048, 4, True), (4096, 8, True), (8192, 8, True), (2048, 4, False), (8192, 8, False))
 FIELDS = tl.constexpr(5)  # per tensor in the descriptor: source and destination address, their slot strides, words
+UNIT = 4  # words in a 16-byte unit (vec descriptors count in units)
 
 
 @triton.jit
-def _gather_kernel(desc_ptr, src_ptr, dst_ptr, BLOCK: tl.constexpr):
+def _gather_kernel(desc_ptr, src_ptr, dst_ptr, src_base, dst_base, BLOCK: tl.constexpr, VEC: tl.constexpr):
     """Program (i, part, blk): words blk*BLOCK.. of tensor `part` of the i-th expert moved (none
     where its destination slot is negative). The descriptor holds each tensor's addresses as
     integers (a pinned host tensor's address is valid on the device), so a launch takes three
-    arguments besides the slot lists, whatever the tensors."""
+    arguments besides the slot lists, whatever the tensors. VEC: the descriptor holds offsets
+    from `src_base` / `dst_base`, strides and sizes in 16-byte units (multiplied back here, the
+    compiler sees whole units: vector accesses)."""
     i, part, blk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s = tl.load(src_ptr + i).to(tl.int64)  # source slot (bank)
     d = tl.load(dst_ptr + i).to(tl.int64)  # destination slot (device), -1: skip
     field = desc_ptr + part * FIELDS
-    src = tl.load(field).to(tl.pointer_type(tl.int32)) + s * tl.load(field + 2)
-    dst = tl.load(field + 1).to(tl.pointer_type(tl.int32)) + tl.maximum(d, 0) * tl.load(field + 3)
-    n = tl.load(field + 4)
+    if VEC:
+        src = src_base + (tl.load(field) + s * tl.load(field + 2)) * UNIT
+        dst = dst_base + (tl.load(field + 1) + tl.maximum(d, 0) * tl.load(field + 3)) * UNIT
+        n = tl.load(field + 4) * UNIT
+    else:
+        src = tl.load(field).to(tl.pointer_type(tl.int32)) + s * tl.load(field + 2)
+        dst = tl.load(field + 1).to(tl.pointer_type(tl.int32)) + tl.maximum(d, 0) * tl.load(field + 3)
+        n = tl.load(field + 4)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     m = (offs < n) & (d >= 0)
     tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
@@ -50,6 +63,11 @@ def word_view(t: torch.Tensor) -> torch.Tensor | None:
     return t.reshape(t.shape[0], -1).view(torch.uint8).view(torch.int32)
 
 
+def whole_units(t: torch.Tensor) -> bool:
+    """A [slots, words] view whose address, slot stride and slot size are whole 16-byte units."""
+    return t.data_ptr() % 16 == 0 and t.stride(0) % UNIT == 0 and t.shape[1] % UNIT == 0
+
+
 class SlotGather:
     """Gather launches from one source to one destination slot buffer (their word views as
     `pairs` of (source [S, W], destination [S', W])): the kernel's arguments are built once,
@@ -58,11 +76,16 @@ class SlotGather:
 
     RING, WIDTH = 4, 64
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], config: tuple[int, int] = CONFIGS[0]):
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], config: tuple = CONFIGS[0]):
         self.pairs, self.device = pairs, pairs[0][1].device  # the tensors kept alive: the descriptor has their addresses
-        self.desc = torch.tensor([[a.data_ptr(), b.data_ptr(), a.stride(0), b.stride(0), a.shape[1]] for a, b in pairs],
-                                 dtype=torch.int64).to(self.device)
-        self.block, self.warps = config
+        self.block, self.warps, vec = config
+        self.vec = vec and all(whole_units(t) for pair in pairs for t in pair)
+        self.base = pairs[0] if self.vec else (pairs[0][0][:1], pairs[0][1][:1])  # (unused unless vec)
+        rows = [[a.data_ptr(), b.data_ptr(), a.stride(0), b.stride(0), a.shape[1]] for a, b in pairs]
+        if self.vec:  # offsets from the first pair's tensors, all in 16-byte units
+            sb, db = self.base[0].data_ptr(), self.base[1].data_ptr()
+            rows = [[(a - sb) // 16, (b - db) // 16, sa // UNIT, sd // UNIT, n // UNIT] for a, b, sa, sd, n in rows]
+        self.desc = torch.tensor(rows, dtype=torch.int64).to(self.device)
         self.blocks = triton.cdiv(max(a.shape[1] for a, _ in pairs), self.block)
         cuda = self.device.type == "cuda"
         self.host = [torch.zeros(2, self.WIDTH, dtype=torch.int32, pin_memory=cuda) for _ in range(self.RING)]
@@ -95,4 +118,4 @@ class SlotGather:
         """The same from slot lists on the device (any integer dtype; a negative destination
         moves nothing): no host work but the launch, so it can run inside a CUDA graph."""
         _gather_kernel[(src_slots.numel(), len(self.pairs), self.blocks)](
-            self.desc, src_slots, dst_slots, BLOCK=self.block, num_warps=self.warps)
+            self.desc, src_slots, dst_slots, *self.base, BLOCK=self.block, VEC=self.vec, num_warps=self.warps)
