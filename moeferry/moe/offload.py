@@ -340,9 +340,9 @@ class OffloadExperts:
             self.cache.count_on_device(self.layer, ids)
             return self._run_cached(x, ids, weights)
         ahead = self.b.prefetch and self.next is not None and x.shape[0] <= STAGING_SLOTS
-        guess = route_topk(self.next_router(x), ids.shape[-1], False)[1] if ahead else None  # one kernel on CUDA
         if self.b.capturing is not None and self.b.steps_on_device(x.shape[0]):
-            return self._on_device(x, ids, weights, guess)
+            return self._on_device(x, ids, weights, ahead)
+        guess = self._guess(x, ids) if ahead else None
         if self.b.capturing is not None:  # a graph-captured decode step: the host part runs at the cut
             flat, k = choices(ids, guess), ids.shape[-1]  # concatenated inside the graph
             self.b.capturing.cut(lambda rows: self._place(flat, rows * k, ids.numel()))
@@ -380,16 +380,21 @@ class OffloadExperts:
             out = out + self._on_cpu(x, ids, weights, on_cpu, inputs)
         return out
 
-    def _on_device(self, x, ids, weights, guess) -> torch.Tensor:
+    def _guess(self, x, ids) -> torch.Tensor:
+        """The next MoE layer's experts predicted: its router applied to this layer's input (one kernel on CUDA)."""
+        return route_topk(self.next_router(x), ids.shape[-1], False)[1]
+
+    def _on_device(self, x, ids, weights, ahead: bool) -> torch.Tensor:
         """A decode step in a graph, the cache managed on the device (`before_graph` handed it
         over): no host work. The previous layer's prefetch lands first; this layer's misses are
-        gathered on the compute stream; the next layer's predicted experts are placed, and
-        gathered on the copy stream while this layer computes."""
+        gathered on the compute stream (first: they are the critical path); then (`ahead`) the
+        next layer's predicted experts are placed, and gathered on the copy stream while this
+        layer computes."""
         self.b.join_prefetch()
         flat = ids.reshape(-1)
         self.cache.buffer.copy_indexed(self.bank, flat, self.cache.resolve(self.layer, flat), self.b.gather_kernel)
-        if guess is not None and self.next.cache is not None:
-            self.b.start_prefetch(self.next, guess.reshape(-1))
+        if ahead and self.next.cache is not None:
+            self.b.start_prefetch(self.next, self._guess(x, ids).reshape(-1))
         return self._run_cached(x, ids, weights)
 
     def _lookup(self, needed: list[int]) -> list[int]:
