@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 BIG = 2**62  # above every stamp: a slot already chosen this step
+_BIG = tl.constexpr(BIG)
 
 
 @triton.jit
@@ -49,7 +50,7 @@ def _resolve_kernel(ids_ptr, n, table_ptr, owner_ptr, stamp_ptr, flag_ptr, clock
     tl.store(stamp_ptr + hit_slot, tl.zeros_like(hit_slot) + clock, mask=hit)
     tl.debug_barrier()  # the stamps above, seen by every thread of the program below
     s_offs = tl.arange(0, S)
-    stamps = tl.load(stamp_ptr + s_offs, mask=s_offs < num_slots, other=BIG)
+    stamps = tl.load(stamp_ptr + s_offs, mask=s_offs < num_slots, other=_BIG)
     misses = miss.to(tl.int32)
     rank = tl.cumsum(misses, axis=0) - 1
     dst = tl.full([N], -1, tl.int64)
@@ -57,7 +58,7 @@ def _resolve_kernel(ids_ptr, n, table_ptr, owner_ptr, stamp_ptr, flag_ptr, clock
         low = tl.min(stamps, axis=0)
         victim = tl.min(tl.where(stamps == low, s_offs, S), axis=0).to(tl.int64)
         dst = tl.where(miss & (rank == i), victim, dst)
-        stamps = tl.where(s_offs == victim, BIG, stamps)
+        stamps = tl.where(s_offs == victim, _BIG, stamps)
     dst_slot = tl.where(miss, dst, 0)
     old = tl.load(owner_ptr + dst_slot, mask=miss, other=-1).to(tl.int64)
     tl.store(table_ptr + tl.where(old >= 0, old, 0), tl.full([N], -1, tl.int32), mask=miss & (old >= 0))

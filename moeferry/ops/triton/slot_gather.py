@@ -29,6 +29,7 @@ import triton.language as tl
 CONFIGS = ((2048, 4, True), (4096, 8, True), (8192, 8, True), (2048, 4, False), (8192, 8, False))
 FIELDS = tl.constexpr(5)  # per tensor in the descriptor: source and destination address, their slot strides, words
 UNIT = 4  # words in a 16-byte unit (vec descriptors count in units)
+_UNIT = tl.constexpr(UNIT)
 
 
 @triton.jit
@@ -44,9 +45,9 @@ def _gather_kernel(desc_ptr, src_ptr, dst_ptr, src_base, dst_base, BLOCK: tl.con
     d = tl.load(dst_ptr + i).to(tl.int64)  # destination slot (device), -1: skip
     field = desc_ptr + part * FIELDS
     if VEC:
-        src = src_base + (tl.load(field) + s * tl.load(field + 2)) * UNIT
-        dst = dst_base + (tl.load(field + 1) + tl.maximum(d, 0) * tl.load(field + 3)) * UNIT
-        n = tl.load(field + 4) * UNIT
+        src = src_base + (tl.load(field) + s * tl.load(field + 2)) * _UNIT
+        dst = dst_base + (tl.load(field + 1) + tl.maximum(d, 0) * tl.load(field + 3)) * _UNIT
+        n = tl.load(field + 4) * _UNIT
     else:
         src = tl.load(field).to(tl.pointer_type(tl.int32)) + s * tl.load(field + 2)
         dst = tl.load(field + 1).to(tl.pointer_type(tl.int32)) + tl.maximum(d, 0) * tl.load(field + 3)
