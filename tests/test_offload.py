@@ -458,6 +458,24 @@ def test_device_lru_hand_over_keeps_the_order(ckpt):
     cache.check()
 
 
+def test_failed_graph_reloads_the_cache(ckpt, ref_logits):
+    """A decode graph that failed part-way may leave slots the table names but no copy filled:
+    `graph_failed` takes the state back and copies every cached expert again."""
+    llm = build(ckpt, "qwen3_moe", "bf16", "offload-25%")
+    backend = llm.engine.experts
+    backend.before_graph(1)  # the device owns the state, as before a capture
+    (cache,) = caches(llm)
+    assert cache.device_owned
+    for m in (cache.buffer.gate_up, cache.buffer.down):
+        for t in m.tensors().values():
+            t.zero_()  # contents in doubt
+    backend.graph_failed()
+    assert not cache.device_owned
+    got = llm.logits(PROMPT, chunk_size=CHUNKS)
+    assert rel_err(got, ref_logits("qwen3_moe", "bf16", [PROMPT], CHUNKS)[0]) <= TOL
+    check_all(llm)
+
+
 def test_split_choices_reads_only_the_real_rows():
     """A padded graph batch: the host part reads the first rows' choices of the step and of
     the guess, never the padding rows' (nor the guess as the step's)."""

@@ -216,10 +216,12 @@ class DecodeGraphs:
                 step.begin()
                 out = self.model.forward(batch, self.kv_pool, self.state_pool)
                 step.end()
-        except RuntimeError as e:
+        except Exception as e:  # (any failure: decode then runs eagerly, the log says why; never a dead boot)
             if step.graphs:
                 step.abort()
             torch.cuda.synchronize()
+            if self.experts is not None:
+                self.experts.graph_failed()
             self.disable(f"decode step cannot be captured ({str(e).splitlines()[0]}){sync_site(e)}")
             return False
         self.pool = step.pool

@@ -219,6 +219,17 @@ class ExpertCache:
         self._sync_table()  # the evicted rows and this one, in one copy after the slot copies
         return placed
 
+    def reload(self, banks: dict[int, SlotBuffer]) -> None:
+        """Copy every cached expert into its slot again from its host bank (its contents are
+        in doubt, e.g. after a failed graph capture); the mapping stays."""
+        self.on_host()
+        by_layer: dict[int, list[tuple[int, int]]] = {}
+        for s, key in enumerate(self.owner):
+            if key is not None:
+                by_layer.setdefault(key[0], []).append((s, key[1]))
+        for layer, pairs in by_layer.items():
+            self.buffer.copy_slots([s for s, _ in pairs], banks[layer], [e for _, e in pairs], gather=self.gather)
+
     def _evict(self, key: Key) -> None:
         layer, e = key
         r = self.row_of[layer]

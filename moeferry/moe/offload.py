@@ -164,6 +164,15 @@ class OffloadBackend:
             self.prefetch_done.synchronize()
             self.prefetch_done = None
 
+    def graph_failed(self) -> None:
+        """A decode graph's check run or capture failed part-way: a device-managed layer may
+        have placed experts whose copies never ran, so every cached expert is copied again
+        from its bank (the state back on the host first)."""
+        self.prefetch_join = None
+        for c in self.distinct_caches:
+            if c.lru_on_device is not None:
+                c.reload(self.banks)
+
     def start_prefetch(self, nxt: "OffloadExperts", guess: torch.Tensor) -> None:
         """Device-managed: place `nxt`'s predicted experts (on the compute stream, where the
         cache state lives) and gather them on the copy stream; `join_prefetch` waits for them."""

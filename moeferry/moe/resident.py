@@ -87,6 +87,9 @@ class ResidentBackend:
     def before_graph(self, rows: int) -> None:
         """Nothing to hand over before a decode graph runs (offload's cache state may be)."""
 
+    def graph_failed(self) -> None:
+        """Nothing to repair after a failed capture (offload's cache may need it)."""
+
     def link_routers(self, routers: dict) -> None:
         """Resident experts need no prediction of the next layer's routing (offload prefetches)."""
 
