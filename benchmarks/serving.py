@@ -508,6 +508,8 @@ def run_engine(engine: str, flags: list[str], extra: list[str], out_dir: Path, t
             res[key] = (freetoken_slots(text, doc) if engine == "freetoken"
                         else moeferry_slots(doc, res["final"].get("stats")))
         res["oom_in_log"] = bool(re.search(r"out of memory|OutOfMemoryError", text, re.I))
+        res["log_notes"] = re.findall(r"^.*(?:decode CUDA graphs|CUDA graphs off|expert fetches|warm-up took).*$",
+                                      text, re.M)[:8]  # how the engine decided to run decode
     finally:
         res["alive_at_end"] = server.alive()
         res["exit_code"] = server.stop()
