@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 BIG = 2**62  # above every stamp: a slot already chosen this step
-_BIG = tl.constexpr(BIG)
+SLOT_BITS = 20  # slots a cache may have: 2**20 (the victim search packs a stamp and a slot)
+_BIG, _SLOT_BITS, _SLOTS = tl.constexpr(BIG), tl.constexpr(SLOT_BITS), tl.constexpr(1 << SLOT_BITS)
 
 
 @triton.jit
@@ -50,15 +51,15 @@ def _resolve_kernel(ids_ptr, n, table_ptr, owner_ptr, stamp_ptr, flag_ptr, clock
     tl.store(stamp_ptr + hit_slot, tl.zeros_like(hit_slot) + clock, mask=hit)
     tl.debug_barrier()  # the stamps above, seen by every thread of the program below
     s_offs = tl.arange(0, S)
-    stamps = tl.load(stamp_ptr + s_offs, mask=s_offs < num_slots, other=_BIG)
+    # (stamp, slot) packed in one integer: one reduction finds the oldest stamp's lowest slot
+    order = tl.load(stamp_ptr + s_offs, mask=s_offs < num_slots, other=_BIG >> _SLOT_BITS) * _SLOTS + s_offs
     misses = miss.to(tl.int32)
     rank = tl.cumsum(misses, axis=0) - 1
     dst = tl.full([N], -1, tl.int64)
     for i in range(0, tl.sum(misses, axis=0)):  # the i-th miss takes the oldest slot left
-        low = tl.min(stamps, axis=0)
-        victim = tl.min(tl.where(stamps == low, s_offs, S), axis=0).to(tl.int64)
+        victim = tl.min(order, axis=0) & (_SLOTS - 1)
         dst = tl.where(miss & (rank == i), victim, dst)
-        stamps = tl.where(s_offs == victim, _BIG, stamps)
+        order = tl.where(s_offs == victim, _BIG, order)
     dst_slot = tl.where(miss, dst, 0)
     old = tl.load(owner_ptr + dst_slot, mask=miss, other=-1).to(tl.int64)
     tl.store(table_ptr + tl.where(old >= 0, old, 0), tl.full([N], -1, tl.int32), mask=miss & (old >= 0))
@@ -82,6 +83,8 @@ def resolve(ids: torch.Tensor, table: torch.Tensor, owner: torch.Tensor, stamps:
     [slots] int64, `flags` [slots] int8, `clock` [1] int64, `counts` [rows, 4] int64."""
     flat = ids.reshape(-1)
     n, slots = flat.numel(), owner.numel()
+    if slots > 1 << SLOT_BITS:
+        raise ValueError(f"a device-managed expert cache holds at most {1 << SLOT_BITS} slots, not {slots}")
     dst = torch.empty(n, dtype=torch.int32, device=ids.device)
     s = triton.next_power_of_2(slots)
     _resolve_kernel[(1,)](flat, n, table, owner, stamps, flags, clock, dst, counts[row], row * table.shape[1], slots,
