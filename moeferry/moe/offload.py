@@ -252,10 +252,7 @@ class OffloadBackend:
                 self.caches[layer] = cache
             if self.name != "cpu":
                 self.staging[key] = SlotBuffer.allocate_like(first, 2 * STAGING_SLOTS, device=self.device)
-        for layer, ex in self.executors.items():
-            ex.bind()
-            if ex.cache is not None and self.gather_kernel is not None:  # made now: not inside a graph capture
-                ex.cache.buffer.gather_launch(ex.bank, self.gather_kernel)
+        self._bind()
         if self.complete:
             log.info("expert cache holds every expert: steps read nothing on the host (decode graphs allowed)")
         if self.name == "hybrid":
@@ -308,9 +305,16 @@ class OffloadBackend:
         freed = 0
         for c in caches:
             freed += c.shrink(max(1, num_slots * c.num_slots // max(have, 1)), self.banks)
+        self._bind()
+        return freed
+
+    def _bind(self) -> None:
+        """Executors to the current caches; each (bank, cache) gather made now, not inside a
+        graph capture (it copies its descriptor to the device)."""
         for ex in self.executors.values():
             ex.bind()
-        return freed
+            if ex.cache is not None and self.gather_kernel is not None:
+                ex.cache.buffer.gather_launch(ex.bank, self.gather_kernel)
 
     def stats(self) -> dict:
         caches = self.distinct_caches
