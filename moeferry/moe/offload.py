@@ -88,6 +88,7 @@ class OffloadBackend:
         self.split = None                             # hybrid: MissSplit, measured in finish()
         self.gather: tuple | None = None              # host-managed misses by the gather kernel in this config (when faster)
         self.gather_kernel: tuple | None = None       # the gather kernel's config if it works here (device-managed steps)
+        self.gathers_ready = False                    # every (bank, cache) pair has its gather made (`_bind`)
         self.device_managed = True                    # graphs manage a partial cache on the device where they can
         self.prefetch_join: torch.cuda.Event | None = None  # a device-managed prefetch's copies, joined by the next layer
         self.transfer_chosen = False
@@ -142,7 +143,7 @@ class OffloadBackend:
         the offload lane with LRU, the gather kernel working here (or the CPU, in tests), and
         every cache holding two steps' experts (a step's own are never victims then, nor, while
         its prefetch places the next layer's, this layer's)."""
-        kernel = self.gather_kernel is not None or self.device.type == "cpu"
+        kernel = self.gathers_ready or self.device.type == "cpu"
         return (self.device_managed and self.name == "offload" and kernel and self.cfg.moe_cache_policy == "lru"
                 and bool(self.caches) and self._holds(2 * rows * self.spec.top_k))
 
@@ -310,11 +311,13 @@ class OffloadBackend:
 
     def _bind(self) -> None:
         """Executors to the current caches; each (bank, cache) gather made now, not inside a
-        graph capture (it copies its descriptor to the device)."""
+        graph capture (it copies its descriptor to the device); `gathers_ready` if all could be."""
+        ready = self.gather_kernel is not None
         for ex in self.executors.values():
             ex.bind()
             if ex.cache is not None and self.gather_kernel is not None:
-                ex.cache.buffer.gather_launch(ex.bank, self.gather_kernel)
+                ready &= ex.cache.buffer.gather_launch(ex.bank, self.gather_kernel) is not None
+        self.gathers_ready = ready
 
     def stats(self) -> dict:
         caches = self.distinct_caches
