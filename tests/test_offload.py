@@ -449,12 +449,14 @@ def test_device_lru_hand_over_keeps_the_order(ckpt):
     cache.prefetched = {cache.owner[s] for s in range(2) if cache.owner[s] is not None}
     before = (list(cache.owner), cache.host_table.clone(), list(cache.policy.order), set(cache.prefetched),
               sorted(cache.free_slots))
-    cache.on_device()
+    with torch.inference_mode():  # made inside inference mode (a step's first capture) ...
+        cache.on_device()
     cache.host_table.fill_(-1)  # stale while the device owns the state
     cache.on_host()
     after = (list(cache.owner), cache.host_table.clone(), list(cache.policy.order), set(cache.prefetched),
              sorted(cache.free_slots))
     assert before[0] == after[0] and torch.equal(before[1], after[1]) and before[2:] == after[2:]
+    cache.on_device()  # ... and handed over again outside it (the warm-up's captures)
     cache.check()
 
 

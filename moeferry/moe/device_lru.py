@@ -25,10 +25,13 @@ class DeviceLRU:
         cache's device-side counters, which `resolve` adds to."""
         device = counts.device
         self.counts = counts
-        self.owner = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
-        self.stamps = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
-        self.flags = torch.zeros(num_slots, dtype=torch.int8, device=device)
-        self.clock = torch.zeros(1, dtype=torch.int64, device=device)
+        # plain tensors even when made inside inference mode (a decode step's first capture): the
+        # hand-over writes them in place outside it too (e.g. the warm-up's captures)
+        with torch.inference_mode(False):
+            self.owner = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
+            self.stamps = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
+            self.flags = torch.zeros(num_slots, dtype=torch.int8, device=device)
+            self.clock = torch.zeros(1, dtype=torch.int64, device=device)
 
     def resolve(self, table: torch.Tensor, row: int, ids: torch.Tensor, prefetch: bool) -> torch.Tensor:
         """Look up `ids` of table row `row`, place the misses (table updated); returns the slot
