@@ -149,7 +149,7 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       load)     step load 60 200 python3 benchmarks/load_speed.py --model "$WORK/ckpt" --device cuda --layers 3 \
                   --load-model ;;
       e2e)      step e2e 120 240 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e" --profile ;;
-      e2e_offload) step e2e_offload 150 300 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e_offload" \
+      e2e_offload) step e2e_offload 220 360 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e_offload" \
                   --offload "$CACHE_SIZE" ;;
       gputests) step gputests 120 300 bash -c "mkdir -p $WORK/gputests; python3 -m pytest ${GPUTESTS:-tests} -m gpu -q -p no:cacheprovider -rf > $WORK/gputests/pytest.log 2>&1; tail -n 30 $WORK/gputests/pytest.log > $WORK/gputests/pytest.md" ;;
       offload)  step offload 250 ${OFFLOAD_MAX_S:-400} offload offload "$WORK/ckpt" ;;
