@@ -24,6 +24,7 @@ from moeferry.moe.device_lru import DeviceLRU
 from moeferry.moe.slots import SlotBuffer, SlotTable
 
 Key = tuple[int, int]  # (layer, expert)
+DEVICE_COUNTS = ("hits", "misses", "prefetch_hits", "prefetched")  # the columns of `device_counts`
 
 
 class LRUPolicy:
@@ -93,7 +94,7 @@ class ExpertCache:
         self.counters = {layer: LayerCounters() for layer in self.layers}
         self.prefetched: set[Key] = set()  # fetched ahead of their layer's step, not yet used by it
         # counters of steps that never leave the device (a cache holding every expert:
-        # `count_on_device`; `DeviceLRU` steps): per layer hits, misses, prefetch hits, prefetched
+        # `count_on_device`; `DeviceLRU` steps): per layer, DEVICE_COUNTS in order
         self.device_counts = torch.zeros(len(self.layers), 4, dtype=torch.int64, device=device)
         self.lru_on_device: DeviceLRU | None = None
         self.device_owned = False  # the device's LRU state is the current one (the host's is stale)
@@ -286,11 +287,11 @@ class ExpertCache:
     def totals(self) -> LayerCounters:
         """The counters summed over the layers (the device's counts folded in first)."""
         per_slot = self.buffer.bytes_per_slot
-        for layer, (hits, misses, pf_hits, pf) in zip(self.layers, self.device_counts.tolist()):
+        for layer, counts in zip(self.layers, self.device_counts.tolist()):
             c = self.counters[layer]
-            c.hits, c.misses, c.prefetch_hits, c.prefetched = c.hits + hits, c.misses + misses, \
-                c.prefetch_hits + pf_hits, c.prefetched + pf
-            c.bytes_fetched += (misses + pf) * per_slot
+            for name, n in zip(DEVICE_COUNTS, counts):
+                setattr(c, name, getattr(c, name) + n)
+            c.bytes_fetched += (counts[1] + counts[3]) * per_slot  # every device miss and prefetch is copied
         self.device_counts.zero_()
         total = LayerCounters()
         for c in self.counters.values():

@@ -81,7 +81,7 @@ class SlotGather:
         self.pairs, self.device = pairs, pairs[0][1].device  # the tensors kept alive: the descriptor has their addresses
         self.block, self.warps, vec = config
         self.vec = vec and all(whole_units(t) for pair in pairs for t in pair)
-        self.base = pairs[0] if self.vec else (pairs[0][0][:1], pairs[0][1][:1])  # (unused unless vec)
+        self.base = pairs[0]  # the vec kernel addresses every tensor from these (the word kernel ignores them)
         rows = [[a.data_ptr(), b.data_ptr(), a.stride(0), b.stride(0), a.shape[1]] for a, b in pairs]
         if self.vec:  # offsets from the first pair's tensors, all in 16-byte units
             sb, db = self.base[0].data_ptr(), self.base[1].data_ptr()
