@@ -8,8 +8,10 @@ wait for /health, then measure
 - prefill: time to first token of a prompt of exactly `--prefill` tokens (a text, to
   /v1/completions, max_tokens 1), run twice (the first can compile kernels), the faster kept;
 - decode: `--out-tokens` streamed tokens (ignore_eos) at batch 1 and batch 4 (concurrent
-  streams), steady-state tok/s between "every stream has its first token" and the last token;
-- moeferry's expert-cache hit rate and bytes fetched in that decode window (/v1/stats
+  streams), by difference against the same batch of 16 tokens (`serving.decode`: prefill,
+  first token and streams held back or sent in bursts cancel out); the window rate between
+  "every stream has its first token" and the last token is in the JSON (`window_tok_s`);
+- moeferry's expert-cache hit rate and bytes fetched for those extra tokens (/v1/stats
   `experts`), and from them the PCIe bound: bytes fetched per token over the pinned
   host->device bandwidth that the ballast process measured on this card in the same run
   (64 MiB copies; the 2 MiB figure, about one expert per copy, is in the JSON). FreeToken 0.1.2
@@ -36,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving import (  # noqa: E402
     Budget, Prompts, ballast_note, common_arguments, compare, decode, log, md_table, pcie_bound, prefill, ratio,
-    split_args,
+    split_args, stream_window,
 )
 
 BIG_COPY = str(64 * 2**20)
@@ -47,7 +49,7 @@ def scenario(args, prompts: Prompts, budget_s: float):
     def run(server) -> dict:
         budget = Budget(budget_s)
         t = min(args.request_timeout, budget.left())
-        first = [decode(server, prompts, 1, 16, seed=10_000, timeout=t) for _ in range(3)]
+        first = [stream_window(server, prompts, 1, 16, seed=10_000, timeout=t) for _ in range(3)]
         totals = [(r.get("streams") or [{}])[0].get("total_s") for r in first]
         out: dict = {"first_requests_s": totals, "first_vs_third": ratio(totals[0], totals[2])}
         runs = []

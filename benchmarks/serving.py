@@ -376,10 +376,14 @@ def expert_counters(stats) -> dict | None:
     return {k: tot.get(k) for k in ("hits", "misses", "bytes_fetched")} | {"slots": ex.get("slots")}
 
 
-def counter_delta(a: dict | None, b: dict | None) -> dict | None:
+def counter_delta(a: dict | None, b: dict | None, diff: bool = False) -> dict | None:
+    """Counters from `a` to `b` (totals; `diff`: `a` and `b` are deltas already, of a shorter
+    and a longer run) with the hit rate between them."""
     if not a or not b:
         return None
     d = {k: (b[k] or 0) - (a[k] or 0) for k in ("hits", "misses", "bytes_fetched")}
+    if diff and min(d.values()) < 0:
+        return None
     looked = d["hits"] + d["misses"]
     d["hit_rate"] = _r(d["hits"] / looked, 4) if looked else None
     return d
@@ -394,13 +398,45 @@ def prefill(server: Server, prompts: Prompts, n: int, seed: int, timeout: float)
     return out
 
 
+SHORT_TOKENS = 16  # the short run of the decode rate by difference
+STATS_SETTLE_S = 0.6  # moeferry's worker sends its counters every 0.25 s: read them after this (idle)
+
+
 def decode(server: Server, prompts: Prompts, batch: int, out_tokens: int, seed: int, timeout: float,
            prompt_len: int = 64) -> dict:
-    """Steady-state decode of `batch` concurrent streams of `out_tokens` (ignore_eos).
+    """Steady-state decode of `batch` concurrent streams of `out_tokens` (ignore_eos), measured
+    by difference: the same batch of SHORT_TOKENS first (other prompts of the same length, so
+    no prefix is cached), then of `out_tokens`; rate = batch x the extra tokens / the extra time
+    to the last stream's end. Prefill, first-token and detokenizer hold-back cancel out: a
+    stream whose text is held back (random weights emit byte tokens that are not whole UTF-8
+    characters, for a while) or sent in a burst cannot look faster or slower than the engine
+    decodes. The window rate of `stream_window` stays in the result (`window_tok_s`)."""
+    short = stream_window(server, prompts, batch, SHORT_TOKENS, seed + 50, timeout, prompt_len)
+    out = stream_window(server, prompts, batch, out_tokens, seed, timeout, prompt_len)
+    out["window_tok_s"] = out.pop("tok_s", None)
+    if "error" in out or "error" in short:
+        out.setdefault("error", short.get("error"))
+        return out
+    extra_s, extra_tokens = out["end_s"] - short["end_s"], batch * (out_tokens - SHORT_TOKENS)
+    out["tok_s"] = _r(extra_tokens / extra_s, 2) if extra_s > 0 else None
+    out["short_end_s"] = short["end_s"]
+    out["window_experts"] = out.pop("experts", None)
+    out.pop("bytes_per_token", None)
+    extra = counter_delta(short.get("run_experts"), out.get("run_experts"), diff=True)
+    if extra is not None:  # the expert traffic of the extra tokens (the two runs' counters subtracted)
+        out["experts"] = extra
+        out["bytes_per_token"] = round(extra["bytes_fetched"] / extra_tokens)
+    return out
+
+
+def stream_window(server: Server, prompts: Prompts, batch: int, out_tokens: int, seed: int, timeout: float,
+                  prompt_len: int = 64) -> dict:
+    """`batch` concurrent streams of `out_tokens` (ignore_eos), timed in a window.
 
     The window opens when every stream has its first token (moeferry's expert counters are
     read then) and closes when the last stream ends (read again): rate = tokens that arrived in
-    the window / its length; bytes per token = bytes fetched in the window / those tokens."""
+    the window / its length; bytes per token = bytes fetched in the window / those tokens;
+    `end_s` = sent to the last stream's end."""
     all_first = threading.Event()
     lock = threading.Lock()
     firsts = [0]
@@ -420,6 +456,8 @@ def decode(server: Server, prompts: Prompts, batch: int, out_tokens: int, seed: 
             all_first.set()  # this stream failed before its first token: the window never opens
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(batch)]
+    time.sleep(STATS_SETTLE_S)
+    c_sent = expert_counters(server.get("/v1/stats"))
     for t in threads:
         t.start()
     opened = all_first.wait(timeout) and firsts[0] == batch
@@ -428,9 +466,11 @@ def decode(server: Server, prompts: Prompts, batch: int, out_tokens: int, seed: 
     deadline = time.time() + timeout
     for t in threads:
         t.join(max(0.0, deadline - time.time()))
+    time.sleep(STATS_SETTLE_S)
     c1 = expert_counters(server.get("/v1/stats"))
     streams = [r for r in results if r is not None]
-    out = {"batch": batch, "out_tokens": out_tokens, "streams": [s.summary() for s in streams]}
+    out = {"batch": batch, "out_tokens": out_tokens, "streams": [s.summary() for s in streams],
+           "run_experts": counter_delta(c_sent, c1)}
     if len(streams) < batch or not all(s.ok for s in streams) or not opened:
         out["error"] = next((s.error for s in streams if s.error), None) or "streams did not finish in time"
         return out
@@ -441,6 +481,7 @@ def decode(server: Server, prompts: Prompts, batch: int, out_tokens: int, seed: 
     # end to end (sent -> last token): a server that holds tokens back and sends them in a burst
     # (FreeToken 0.1.2's seed decode: first token at 3.7 s, 63 more within 0.19 s) looks fast in the window
     slowest = max(s.t_last - s.t_send for s in streams)
+    out["end_s"] = _r(slowest)
     out["e2e_tok_s"] = _r(sum(s.completion_tokens or 0 for s in streams) / slowest, 2) if slowest > 0 else None
     delta = counter_delta(c0, c1)
     if delta is not None:
