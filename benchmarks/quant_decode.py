@@ -384,6 +384,85 @@ def offload_rates(engine, out: dict, tag: str, log) -> None:
         f"{out[f'{tag}_hit_rate']}  misses {misses}  prefetched {out[f'{tag}_prefetched']}  graphs {out[f'{tag}_graphs']}")
 
 
+def device_variants(engine, log) -> dict:
+    """Device-managed decode with the prefetch joined before or after the layer's own misses
+    are gathered, and its gather's grid capped or full (the defaults first: late, a quarter of
+    the SMs), graphs recaptured for each."""
+    backend, rates = engine.experts, {}
+    default = backend.join_late, backend.prefetch_programs
+    try:
+        for late, programs in (default, (False, None), (True, None), (False, default[1]),
+                               (True, max(1, (default[1] or 4) // 2))):
+            backend.join_late, backend.prefetch_programs = late, programs
+            engine.graphs.invalidate()
+            tag = f"join {'late' if late else 'early'}, prefetch grid {programs or 'full'}"
+            rates[tag] = {b: round(decode_rate(engine, b), 1) for b in (1, 4)}
+            log(f"  device-managed, {tag}: decode b1 {rates[tag][1]} tok/s  b4 {rates[tag][4]}")
+    finally:
+        backend.join_late, backend.prefetch_programs = default
+        engine.graphs.invalidate()
+    return rates
+
+
+def device_timeline(engine, log, batch: int, steps: int = 4, top: int = 12) -> dict:
+    """Where a device-managed decode step's GPU time goes: the kernels of `steps` graph replays
+    (the profiler sees the kernels inside a graph) by name, each stream's busy time, the time
+    no kernel ran, per step; the gather kernels' busy time on each stream."""
+    from torch.profiler import ProfilerActivity, profile
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    decode_rate(engine, batch, steps=2, warmup=2)
+    rate = decode_rate(engine, batch, steps=steps, warmup=2, around=prof)
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0]
+    if not kernels:
+        log(f"  device-managed b{batch} timeline: no kernels seen by the profiler")
+        return {"tok_s": rate}
+    spans: dict = {}
+    for e in kernels:
+        spans.setdefault(getattr(e, "device_resource_id", 0), []).append((e.time_range.start, e.time_range.end))
+    wall = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
+    busy = {stream: _union(v) / steps for stream, v in spans.items()}
+    idle = (wall - _union([x for v in spans.values() for x in v])) / steps
+    by_name: dict = {}
+    for e in kernels:
+        t, n = by_name.get(e.name, (0.0, 0))
+        by_name[e.name] = (t + e.time_range.elapsed_us(), n + 1)
+    gathers = {}
+    for e in kernels:
+        if "gather" in e.name:
+            stream = getattr(e, "device_resource_id", 0)
+            gathers[stream] = gathers.get(stream, 0.0) + e.time_range.elapsed_us() / steps
+    out = {"tok_s": round(rate, 1), "step_us": round(wall / steps), "idle_us": round(idle),
+           "busy_us_by_stream": {str(k): round(v) for k, v in busy.items()},
+           "gather_us_by_stream": {str(k): round(v) for k, v in gathers.items()},
+           "kernels": {k: [round(t / steps, 1), n // steps] for k, (t, n) in
+                       sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]}}
+    log(f"  device-managed b{batch} timeline ({rate:.1f} tok/s profiled): step {out['step_us']} us, no kernel "
+        f"running {out['idle_us']} us; busy by stream {out['busy_us_by_stream']}; gathers by stream "
+        f"{out['gather_us_by_stream']}")
+    for k, (t, n) in out["kernels"].items():
+        log(f"    {t:8.1f} us  x{n:4d}  {k[:90]}")
+    return out
+
+
+def attempt(log, fn, *args):
+    """fn(*args), or its error logged (one measurement failing leaves the others)."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
+        log(f"  {fn.__name__} failed: {type(e).__name__}: {e}")
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _union(spans: list) -> float:
+    """Total length of the union of (start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 def bench_offload(engine, slots: int, out: dict, log) -> dict:
     """Offload decode through a partial cache three ways: graphs with the cache managed on the
     device (the default where it can be), piecewise graphs (host-managed), eager; then where a
@@ -397,6 +476,8 @@ def bench_offload(engine, slots: int, out: dict, log) -> dict:
     if engine.graphs is None:
         return out
     if mode == "device":
+        out["timeline"] = {b: attempt(log, device_timeline, engine, log, b) for b in (1, 4)}
+        out["variants"] = attempt(log, device_variants, engine, log)
         backend.device_managed = False
         engine.graphs.invalidate()
         offload_rates(engine, out, "piecewise", log)

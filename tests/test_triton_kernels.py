@@ -373,15 +373,18 @@ def case_slot_gather(device, seed=11):
 def case_slot_gather_indexed(device, seed=12):
     """The gather from slot lists on the device (as a CUDA graph runs it): a negative
     destination moves nothing; int64 sources (router ids) and int32 destinations; whole 16-byte
-    units (the vec path: addressed from base pointers) and not."""
-    from moeferry.ops.triton.slot_gather import CONFIGS, SlotGather
+    units (the vec path: addressed from base pointers) and not; a full grid and grids capped
+    below the work items (programs loop over them: the prefetch's grid)."""
+    from moeferry.ops.triton.slot_gather import CONFIGS
     g = _gen(seed)
     for widths, vec in (((36, 2048), True), ((33, 2050), False)):
-        _gather_indexed_once(device, g, widths, vec, CONFIGS[0])
+        for programs in (None, 3, 1):
+            _gather_indexed_once(device, g, widths, vec, (16, 1, True), programs)
+    _gather_indexed_once(device, g, (36, 2048), True, CONFIGS[0])
     return 0.0
 
 
-def _gather_indexed_once(device, g, widths, vec, config):
+def _gather_indexed_once(device, g, widths, vec, config, programs=None):
     from moeferry.ops.triton.slot_gather import SlotGather
     src = [torch.randint(-2**31, 2**31 - 1, (16, w), generator=g, dtype=torch.int32) for w in widths]
     if device == "cuda":
@@ -392,7 +395,7 @@ def _gather_indexed_once(device, g, widths, vec, config):
     to = torch.tensor([8, -1, 0, -1, 4], dtype=torch.int32)
     gather = SlotGather(list(zip(src, dst)), config)
     assert gather.vec == vec
-    gather.indexed(frm.to(device), to.to(device))
+    gather.indexed(frm.to(device), to.to(device), programs)
     for r, t in zip(ref, src):
         r[to[to >= 0].long()] = t[frm[to >= 0]]
     for d, r in zip(dst, ref):

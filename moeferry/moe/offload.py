@@ -70,6 +70,19 @@ def distinct_experts(ids: torch.Tensor, guess: torch.Tensor | None = None) -> tu
     return torch.unique(ids).tolist(), []
 
 
+def prefetch_programs(device: torch.device) -> int | None:
+    """The device-managed prefetch gather's grid: a quarter of the SMs (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return max(1, torch.cuda.get_device_properties(device).multi_processor_count // 4)
+
+
+def _join(copies: torch.cuda.Event | None) -> None:
+    """The compute stream waits for `copies` (a prefetch's gather on the copy stream)."""
+    if copies is not None:
+        torch.cuda.current_stream().wait_event(copies)
+
+
 class OffloadBackend:
     """Expert backends `offload`, `cpu` and `hybrid` (the `name` says which lane misses take)."""
 
@@ -91,6 +104,11 @@ class OffloadBackend:
         self.gathers_ready = False                    # every (bank, cache) pair has its gather made (`_bind`)
         self.device_managed = True                    # graphs manage a partial cache on the device where they can
         self.prefetch_join: torch.cuda.Event | None = None  # a device-managed prefetch's copies, joined by the next layer
+        # device-managed prefetch: its gather's grid capped (the copies need few programs in
+        # flight to fill the link; a full grid would hold every SM from the compute it
+        # overlaps), and joined only before the layer's MoE runs (its own misses gathered first)
+        self.prefetch_programs = prefetch_programs(device)
+        self.join_late = True
         self.transfer_chosen = False
         self.cpu_layers = set()
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -176,7 +194,7 @@ class OffloadBackend:
 
     def start_prefetch(self, nxt: "OffloadExperts", guess: torch.Tensor) -> None:
         """Device-managed: place `nxt`'s predicted experts (on the compute stream, where the
-        cache state lives) and gather them on the copy stream; `join_prefetch` waits for them."""
+        cache state lives) and gather them on the copy stream; the next layer joins them (`take_prefetch`)."""
         dst = nxt.cache.resolve(nxt.layer, guess, prefetch=True)
         stream = self.copy_stream
         if stream is None:
@@ -184,13 +202,13 @@ class OffloadBackend:
             return
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            nxt.cache.buffer.copy_indexed(nxt.bank, guess, dst, self.gather_kernel)
+            nxt.cache.buffer.copy_indexed(nxt.bank, guess, dst, self.gather_kernel, self.prefetch_programs)
             self.prefetch_join = stream.record_event()
 
-    def join_prefetch(self) -> None:
-        if self.prefetch_join is not None:
-            torch.cuda.current_stream().wait_event(self.prefetch_join)
-            self.prefetch_join = None
+    def take_prefetch(self) -> torch.cuda.Event | None:
+        """The prefetch in flight for the layer about to run (its copies' event), now this layer's to join."""
+        landed, self.prefetch_join = self.prefetch_join, None
+        return landed
 
     @staticmethod
     def _layout(buf: SlotBuffer) -> tuple:
@@ -402,15 +420,22 @@ class OffloadExperts:
 
     def _on_device(self, x, ids, weights, ahead: bool) -> torch.Tensor:
         """A decode step in a graph, the cache managed on the device (`before_graph` handed it
-        over): no host work. The previous layer's prefetch lands first; this layer's misses are
-        gathered on the compute stream (first: they are the critical path); then (`ahead`) the
-        next layer's predicted experts are placed, and gathered on the copy stream while this
-        layer computes."""
-        self.b.join_prefetch()
+        over): no host work. This layer's misses are resolved and gathered on the compute
+        stream (the critical path: while the previous layer's prefetch of this layer's experts
+        may still be landing on the copy stream; `join_late`), then (`ahead`) the next layer's
+        predicted experts are placed and gathered on the copy stream while this layer computes;
+        the prefetch of this layer's experts is joined just before its MoE runs. Neither
+        gather's victims are slots the other writes or this layer reads: those carry the
+        newest stamps, and every cache holds two steps' experts (`steps_on_device`)."""
+        landed = self.b.take_prefetch()
+        if not self.b.join_late:
+            _join(landed)
+            landed = None
         flat = ids.reshape(-1)
         self.cache.buffer.copy_indexed(self.bank, flat, self.cache.resolve(self.layer, flat), self.b.gather_kernel)
         if ahead and self.next.cache is not None:
             self.b.start_prefetch(self.next, self._guess(x, ids).reshape(-1))
+        _join(landed)
         return self._run_cached(x, ids, weights)
 
     def _lookup(self, needed: list[int]) -> list[int]:

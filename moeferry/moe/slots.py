@@ -146,12 +146,12 @@ class SlotBuffer:
         return self.gate_up.copy_slots(dst, src.gate_up, src_slots) + self.down.copy_slots(dst, src.down, src_slots)
 
     def copy_indexed(self, src: "SlotBuffer", src_slots: torch.Tensor, dst_slots: torch.Tensor,
-                     gather: tuple[int, int] | None) -> None:
+                     gather: tuple[int, int] | None, programs: int | None = None) -> None:
         """Copy experts whose slot lists are tensors on this buffer's device (a negative
-        destination moves nothing): on CUDA the gather kernel in config `gather`, no host work
-        (a CUDA graph can hold it); on the CPU by indexing."""
+        destination moves nothing): on CUDA the gather kernel in config `gather` (its grid
+        capped at `programs`), no host work (a CUDA graph can hold it); on the CPU by indexing."""
         if self.gate_up.w.device.type == "cuda":
-            self.gather_launch(src, gather).indexed(src_slots, dst_slots)
+            self.gather_launch(src, gather).indexed(src_slots, dst_slots, programs)
             return
         keep = dst_slots >= 0
         to, frm = dst_slots[keep].long(), src_slots.reshape(-1)[keep].long()

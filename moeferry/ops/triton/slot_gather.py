@@ -33,28 +33,32 @@ _UNIT = tl.constexpr(UNIT)
 
 
 @triton.jit
-def _gather_kernel(desc_ptr, src_ptr, dst_ptr, src_base, dst_base, BLOCK: tl.constexpr, VEC: tl.constexpr):
-    """Program (i, part, blk): words blk*BLOCK.. of tensor `part` of the i-th expert moved (none
-    where its destination slot is negative). The descriptor holds each tensor's addresses as
-    integers (a pinned host tensor's address is valid on the device), so a launch takes three
-    arguments besides the slot lists, whatever the tensors. VEC: the descriptor holds offsets
-    from `src_base` / `dst_base`, strides and sizes in 16-byte units (multiplied back here, the
-    compiler sees whole units: vector accesses)."""
-    i, part, blk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    s = tl.load(src_ptr + i).to(tl.int64)  # source slot (bank)
-    d = tl.load(dst_ptr + i).to(tl.int64)  # destination slot (device), -1: skip
-    field = desc_ptr + part * FIELDS
-    if VEC:
-        src = src_base + (tl.load(field) + s * tl.load(field + 2)) * _UNIT
-        dst = dst_base + (tl.load(field + 1) + tl.maximum(d, 0) * tl.load(field + 3)) * _UNIT
-        n = tl.load(field + 4) * _UNIT
-    else:
-        src = tl.load(field).to(tl.pointer_type(tl.int32)) + s * tl.load(field + 2)
-        dst = tl.load(field + 1).to(tl.pointer_type(tl.int32)) + tl.maximum(d, 0) * tl.load(field + 3)
-        n = tl.load(field + 4)
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
-    m = (offs < n) & (d >= 0)
-    tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+def _gather_kernel(desc_ptr, src_ptr, dst_ptr, src_base, dst_base, items, parts, blocks,
+                   BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """Work item w = (i, part, blk): words blk*BLOCK.. of tensor `part` of the i-th expert moved
+    (none where its destination slot is negative); program p does items p, p + programs, ...
+    (one item each on a full grid; a capped grid leaves the other SMs to the compute that
+    overlaps a prefetch). The descriptor holds each tensor's addresses as integers (a pinned
+    host tensor's address is valid on the device), so a launch takes a few arguments besides
+    the slot lists, whatever the tensors. VEC: the descriptor holds offsets from `src_base` /
+    `dst_base`, strides and sizes in 16-byte units (multiplied back here, the compiler sees
+    whole units: vector accesses)."""
+    for w in range(tl.program_id(0), items, tl.num_programs(0)):
+        i, part, blk = w // (parts * blocks), (w // blocks) % parts, w % blocks
+        s = tl.load(src_ptr + i).to(tl.int64)  # source slot (bank)
+        d = tl.load(dst_ptr + i).to(tl.int64)  # destination slot (device), -1: skip
+        field = desc_ptr + part * FIELDS
+        if VEC:
+            src = src_base + (tl.load(field) + s * tl.load(field + 2)) * _UNIT
+            dst = dst_base + (tl.load(field + 1) + tl.maximum(d, 0) * tl.load(field + 3)) * _UNIT
+            n = tl.load(field + 4) * _UNIT
+        else:
+            src = tl.load(field).to(tl.pointer_type(tl.int32)) + s * tl.load(field + 2)
+            dst = tl.load(field + 1).to(tl.pointer_type(tl.int32)) + tl.maximum(d, 0) * tl.load(field + 3)
+            n = tl.load(field + 4)
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        m = (offs < n) & (d >= 0)
+        tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
 
 
 def word_view(t: torch.Tensor) -> torch.Tensor | None:
@@ -115,8 +119,12 @@ class SlotGather:
             self.done[i].record()
         self.used[i] = True
 
-    def indexed(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    def indexed(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, programs: int | None = None) -> None:
         """The same from slot lists on the device (any integer dtype; a negative destination
-        moves nothing): no host work but the launch, so it can run inside a CUDA graph."""
-        _gather_kernel[(src_slots.numel(), len(self.pairs), self.blocks)](
-            self.desc, src_slots, dst_slots, *self.base, BLOCK=self.block, VEC=self.vec, num_warps=self.warps)
+        moves nothing): no host work but the launch, so it can run inside a CUDA graph.
+        `programs` caps the grid (None: a program per work item)."""
+        items = src_slots.numel() * len(self.pairs) * self.blocks
+        grid = min(items, programs or items)
+        if grid:
+            _gather_kernel[(grid,)](self.desc, src_slots, dst_slots, *self.base, items, len(self.pairs), self.blocks,
+                                    BLOCK=self.block, VEC=self.vec, num_warps=self.warps)
