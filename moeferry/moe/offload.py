@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -77,10 +78,17 @@ def prefetch_programs(device: torch.device) -> int | None:
     return max(1, torch.cuda.get_device_properties(device).multi_processor_count // 4)
 
 
-def _join(copies: torch.cuda.Event | None) -> None:
-    """The compute stream waits for `copies` (a prefetch's gather on the copy stream)."""
-    if copies is not None:
-        torch.cuda.current_stream().wait_event(copies)
+class Landing(NamedTuple):
+    """A device-managed prefetch in flight: its gather's event on the copy stream and the
+    tensors that gather reads (kept alive until the compute stream has waited for it)."""
+    copies: torch.cuda.Event
+    reads: tuple
+
+
+def _join(landing: Landing | None) -> None:
+    """The compute stream waits for a prefetch's gather on the copy stream."""
+    if landing is not None:
+        torch.cuda.current_stream().wait_event(landing.copies)
 
 
 class OffloadBackend:
@@ -103,7 +111,7 @@ class OffloadBackend:
         self.gather_kernel: tuple | None = None       # the gather kernel's config if it works here (device-managed steps)
         self.gathers_ready = False                    # every (bank, cache) pair has its gather made (`_bind`)
         self.device_managed = True                    # graphs manage a partial cache on the device where they can
-        self.prefetch_join: torch.cuda.Event | None = None  # a device-managed prefetch's copies, joined by the next layer
+        self.prefetch_join: Landing | None = None     # a device-managed prefetch in flight, joined by the next layer
         # device-managed prefetch: its gather's grid capped (the copies need few programs in
         # flight to fill the link; a full grid would hold every SM from the compute it
         # overlaps), and joined only before the layer's MoE runs (its own misses gathered first)
@@ -203,10 +211,12 @@ class OffloadBackend:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             nxt.cache.buffer.copy_indexed(nxt.bank, guess, dst, self.gather_kernel, self.prefetch_programs)
-            self.prefetch_join = stream.record_event()
+            # the slot lists stay referenced until the join: the copy stream reads them all along,
+            # and memory freed earlier could be handed to the compute stream's next tensors
+            self.prefetch_join = Landing(stream.record_event(), (guess, dst))
 
-    def take_prefetch(self) -> torch.cuda.Event | None:
-        """The prefetch in flight for the layer about to run (its copies' event), now this layer's to join."""
+    def take_prefetch(self) -> "Landing | None":
+        """The prefetch in flight for the layer about to run, now this layer's to join."""
         landed, self.prefetch_join = self.prefetch_join, None
         return landed
 
