@@ -24,7 +24,7 @@
 #   gputests  pytest -m gpu (the whole GPU suite)
 # Returned under $OUT: results.md (every table), results.json, logs.tgz (server, ballast and
 # make-model logs), driver.log, gpu.txt.
-# Knobs (env): BUDGET_S, RUNS, SEED_MAX_S / OFFLOAD_MAX_S (those runs' limits, default 360 / 400: FreeToken 0.1.2 boots in 70-110 s), LEAVE_GIB (empty: no ballast), CACHE_SIZE, SKEW, SKEW_FT, FT_ARGS,
+# Knobs (env): BUDGET_S, RUNS, SEED_EST_S (the seed run's estimate, default 150), SEED_MAX_S / OFFLOAD_MAX_S (those runs' limits, default 360 / 400: FreeToken 0.1.2 boots in 70-110 s), LEAVE_GIB (empty: no ballast), CACHE_SIZE, SKEW, SKEW_FT, FT_ARGS,
 # BENCH_FLAGS / BENCH_ARGS (serve flags of both engines / bench_serve.py options of the bench run),
 # SIZE / LAYERS / QUANT_DEVICE (make-model geometry, quantizer device; empty = CPU), SEED_ARGS / OFFLOAD_ARGS (appended to every seed_scenario.py /
 # offload.py call), GPUTESTS (pytest arguments of the gputests run, default "tests"), SKIP_WHEELS=1 (a machine that has the packages). A CPU wiring check:
@@ -137,7 +137,7 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
   step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; }
   for run in $RUNS; do
     case $run in
-      seed)     step seed 150 ${SEED_MAX_S:-360} seed seed ;;
+      seed)     step seed ${SEED_EST_S:-150} ${SEED_MAX_S:-360} seed seed ;;
       seed_c4)  step seed_c4 250 360 seed seed_c4 --extra-flags "--max-running-requests 4" --concurrency 4 --prompts 4 ;;
       seed_32k) step seed_32k 250 360 seed seed_32k --extra-flags "--max-extend-tokens 32768" --prompt-tokens 32768 --prompts 2 ;;
       seed_10g) step seed_10g 250 360 seed seed_10g --leave-gib 10 ;;
