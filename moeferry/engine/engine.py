@@ -194,7 +194,8 @@ class Engine:
     # -- reporting --------------------------------------------------------------------------
     def on_expert_cache_resized(self, slots: int) -> None:
         """After the guard shrank the expert cache: the plan and the reported sizes follow, and
-        CUDA graphs (which hold pointers) are recaptured on use."""
+        CUDA graphs (which hold pointers) are recaptured now, before the failed step is retried,
+        so that the retry runs in the memory layout that decode will have."""
         if self.plan is not None and self.plan.expert_slots > slots >= self.plan.min_expert_slots:
             self.plan = self.plan.shrink_experts(slots, "out-of-memory guard")
         self.sizes = replace(self.sizes, expert_slots=slots)
@@ -202,6 +203,7 @@ class Engine:
             self.graphs.invalidate()
             if not self.experts.graph_mode(self.graphs.max_batch):  # a step's working set no longer fits
                 self.graphs.disable("the shrunk expert cache holds less than a decode step's experts")
+            self.graphs.capture_missing()
 
     def stats(self) -> dict:
         return {"experts": self.experts.stats(), "memory": self.guard.stats()}
