@@ -133,3 +133,43 @@ def test_sampling_is_finite_over_the_accepted_range_edges():
     assert (got[:, 2] == logits[2].argmax()).all()  # top_p 1e-40 keeps the best token only
     b = build_sampling_batch(reqs(tiny_rep, prompt=prompt), V, {0}, "cpu")
     assert torch.isfinite(apply_penalties(logits[:1], b)).all()
+
+
+def test_top_candidates_keep_the_filtered_distribution():
+    """Where every sampling row has a top-k, sampling draws among each row's top-k_max tokens
+    (no sort of the vocabulary): the same probabilities as the full filter, row by row."""
+    from moeferry.ops.sampler import top_candidates
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, V, generator=g) * 3
+    rs = reqs(SamplingParams(top_k=7, top_p=0.6, temperature=0.7), SamplingParams(top_k=3),
+              SamplingParams(top_k=12, min_p=0.1, temperature=1.5), SamplingParams(temperature=0.0))
+    b = build_sampling_batch(rs, V, {0}, "cpu")
+    assert b.top_k_max == 12 and not b.adjusts
+    full = filter_logits(logits, b).softmax(-1)
+    best, ids = top_candidates(logits, b, b.top_k_max)
+    mine = torch.zeros_like(full).scatter_(1, ids, best.softmax(-1))
+    assert torch.allclose(mine[:3], full[:3], atol=1e-6)
+
+
+def test_top_k_rows_draw_the_right_distribution_by_the_short_path():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -0.5] + [-3.0] * (V - 4)])
+    rs = reqs(SamplingParams(temperature=1.0, top_k=3, seed=4))
+    assert build_sampling_batch(rs, V, {0}, "cpu").top_k_max == 3
+    got = draw(logits, rs, 3000)[:, 0]
+    freq = torch.bincount(got, minlength=V).float() / 3000
+    assert freq[3:].sum() == 0
+    assert torch.allclose(freq[:3], logits[0, :3].softmax(-1), atol=0.03)
+    again = [draw(logits, reqs(SamplingParams(temperature=1.0, top_k=3, seed=4)), 20) for _ in range(2)]
+    assert torch.equal(*again)  # a seed reproduces
+
+
+def test_batch_flags_say_when_the_general_path_is_needed():
+    def flags(*params, outputs=()):
+        b = build_sampling_batch(reqs(*params, outputs=outputs), V, {0}, "cpu")
+        return b.adjusts, b.top_k_max
+    assert flags(SamplingParams(top_k=5), SamplingParams(temperature=0.0)) == (False, 5)  # greedy rows need no top-k
+    assert flags(SamplingParams(top_k=5), SamplingParams()) == (False, 0)  # a sampling row without top-k
+    assert flags(SamplingParams(top_k=5, presence_penalty=0.5))[0]
+    assert flags(SamplingParams(top_k=5, repetition_penalty=1.2))[0]
+    assert flags(SamplingParams(top_k=5, min_tokens=4), outputs=(1,))[0]
+    assert not flags(SamplingParams(top_k=5, min_tokens=1), outputs=(1,))[0]

@@ -3,7 +3,10 @@
 Order: penalties (repetition on prompt+output, presence/frequency on output), min_tokens
 (EOS/stop ids masked), temperature, top-k, top-p, min-p, then a draw with each row's own
 generator (exponential race, reproducible per seed). Greedy rows take argmax of the penalised
-logits. Logprobs are of the raw model distribution.
+logits. Logprobs are of the raw model distribution. Where every sampling row has a top-k (a
+model's usual defaults), the draw is among each row's top-k_max tokens (`top_candidates`: one
+`topk`, no sort of the vocabulary; the same distribution); a batch of greedy rows only takes
+the argmax; penalties run only where some row has one.
 
 Numerically safe over the whole accepted range: temperatures below GREEDY_BELOW are greedy (dividing
 by 1e-40 overflows fp32 to inf, and a softmax of infs is NaN), and penalised logits are clamped to
@@ -29,10 +32,13 @@ class SamplingBatch:
     presence: torch.Tensor  # [B]
     frequency: torch.Tensor  # [B]
     repetition: torch.Tensor  # [B]
-    output_counts: torch.Tensor  # [B, V] counts of generated tokens
-    seen: torch.Tensor  # [B, V] bool: token in prompt or output
-    banned: torch.Tensor  # [B, V] bool: masked this step (min_tokens)
+    output_counts: torch.Tensor  # [B, V] counts of generated tokens ([B, 0] where no row `adjusts`)
+    seen: torch.Tensor  # [B, V] bool: token in prompt or output (the same)
+    banned: torch.Tensor  # [B, V] bool: masked this step (min_tokens, grammar; the same)
     generators: list[torch.Generator | None]  # on the logits' device; None for greedy rows
+    # known on the host when the batch is built (the defaults take the general path):
+    adjusts: bool = True  # some row has a penalty or banned tokens (else `apply_penalties` changes nothing)
+    top_k_max: int = 0  # every sampling row has a top-k, the largest (0: some row has none)
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -47,35 +53,66 @@ def is_greedy(temperature: torch.Tensor) -> torch.Tensor:
     return temperature < GREEDY_BELOW
 
 
-def filter_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """Temperature, then top-k / top-p / min-p masking (excluded tokens get -inf)."""
+def _scaled(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Logits over each row's temperature (greedy rows: 1)."""
     temp = torch.where(is_greedy(b.temperature), torch.ones_like(b.temperature), b.temperature)
-    logits = logits / temp[:, None]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    rank = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(b.top_k > 0, b.top_k, torch.full_like(b.top_k, vocab))
+    return logits / temp[:, None]
+
+
+def _drop_sorted(sorted_logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """[B, n] bool: which of each row's best-first candidates top-k / top-p / min-p exclude."""
+    n = sorted_logits.shape[-1]
+    rank = torch.arange(n, device=sorted_logits.device)[None, :]
+    k = torch.where(b.top_k > 0, b.top_k, torch.full_like(b.top_k, n))
     drop = rank >= k[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     before = probs.cumsum(-1) - probs  # mass strictly before each token
     drop |= before >= b.top_p[:, None]
     drop |= probs < b.min_p[:, None] * probs[:, :1]
     drop[:, 0] = False  # always keep the best token
-    mask = torch.zeros_like(drop).scatter_(1, order, drop)
+    return drop
+
+
+def filter_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Temperature, then top-k / top-p / min-p masking (excluded tokens get -inf)."""
+    logits = _scaled(logits, b)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    mask = torch.zeros_like(sorted_logits, dtype=torch.bool).scatter_(1, order, _drop_sorted(sorted_logits, b))
     return logits.masked_fill(mask, float("-inf"))
+
+
+def top_candidates(logits: torch.Tensor, b: SamplingBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row has a top-k of at most `k`: (its `k` best tokens' filtered logits, best first,
+    excluded ones -inf; their ids), both [B, k]. The same distribution as `filter_logits`
+    without sorting the vocabulary (a temperature keeps the order)."""
+    best, ids = logits.topk(k, dim=-1)
+    best = _scaled(best, b)
+    return best.masked_fill(_drop_sorted(best, b), float("-inf")), ids
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Token ids [B] for fp32 logits [B, V]."""
-    logits = apply_penalties(logits.float(), b)
+    logits = logits.float()
+    if b.adjusts:
+        logits = apply_penalties(logits, b)
     greedy = logits.argmax(-1)
-    filtered = filter_logits(logits, b)
+    if all(g is None for g in b.generators):  # every row greedy
+        return greedy
+    if 0 < b.top_k_max < logits.shape[-1]:  # draw among each row's best few, not the vocabulary
+        filtered, ids = top_candidates(logits, b, b.top_k_max)
+        drawn = ids.gather(1, _race(filtered, b)[:, None])[:, 0]
+    else:
+        drawn = _race(filter_logits(logits, b), b)
+    return torch.where(is_greedy(b.temperature), greedy, drawn)
+
+
+def _race(filtered: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """One draw per row from softmax(filtered) (exponential race, each row's own generator)."""
     noise = torch.ones_like(filtered)
     for i, g in enumerate(b.generators):  # drawn on the logits' device; greedy rows need none
         if g is not None:
             noise[i].exponential_(generator=g)
-    drawn = (filtered.softmax(-1) / noise).argmax(-1)
-    return torch.where(is_greedy(b.temperature), greedy, drawn)
+    return (filtered.softmax(-1) / noise).argmax(-1)
 
 
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -12,11 +12,15 @@ def build_sampling_batch(reqs: list[Request], vocab: int, eos_ids: set[int], dev
     def vec(values, dtype=torch.float32):
         return torch.tensor(values, dtype=dtype, device=device)
 
-    b = len(reqs)
-    counts = torch.zeros(b, vocab, device=device)
-    seen = torch.zeros(b, vocab, dtype=torch.bool, device=device)
-    banned = torch.zeros(b, vocab, dtype=torch.bool, device=device)
-    for i, r in enumerate(reqs):
+    ps = [r.params for r in reqs]
+    grammar = grammar_banned(reqs, vocab, eos_ids)
+    adjusts = (grammar is not None or any(len(r.output_ids) < r.params.min_tokens for r in reqs)
+               or any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in ps))
+    width = vocab if adjusts else 0  # no row adjusts its logits: the [B, V] tensors stay empty
+    counts = torch.zeros(len(reqs), width, device=device)
+    seen = torch.zeros(len(reqs), width, dtype=torch.bool, device=device)
+    banned = torch.zeros(len(reqs), width, dtype=torch.bool, device=device)
+    for i, r in enumerate(reqs if adjusts else ()):
         p = r.params
         if r.output_ids:
             counts[i].index_add_(0, vec(r.output_ids, torch.long), torch.ones(len(r.output_ids), device=device))
@@ -25,16 +29,17 @@ def build_sampling_batch(reqs: list[Request], vocab: int, eos_ids: set[int], dev
         if len(r.output_ids) < p.min_tokens:
             stop_ids = [t for t in (eos_ids | set(p.stop_token_ids)) if 0 <= t < vocab]
             banned[i, vec(stop_ids, torch.long)] = True
-    grammar = grammar_banned(reqs, vocab, eos_ids)
     if grammar is not None:
         banned |= grammar.to(device)
-    ps = [r.params for r in reqs]
+    sampling = [p for p in ps if p.temperature > 0]
+    top_k_max = max(p.top_k for p in sampling) if sampling and all(p.top_k > 0 for p in sampling) else 0
     return SamplingBatch(
         temperature=vec([p.temperature for p in ps]), top_k=vec([max(p.top_k, 0) for p in ps], torch.long),
         top_p=vec([p.top_p for p in ps]), min_p=vec([p.min_p for p in ps]),
         presence=vec([p.presence_penalty for p in ps]), frequency=vec([p.frequency_penalty for p in ps]),
         repetition=vec([p.repetition_penalty for p in ps]), output_counts=counts, seen=seen, banned=banned,
-        generators=[r.generator(device) if r.params.temperature > 0 else None for r in reqs])
+        generators=[r.generator(device) if r.params.temperature > 0 else None for r in reqs],
+        adjusts=adjusts, top_k_max=top_k_max)
 
 
 def sample_requests(reqs: list[Request], logits: torch.Tensor, eos_ids: set[int]
