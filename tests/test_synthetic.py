@@ -451,6 +451,26 @@ def test_router_skew_touches_only_routers():
         values(router_skew=-0.5)
 
 
+def test_planted_head_is_the_permuted_embedding():
+    """planted_head: every head row is an embedding row / sqrt(hidden), each exactly once, and
+    only the head changes; a tied head refuses it."""
+    cfg = model_config("qwen3_5_moe", "tiny")
+
+    def values(**kw):
+        return {s.name: s.init() for _, specs in iter_tensor_groups(cfg, "per-expert", seed=0, **kw) for s in specs}
+
+    plain, planted = values(), values(planted_head=True)
+    assert {k for k in plain if not torch.equal(plain[k], planted[k])} == {"lm_head.weight"}
+    emb, head = planted["model.embed_tokens.weight"], planted["lm_head.weight"]
+    h = emb.shape[1]
+    match = (head @ emb.T).argmax(0)  # for token t: the head row holding its embedding
+    assert sorted(match.tolist()) == list(range(emb.shape[0]))  # a permutation
+    assert torch.allclose(head[match], emb * h ** -0.5)
+    with pytest.raises(ValueError, match="untied"):
+        values_tied = dict(cfg, tie_word_embeddings=True)
+        [s.init() for _, specs in iter_tensor_groups(values_tied, planted_head=True) for s in specs]
+
+
 def test_router_skew_in_quantized_checkpoints(tmp_path):
     from safetensors import safe_open
 

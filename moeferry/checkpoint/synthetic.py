@@ -36,6 +36,13 @@ the top 10% of experts get ~11% of the picks at S=0, ~40% at S=0.25, ~65% at S=0
 gate is unquantized in every preset, so the skew is stored exactly. S=0 draws nothing
 extra: the checkpoint is bit for bit what it was without the option.
 
+Planted head. ``planted_head=True`` (untied heads only) writes ``lm_head.weight`` as the
+embedding matrix under a seeded random permutation of its rows, scaled by 1/sqrt(hidden): row
+pi(t) is the embedding of t, so a hidden state that still carries its token's embedding scores
+pi(t) far above every other token, and greedy decoding follows t -> pi(t) with a wide margin
+(two engines on different numerics then agree on tokens, while the logits still carry every
+layer's output). Random heads leave near-ties that bf16 noise flips.
+
 Quantization hook. Every tensor passes through `Emitter.emit(name, fp32_tensor)`, and
 `Emitter.end_group(group)` is called after each group (``embed``, ``layers.{i}``, ``final``,
 ``visual``, ``mtp``); `Emitter.config_patch()` is merged into the model config and
@@ -570,15 +577,24 @@ def _mtp_specs(tcfg: dict, layout: str, d: _Draw, router_skew: float = 0.0) -> l
     return specs
 
 
+def _planted(d: "_Draw", emb: str, vocab: int, hidden: int) -> torch.Tensor:
+    """The planted head: row pi(t) = embedding of t / sqrt(hidden), pi a seeded permutation."""
+    perm = torch.randperm(vocab, generator=_gen(d.seed, "lm_head.weight#planted"))
+    head = torch.empty(vocab, hidden)
+    head[perm] = d.normal(emb, (vocab, hidden), 1.0)  # the embedding's own values (same seed, same name)
+    return head.mul_(hidden ** -0.5)
+
+
 def iter_tensor_groups(
     config: dict, expert_layout: str = "per-expert", seed: int = 0, pool: ThreadPoolExecutor | None = None,
-    router_skew: float = 0.0,
+    router_skew: float = 0.0, planted_head: bool = False,
 ) -> Iterator[tuple[str, list[TensorSpec]]]:
     """(group, specs) for every tensor of the checkpoint described by `config`, in write order.
 
     Groups: ``embed``, ``layers.{i}``, ``final``, then ``visual`` and ``mtp`` for the
     multimodal layout. Values are only drawn when a spec's `init()` is called.
-    `router_skew` > 0 skews each router's expert popularity (module docstring).
+    `router_skew` > 0 skews each router's expert popularity, `planted_head` plants the head
+    (module docstring).
     """
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}")
@@ -601,7 +617,10 @@ def iter_tensor_groups(
     if not tcfg["tie_word_embeddings"]:
         # logits ~ N(0, 2^2) for a unit-RMS final hidden state: peaked, never saturated
         head = "lm_head.weight"
-        final.append(TensorSpec(head, (V, H), lambda: d.normal(head, (V, H), 2.0 / math.sqrt(H))))
+        draw_head = (lambda: _planted(d, emb, V, H)) if planted_head else (lambda: d.normal(head, (V, H), 2.0 / math.sqrt(H)))
+        final.append(TensorSpec(head, (V, H), draw_head))
+    elif planted_head:
+        raise ValueError("planted_head needs an untied lm_head")
     yield "final", final
     if multimodal:
         yield "visual", _vision_specs(config["vision_config"], d)
@@ -832,6 +851,7 @@ def make_model(
     quant: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     router_skew: float = 0.0,
+    planted_head: bool = False,
 ) -> Path:
     """Write a complete random Hugging Face checkpoint directory and return its path.
 
@@ -839,8 +859,8 @@ def make_model(
     overrides the preset's layer count, `max_shard_bytes` caps a safetensors shard (tests
     use a small value to get an index and several shards). `quant` writes a quantized
     checkpoint (per-expert layout only). `router_skew` > 0 gives the routers a Zipf-like
-    expert popularity (module docstring; 0 leaves every byte as without it). Same arguments,
-    same bytes.
+    expert popularity (module docstring; 0 leaves every byte as without it); `planted_head`
+    plants the head (module docstring). Same arguments, same bytes.
     """
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}")
@@ -860,7 +880,7 @@ def make_model(
     emitter = _make_emitter(quant, writer, DTYPES[dtype])
     workers = max(1, min(32, os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        for group, specs in iter_tensor_groups(config, expert_layout, seed, pool, router_skew):
+        for group, specs in iter_tensor_groups(config, expert_layout, seed, pool, router_skew, planted_head):
             for items in _draw(specs, pool, emitter.convert):
                 emitter.write(items)
             emitter.end_group(group)
