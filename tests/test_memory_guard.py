@@ -115,3 +115,27 @@ def test_boot_self_test_runs_again_after_a_shrink(model, monkeypatch):
     guard = llm.engine.guard
     assert len(guard.shrinks) == 1 and guard.steps == 4  # round 1 (shrank), round 2 (clean)
     assert llm.engine.plan.expert_slots == llm.engine.experts.expert_slots
+
+
+def test_a_shrink_recaptures_the_decode_graphs_before_the_retry():
+    """After a shrink the decode graphs (which hold the old slots' addresses) are dropped and
+    captured again at once, so the retried step runs in the memory layout decode will have
+    (the H200's seed boot: recaptured lazily, each round's capture left memory behind and the
+    next round's prefill ran out again); a cache that no longer holds a step's experts turns
+    graphs off instead."""
+    from types import SimpleNamespace
+
+    from moeferry.engine.config import EngineSizes
+    from moeferry.engine.engine import Engine
+
+    for mode, expected in (("device", ["invalidate", "capture_missing"]),
+                           (None, ["invalidate", "disable", "capture_missing"])):
+        calls = []
+        graphs = SimpleNamespace(max_batch=4, invalidate=lambda: calls.append("invalidate"),
+                                 disable=lambda why: calls.append("disable"),
+                                 capture_missing=lambda: calls.append("capture_missing"))
+        engine = SimpleNamespace(plan=None, sizes=EngineSizes(64, 16, 4, 1024, 24), graphs=graphs,
+                                 experts=SimpleNamespace(graph_mode=lambda rows: mode))
+        Engine.on_expert_cache_resized(engine, 12)
+        assert calls == expected, (mode, calls)
+        assert engine.sizes.expert_slots == 12
