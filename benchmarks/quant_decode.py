@@ -367,10 +367,14 @@ def piecewise_breakdown(engine, log, batch=1, steps=12) -> dict:
     return dict(tok_s=rate, **per)
 
 
+def graphs_state(g) -> str:
+    """The decode graphs as a benchmark reports them: off, the reason they are off, or the sizes captured."""
+    return "off" if g is None else (g.disabled or f"on (sizes {sorted(g.graphs)})")
+
+
 def offload_rates(engine, out: dict, tag: str, log) -> None:
     """Decode b1/b4 in the engine's current mode, and the cache's counters over those steps."""
-    engine.stats()  # counters so far folded in and read: the rates' own come next
-    before = {k: v for k, v in engine.stats()["experts"].items() if isinstance(v, int)}
+    before = {k: v for k, v in engine.stats()["experts"].items() if isinstance(v, int)}  # (device counts folded in)
     for b in (1, 4):
         out[f"{tag}_b{b}"] = decode_rate(engine, b)
     after = engine.stats()["experts"]
@@ -378,8 +382,7 @@ def offload_rates(engine, out: dict, tag: str, log) -> None:
     out[f"{tag}_hit_rate"] = round(hits / max(hits + misses, 1), 4)
     out[f"{tag}_prefetched"] = after["prefetched"] - before["prefetched"]
     out[f"{tag}_misses"] = misses
-    g = engine.graphs
-    out[f"{tag}_graphs"] = "off" if g is None else (g.disabled or f"on (sizes {sorted(g.graphs)})")
+    out[f"{tag}_graphs"] = graphs_state(engine.graphs)
     log(f"  {tag}: decode b1 {out[f'{tag}_b1']:.1f} tok/s  b4 {out[f'{tag}_b4']:.1f}  hit rate "
         f"{out[f'{tag}_hit_rate']}  misses {misses}  prefetched {out[f'{tag}_prefetched']}  graphs {out[f'{tag}_graphs']}")
 
@@ -417,20 +420,18 @@ def device_timeline(engine, log, batch: int, steps: int = 4, top: int = 12) -> d
         log(f"  device-managed b{batch} timeline: no kernels seen by the profiler")
         return {"tok_s": rate}
     spans: dict = {}
+    by_name: dict = {}
+    gathers: dict = {}
     for e in kernels:
-        spans.setdefault(getattr(e, "device_resource_id", 0), []).append((e.time_range.start, e.time_range.end))
+        stream, us = getattr(e, "device_resource_id", 0), e.time_range.elapsed_us()
+        spans.setdefault(stream, []).append((e.time_range.start, e.time_range.end))
+        t, n = by_name.get(e.name, (0.0, 0))
+        by_name[e.name] = (t + us, n + 1)
+        if "gather" in e.name:
+            gathers[stream] = gathers.get(stream, 0.0) + us / steps
     wall = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
     busy = {stream: _union(v) / steps for stream, v in spans.items()}
     idle = (wall - _union([x for v in spans.values() for x in v])) / steps
-    by_name: dict = {}
-    for e in kernels:
-        t, n = by_name.get(e.name, (0.0, 0))
-        by_name[e.name] = (t + e.time_range.elapsed_us(), n + 1)
-    gathers = {}
-    for e in kernels:
-        if "gather" in e.name:
-            stream = getattr(e, "device_resource_id", 0)
-            gathers[stream] = gathers.get(stream, 0.0) + e.time_range.elapsed_us() / steps
     out = {"tok_s": round(rate, 1), "step_us": round(wall / steps), "idle_us": round(idle),
            "busy_us_by_stream": {str(k): round(v) for k, v in busy.items()},
            "gather_us_by_stream": {str(k): round(v) for k, v in gathers.items()},
@@ -506,8 +507,7 @@ def bench_e2e(args, log):
         return bench_offload(engine, args.offload, out, log)
     for b in (1, 4, 16):
         out[f"b{b}"] = decode_rate(engine, b)
-    g = engine.graphs
-    out["graphs"] = "off" if g is None else (g.disabled or f"on (sizes {sorted(g.graphs)})")
+    out["graphs"] = graphs_state(engine.graphs)
     log(f"  load {load_s:.1f} s  decode b1 {out['b1']:.1f} tok/s  b4 {out['b4']:.1f} tok/s  "
         f"b16 {out['b16']:.1f} tok/s  graphs: {out['graphs']}")
     if args.profile:

@@ -134,7 +134,7 @@ class SlotBuffer:
                 self.write(s, ex)
 
     def copy_slots(self, dst: list[int], src: "SlotBuffer", src_slots: list[int],
-                   gather: tuple[int, int] | None = None) -> int:
+                   gather: tuple | None = None) -> int:
         """Copy experts from `src` (e.g. a host bank) into slots `dst` on the current stream;
         returns bytes copied. `gather` (a `slot_gather.CONFIGS` entry): one kernel launch reads
         them all (`src` pinned or on the device); None: one copy per tensor per expert."""
@@ -146,7 +146,7 @@ class SlotBuffer:
         return self.gate_up.copy_slots(dst, src.gate_up, src_slots) + self.down.copy_slots(dst, src.down, src_slots)
 
     def copy_indexed(self, src: "SlotBuffer", src_slots: torch.Tensor, dst_slots: torch.Tensor,
-                     gather: tuple[int, int] | None, programs: int | None = None) -> None:
+                     gather: tuple | None, programs: int | None = None) -> None:
         """Copy experts whose slot lists are tensors on this buffer's device (a negative
         destination moves nothing): on CUDA the gather kernel in config `gather` (its grid
         capped at `programs`), no host work (a CUDA graph can hold it); on the CPU by indexing."""
@@ -159,7 +159,7 @@ class SlotBuffer:
             for name, t in mine.tensors().items():
                 t[to] = getattr(theirs, name)[frm].to(t.device)
 
-    def gather_launch(self, src: "SlotBuffer", config: tuple[int, int]):
+    def gather_launch(self, src: "SlotBuffer", config: tuple):
         """The `SlotGather` from `src` into this buffer (made on first use, kept per source and
         config); None when some tensor's slot is not whole words."""
         gathers = self.__dict__.setdefault("_gathers", {})
