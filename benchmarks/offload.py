@@ -121,7 +121,7 @@ def main() -> int:
     ap.add_argument("--flags", required=True, help="serve flags both engines get (one string)")
     ap.add_argument("--port", type=int, default=30300, help="first port (each engine gets the next one)")
     ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens of the prefill measurement")
-    ap.add_argument("--out-tokens", type=int, default=128, help="tokens per stream in the decode measurements")
+    ap.add_argument("--out-tokens", type=int, default=256, help="tokens per stream in the decode measurements")
     args = ap.parse_args()
     flags = split_args(args.flags)
     info = {"date": date.today().isoformat(), "machine": platform.node(), "model": str(args.model),

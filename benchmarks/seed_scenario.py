@@ -159,7 +159,7 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=8192)
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=8, help="output tokens per prompt")
-    ap.add_argument("--decode-tokens", type=int, default=128, help="tokens of the decode measurement after")
+    ap.add_argument("--decode-tokens", type=int, default=256, help="tokens of the decode measurement after")
     args = ap.parse_args()
     flags = ["--model", str(args.model), *split_args(args.base_flags), *split_args(args.extra_flags)]
     for name, value in (("--host", args.host), ("--port", args.port)):

@@ -399,18 +399,22 @@ def prefill(server: Server, prompts: Prompts, n: int, seed: int, timeout: float)
 
 
 SHORT_TOKENS = 16  # the short run of the decode rate by difference
+DECODE_PROMPT_TOKENS = 8  # the decode runs' prompts: one short prefill, the same in each run
 STATS_SETTLE_S = 0.6  # moeferry's worker sends its counters every 0.25 s: read them after this (idle)
 
 
 def decode(server: Server, prompts: Prompts, batch: int, out_tokens: int, seed: int, timeout: float,
-           prompt_len: int = 64) -> dict:
+           prompt_len: int = DECODE_PROMPT_TOKENS) -> dict:
     """Steady-state decode of `batch` concurrent streams of `out_tokens` (ignore_eos), measured
-    by difference: the same batch of SHORT_TOKENS first (other prompts of the same length, so
-    no prefix is cached), then of `out_tokens`; rate = batch x the extra tokens / the extra time
-    to the last stream's end. Prefill, first-token and detokenizer hold-back cancel out: a
-    stream whose text is held back (random weights emit byte tokens that are not whole UTF-8
-    characters, for a while) or sent in a burst cannot look faster or slower than the engine
-    decodes. The window rate of `stream_window` stays in the result (`window_tok_s`)."""
+    by difference: a warm-up batch of SHORT_TOKENS (discarded: the first request of a new shape
+    may compile), the same batch of SHORT_TOKENS, then of `out_tokens`, each on new prompts of
+    `prompt_len` tokens (short, so prefill, whose time varies with the expert cache's content,
+    stays small); rate = batch x the extra tokens / the extra time to the last stream's end.
+    Prefill, first-token and detokenizer hold-back cancel out: a stream whose text is held back
+    (random weights emit byte tokens that are not whole UTF-8 characters, for a while) or sent
+    in a burst cannot look faster or slower than the engine decodes. The window rate of
+    `stream_window` stays in the result (`window_tok_s`)."""
+    stream_window(server, prompts, batch, SHORT_TOKENS, seed + 90, timeout, prompt_len)
     short = stream_window(server, prompts, batch, SHORT_TOKENS, seed + 50, timeout, prompt_len)
     out = stream_window(server, prompts, batch, out_tokens, seed, timeout, prompt_len)
     out["window_tok_s"] = out.pop("tok_s", None)
