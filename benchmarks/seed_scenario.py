@@ -121,7 +121,7 @@ def render(info: dict, rows: list[dict]) -> str:
     head = (f"{info['date']}, {info.get('device') or info['machine']}; checkpoint {info['model']}; "
             f"{ballast_note(info)}; {info['prompts']} prompts x "
             f"{info['prompt_tokens']} tokens, {info['concurrency']} at a time\n\n`{info['flags']}`\n\n")
-    headers = ["engine", "boot s", "expert slots", "completed", "restarts", "survived", "OOM in log",
+    headers = ["engine", "boot s", "expert slots", "completed", "restarts", "survived", "OOM at boot / serving",
                "TTFT median s", "decode tok/s after (by difference)", "decode end to end tok/s", "first error"]
     table = []
     for r in rows:
@@ -135,7 +135,8 @@ def render(info: dict, rows: list[dict]) -> str:
                         and not r.get("restarts"))
         table.append([r["engine"], r.get("boot_s") if r.get("booted") else f"failed ({r.get('boot_s')} s)",
                       r.get("expert_slots"), f"{r.get('completed', 0)}/{info['prompts']}", r.get("restarts"),
-                      "yes" if survived else "NO", "yes" if r.get("oom_in_log") else "no",
+                      "yes" if survived else "NO",
+                      " / ".join("yes" if r.get(k) else "no" for k in ("oom_at_boot", "oom_serving")),
                       statistics.median(ttfts) if ttfts else None, (r.get("decode") or {}).get("tok_s"),
                       (r.get("decode") or {}).get("e2e_tok_s"),
                       (err or "")[:160].replace("|", "/") or None])

@@ -538,6 +538,7 @@ def run_engine(engine: str, flags: list[str], extra: list[str], out_dir: Path, t
     log(f"{engine}: started pid {server.pid}: {shlex.join(server.argv)}")
     try:
         res.update(server.wait_ready(boot_timeout))
+        boot_log = len(server.log_text())  # what the log held at ready: boot's out-of-memory errors are apart
         log(f"{engine}: booted={res['booted']} in {res.get('boot_s')} s {res.get('reason', '')}")
         if res["booted"]:
             res["boot_cache_status"] = server.get("/v1/cache/status")  # the plan, before any step ran
@@ -552,7 +553,10 @@ def run_engine(engine: str, flags: list[str], extra: list[str], out_dir: Path, t
                          ("expert_slots", res["final"].get("cache_status") or res.get("boot_cache_status"))):
             res[key] = (freetoken_slots(text, doc) if engine == "freetoken"
                         else moeferry_slots(doc, res["final"].get("stats")))
-        res["oom_in_log"] = bool(re.search(r"out of memory|OutOfMemoryError", text, re.I))
+        oom = re.compile(r"out of memory|OutOfMemoryError", re.I)
+        res["oom_in_log"] = bool(oom.search(text))
+        res["oom_at_boot"] = bool(oom.search(text[:boot_log]))  # moeferry's boot self-test shrinks on them
+        res["oom_serving"] = bool(oom.search(text[boot_log:]))
         res["log_notes"] = re.findall(r"^.*(?:decode CUDA graphs|CUDA graphs off|expert fetches|warm-up took).*$",
                                       text, re.M)[:8]  # how the engine decided to run decode
     finally:
