@@ -85,3 +85,19 @@ def test_offload_matches_resident_on_gpu(checkpoints, quant):
             cache.check()
         del llm
         torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("quant", ["mixed_nvfp4", "int4_awq"])
+def test_gather_config_chosen_by_device_time_on_both_grids(checkpoints, quant):
+    """The boot picks the gather config by device time on a full grid and on the prefetch's
+    capped grid; the timing moves the bytes a gather would (a real, positive time per expert)."""
+    from moeferry.moe.bandwidth import choose_gather, time_gather
+    from moeferry.moe.offload import prefetch_programs
+    llm = LLM(checkpoints(quant), moe_backend="offload", moe_cache_rate=0.25)
+    backend = llm.engine.experts
+    bank = next(iter(backend.banks.values()))
+    config, _, what = choose_gather(bank, llm.engine.device, prefetch_programs(llm.engine.device))
+    assert config is not None and "full grid / " in what, what
+    assert backend.gather_kernel is not None
+    full, capped = time_gather(bank, llm.engine.device, config), time_gather(bank, llm.engine.device, config, 1)
+    assert 0 < full <= capped * 1.5, (full, capped)  # one program cannot beat a full grid by much

@@ -92,7 +92,7 @@ class CacheManager:
         if short > 0 and self.prefix is not None:
             self.prefix.evict_pages(short)
         try:
-            blocks.pages = blocks.pages + self.kv.pages.alloc(need)
+            blocks.pages.extend(self.kv.pages.alloc(need))  # in place: the decode graphs move only new pages
         except PoolExhausted:
             return False
         return True

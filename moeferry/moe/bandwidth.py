@@ -35,12 +35,39 @@ def time_fetch(bank: SlotBuffer, device: torch.device, experts: int = 8, repeats
     return sorted(times)[len(times) // 2]
 
 
-def choose_gather(bank: SlotBuffer, device: torch.device) -> tuple[tuple | None, bool, str]:
+def time_gather(bank: SlotBuffer, device: torch.device, config: tuple, programs: int | None = None,
+                experts: int = 16, repeats: int = 3) -> float:
+    """Device seconds per expert for the gather kernel in `config` (CUDA events, the fastest of
+    `repeats` launches after one untimed launch), from slot lists on the device as decode steps
+    give them, its grid capped at `programs` as the prefetch's is (None: a full grid)."""
+    n = min(experts, bank.num_slots)
+    dst = SlotBuffer.allocate_like(bank, n, device=device)
+    src_slots = torch.arange(n, dtype=torch.int32, device=device).flip(0)
+    dst_slots = torch.arange(n, dtype=torch.int32, device=device)
+    times = []
+    for i in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_indexed(bank, src_slots, dst_slots, config, programs)
+        end.record()
+        end.synchronize()
+        if i:
+            times.append(start.elapsed_time(end) / 1e3 / n)
+    del dst
+    return min(times)
+
+
+def choose_gather(bank: SlotBuffer, device: torch.device, prefetch_programs: int | None = None
+                  ) -> tuple[tuple | None, bool, str]:
     """How misses move: the gather kernel (`moeferry.ops.triton.slot_gather`) in the config
-    that moves a batch of 8 experts soonest among those that move the bytes exactly (a config
-    that fails or moves them wrong is left out, and the log says so). Returns (that config or
-    None, whether it beats one copy per tensor: the host-managed path uses it then, while steps
-    that manage the cache on the device always need it; what was measured)."""
+    that moves 16 experts soonest on a full grid (a step's own misses) plus on the prefetch's
+    capped grid (`prefetch_programs`), among the configs that move the bytes exactly (a config
+    that fails or moves them wrong is left out, and the log says so). Device time, by CUDA
+    events: a single host-timed batch of 8 picked a slow config on one H200 boot (54 us an
+    expert where the best moves one in 43 us; that server's decode reached 30 GB/s against 41 in
+    the others). Returns (that config or None, whether it beats one copy per tensor, host time
+    included: the host-managed path uses it then, while steps that manage the cache on the
+    device always need it; what was measured)."""
     from moeferry.ops.triton.slot_gather import CONFIGS
     if device.type != "cuda":
         return None, False, "per-tensor copies (no CUDA)"
@@ -50,17 +77,24 @@ def choose_gather(bank: SlotBuffer, device: torch.device) -> tuple[tuple | None,
         if problem:
             failed.append(f"{_name(config)}: {problem}")
             continue
-        timed[config] = min(time_fetch(bank, device, gather=config) for _ in range(2))
-    copy_s = min(time_fetch(bank, device) for _ in range(2))
+        timed[config] = (time_gather(bank, device, config), time_gather(bank, device, config, prefetch_programs))
     if not timed:
         return None, False, f"per-tensor copies (gather kernel unavailable: {'; '.join(failed)})"
-    best = min(timed, key=timed.get)
+    best = min(timed, key=lambda c: sum(timed[c]))
+    gather_s = min(time_fetch(bank, device, gather=best) for _ in range(2))
+    copy_s = min(time_fetch(bank, device) for _ in range(2))
     mib = bank.bytes_per_slot / 2**20
-    what = (f"an expert ({mib:.2f} MiB) arrives in {timed[best] * 1e6:.0f} us by the gather kernel "
-            f"({_name(best)}; " + ", ".join(f"{_name(c)} {t * 1e6:.0f} us" for c, t in timed.items() if c != best)
-            + f"), {copy_s * 1e6:.0f} us by per-tensor copies" + (f"; left out: {'; '.join(failed)}" if failed else ""))
-    use = timed[best] < copy_s
+    grids = f"full grid / {prefetch_programs or 'full'} programs"
+    what = (f"an expert ({mib:.2f} MiB) arrives in {_us(timed[best])} us ({grids}) by the gather kernel "
+            f"({_name(best)}; " + ", ".join(f"{_name(c)} {_us(t)} us" for c, t in timed.items() if c != best)
+            + f"); host-timed batches of 8: {gather_s * 1e6:.0f} us by the gather kernel, {copy_s * 1e6:.0f} us by "
+            f"per-tensor copies" + (f"; left out: {'; '.join(failed)}" if failed else ""))
+    use = gather_s < copy_s
     return best, use, f"{'gather kernel' if use else 'per-tensor copies'}: {what}"
+
+
+def _us(times: tuple[float, float]) -> str:
+    return " / ".join(f"{t * 1e6:.0f}" for t in times)
 
 
 def _name(config: tuple) -> str:

@@ -94,7 +94,7 @@ class Scheduler:
         if not plan:
             return events
         self.num_steps += 1
-        chunks = [SeqChunk(r.all_ids[r.num_computed:r.num_computed + n], r.num_computed, r.blocks.pages,
+        chunks = [SeqChunk(r.ids_between(r.num_computed, r.num_computed + n), r.num_computed, r.blocks.pages,
                            r.blocks.state_slot) for r, n in plan]
         try:
             logits = self.engine.forward(chunks)
