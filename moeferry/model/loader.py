@@ -1,7 +1,11 @@
 """Build a CausalLM from a checkpoint, one layer at a time."""
 from __future__ import annotations
 
+import logging
+import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 from tqdm import tqdm
@@ -15,6 +19,30 @@ from moeferry.model.model import CausalLM
 from moeferry.model.spec import FULL_ATTENTION, ModelSpec
 from moeferry.model.weights import WeightLoader
 from moeferry.moe.layer_experts import LayerExperts
+
+log = logging.getLogger(__name__)
+
+
+class LoadTimes:
+    """Seconds per loading phase, so the boot log says where loading went."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.start = time.perf_counter()
+
+    @contextmanager
+    def phase(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t
+
+    def describe(self) -> str:
+        total = time.perf_counter() - self.start
+        rest = total - sum(self.seconds.values())
+        parts = [f"{name} {s:.1f} s" for name, s in self.seconds.items()] + [f"dense weights and the rest {rest:.1f} s"]
+        return f"{total:.1f} s: " + ", ".join(parts)
 
 
 def _attention(w: WeightLoader, spec: ModelSpec, p: str, kv_index: int) -> FullAttention:
@@ -70,18 +98,24 @@ def _layer_experts(w: WeightLoader, spec: ModelSpec, p: str, threads: int = 1, m
     return LayerExperts(fmt, experts)
 
 
-def _moe(w: WeightLoader, spec: ModelSpec, p: str, layer: int, experts_backend) -> SparseMoE:
+def _moe(w: WeightLoader, spec: ModelSpec, p: str, layer: int, experts_backend, times: LoadTimes) -> SparseMoE:
     h, si = spec.hidden_size, spec.shared_expert_intermediate_size
-    routed = _layer_experts(w, spec, p, experts_backend.load_threads)
+    with times.phase("expert reads"):
+        routed = _layer_experts(w, spec, p, experts_backend.load_threads)
+
+    def place(*shared):
+        with times.phase("expert placement (host banks or device slots)"):
+            return experts_backend.add_layer(layer, routed, *shared)
+
     router = w.linear(p + "gate", spec.num_experts, h)
     if not si:
-        return SparseMoE(spec, router, experts_backend.add_layer(layer, routed), None, None)
+        return SparseMoE(spec, router, place(), None, None)
     shared_gate = w.linear(p + "shared_expert_gate", 1, h)
     sp = p + "shared_expert."
     if _shared_fits_slots(w, spec, p, routed, experts_backend):  # the shared expert as one more slot
         shared = (w.packed(sp + "gate_proj", si, h), w.packed(sp + "up_proj", si, h), w.packed(sp + "down_proj", h, si))
-        return SparseMoE(spec, router, experts_backend.add_layer(layer, routed, shared), None, shared_gate)
-    return SparseMoE(spec, router, experts_backend.add_layer(layer, routed), _mlp(w, sp, h, si), shared_gate)
+        return SparseMoE(spec, router, place(shared), None, shared_gate)
+    return SparseMoE(spec, router, place(), _mlp(w, sp, h, si), shared_gate)
 
 
 def _shared_fits_slots(w: WeightLoader, spec: ModelSpec, p: str, routed: LayerExperts, experts_backend) -> bool:
@@ -118,6 +152,7 @@ def load_model(reader: CheckpointReader, spec: ModelSpec, dtype: torch.dtype, de
     """Dense weights go to `device`; each MoE layer's experts go to `experts_backend` (which
     returns the layer's executor)."""
     w = WeightLoader(reader, dtype, device)
+    times = LoadTimes()
     experts_backend.prepare(*expert_bytes(w, spec))
     h = spec.hidden_size
     layers, kv_index, state_index = [], 0, 0
@@ -129,11 +164,13 @@ def load_model(reader: CheckpointReader, spec: ModelSpec, dtype: torch.dtype, de
         else:
             mixer = _gdn(w, spec, p + "linear_attn.", state_index)
             state_index += 1
-        mlp = _moe(w, spec, p + "mlp.", i, experts_backend) if spec.is_moe_layer(i) else _mlp(w, p + "mlp.", h, spec.dense_intermediate_size)
+        mlp = _moe(w, spec, p + "mlp.", i, experts_backend, times) if spec.is_moe_layer(i) else _mlp(w, p + "mlp.", h, spec.dense_intermediate_size)
         layers.append(DecoderLayer(spec, mixer, mlp, w.tensor(p + "input_layernorm.weight", (h,)),
                                    w.tensor(p + "post_attention_layernorm.weight", (h,))))
     experts_backend.link_routers({i: l.mlp.router_logits for i, l in enumerate(layers) if isinstance(l.mlp, SparseMoE)})
     embed = w.tensor("model.embed_tokens.weight", (spec.vocab_size, h))
     tied = spec.tie_word_embeddings and not any(n.startswith("lm_head.") for n in reader.tensors)
     lm_head = Linear(embed) if tied else w.linear("lm_head", spec.vocab_size, h)
-    return CausalLM(spec, embed, layers, w.tensor("model.norm.weight", (h,)), lm_head)
+    model = CausalLM(spec, embed, layers, w.tensor("model.norm.weight", (h,)), lm_head)
+    log.info("loaded %d layers in %s", spec.num_layers, times.describe())
+    return model
