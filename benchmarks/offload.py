@@ -91,7 +91,8 @@ def render(info: dict, rows: list[dict], prefill_n: int) -> str:
         b1, b4 = r.get("decode_b1") or {}, r.get("decode_b4") or {}
         boot = r.get("boot_s") if r.get("booted") else f"failed: {r.get('reason')}"
         table.append([r["engine"], boot, r.get("first_vs_third"), r.get("prefill_s"), b1.get("tok_s"), b4.get("tok_s"),
-                      f"{b1.get('e2e_tok_s')} / {b4.get('e2e_tok_s')}", (b1.get("experts") or {}).get("hit_rate"), (b4.get("experts") or {}).get("hit_rate"),
+                      _pair(b1.get("e2e_tok_s"), b4.get("e2e_tok_s")), (b1.get("experts") or {}).get("hit_rate"),
+                      (b4.get("experts") or {}).get("hit_rate"),
                       r.get("bound_b1"), ratio(b1.get("tok_s"), r.get("bound_b1")), r.get("bound_b4")])
     by = {r["engine"]: r for r in rows}
     if "moeferry" in by and "freetoken" in by:
@@ -106,13 +107,17 @@ def render(info: dict, rows: list[dict], prefill_n: int) -> str:
                       ratio(ours.get("prefill_s"), ft.get("prefill_s")),
                       ratio(get(ours, "decode_b1", "tok_s"), get(ft, "decode_b1", "tok_s")),
                       ratio(get(ours, "decode_b4", "tok_s"), get(ft, "decode_b4", "tok_s")),
-                      f"{ratio(get(ours, 'decode_b1', 'e2e_tok_s'), get(ft, 'decode_b1', 'e2e_tok_s'))} / "
-                      f"{ratio(get(ours, 'decode_b4', 'e2e_tok_s'), get(ft, 'decode_b4', 'e2e_tok_s'))}"]
+                      _pair(ratio(get(ours, "decode_b1", "e2e_tok_s"), get(ft, "decode_b1", "e2e_tok_s")),
+                            ratio(get(ours, "decode_b4", "e2e_tok_s"), get(ft, "decode_b4", "e2e_tok_s")))]
                      + [None] * (len(headers) - 7))
     notes = ("\nTargets (issue 11): decode >= 1.5x FreeToken at equal slots and >= 0.8 of the PCIe bound; "
              "prefill time <= FreeToken's; boot <= 0.5x FreeToken's. Ratios: time ratios for boot and "
              "prefill (lower is better), rate ratios for decode.\n")
     return head + md_table(headers, table) + notes
+
+
+def _pair(a, b) -> str:
+    return " / ".join("-" if x is None else str(x) for x in (a, b))
 
 
 def main() -> int:
