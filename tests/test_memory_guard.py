@@ -139,3 +139,20 @@ def test_a_shrink_recaptures_the_decode_graphs_before_the_retry():
         Engine.on_expert_cache_resized(engine, 12)
         assert calls == expected, (mode, calls)
         assert engine.sizes.expert_slots == 12
+
+
+def test_memory_held_beyond_the_plan_comes_out_of_the_expert_cache(model, reference):
+    """After the warm-up, bytes held beyond the plan (on CUDA: graph executables and kernel
+    modules) shrink the expert cache by the fewest slots past the plan's slack; the plan table
+    says so and generation is unchanged."""
+    from moeferry.engine.planning import account_held
+    llm = LLM(model, dtype="float32", max_extend_tokens=8, moe_backend="offload")  # auto: a planned cache
+    plan, before = llm.engine.plan, llm.engine.experts.expert_slots
+    account_held(llm.engine, plan.free + 2 * plan.expert_slot_bytes + 1)
+    assert llm.engine.experts.expert_slots == before - 3 == llm.engine.plan.expert_slots
+    assert llm.engine.sizes.expert_slots == before - 3 and llm.engine.plan.free < plan.expert_slot_bytes
+    assert "held after the warm-up" in llm.engine.plan.weights.source
+    assert llm.engine.stats()["memory"]["cache_shrinks"] == 0  # not an out-of-memory error
+    assert _generate(llm) == reference
+    account_held(llm.engine, -1)  # holding less than planned changes nothing
+    assert llm.engine.experts.expert_slots == before - 3

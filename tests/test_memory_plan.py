@@ -209,6 +209,26 @@ def test_plan_invariant_over_random_inputs(scenario):
                    {k: v for k, v in plan.terms().items() if k != "experts"}
         with pytest.raises(ValueError):
             plan.shrink_experts(inp.min_expert_slots - 1)
+    check_account_held(plan, inp)
+
+
+def check_account_held(plan: MemoryPlan, inp: PlanInputs) -> None:
+    """Bytes held beyond the plan (after the warm-up): the slack absorbs them first, then the
+    fewest expert slots; the reserves and every other term stay; refused below the minimum."""
+    slot = inp.expert_slot_bytes if not plan.resident_experts else 0
+    for extra in {1, plan.free, plan.free + 1, plan.free + 3 * slot + 1, inp.usable.bytes}:
+        try:
+            held = plan.account_held(extra, "test")
+        except PlanRefused:
+            assert plan.resident_experts or not slot or \
+                plan.expert_slots - plan.slots_freeing(extra - plan.free) < plan.min_expert_slots
+            continue
+        assert held.total() <= inp.usable.bytes and held.weights.bytes == plan.weights.bytes + extra
+        freed = (plan.expert_slots - held.expert_slots) * slot
+        assert freed >= extra - plan.free > freed - slot or (freed == 0 and extra <= plan.free)
+        assert {k: v for k, v in held.terms().items() if k not in ("weights", "experts")} == \
+               {k: v for k, v in plan.terms().items() if k not in ("weights", "experts")}
+    assert plan.account_held(0, "test") is plan
 
 
 @settings(max_examples=300, deadline=None, database=None, derandomize=True)
@@ -343,6 +363,19 @@ def test_shrink_and_slots_freeing():
     assert plan.expert_slots == 8  # frozen: the old plan is unchanged
     with pytest.raises(ValueError, match="cannot shrink"):
         plan.shrink_experts(9)  # a shrink never grows the cache
+
+
+def test_account_held_takes_the_slack_then_expert_slots():
+    plan = make_plan(inputs(), PlanRequest(expert_auto=True))
+    assert plan.account_held(-5, "test") is plan
+    same = plan.account_held(plan.free, "after the warm-up")
+    assert same.expert_slots == plan.expert_slots and same.free == 0
+    assert same.weights.source.endswith(f"; +{human_bytes(plan.free)} after the warm-up")
+    fewer = plan.account_held(plan.free + 150, "after the warm-up")
+    assert fewer.expert_slots == plan.expert_slots - 2 and fewer.transient == plan.transient
+    assert fewer.experts.source.startswith(f"derived: {plan.expert_slots - 2} of 50 slots")
+    with pytest.raises(PlanRefused, match="cannot shrink enough"):
+        plan.account_held(plan.free + plan.experts.bytes, "after the warm-up")
 
 
 def test_invalid_requests():

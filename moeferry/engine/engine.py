@@ -10,7 +10,8 @@
     4. allocate   KV pages, GDN state slots, prefix cache (`CacheManager`), the expert
                   backend's device cache and staging area
     5. warm up    one prefill and the decode CUDA graphs, so the first request is not the slow one;
-                  with a plan, the boot self-test runs the worst step through the real pools
+                  with a plan, what the graphs and kernels hold beyond it comes out of the expert
+                  cache (CUDA), then the boot self-test runs the worst step through the real pools
     6. report     `Engine.sizes` (pages, state slots, context limit, expert slots) and the plan,
                   sent in `Ready`
 
@@ -31,7 +32,7 @@ from moeferry.checkpoint.reader import CheckpointReader
 from moeferry.engine.config import EngineConfig, EngineSizes, derive_sizes
 from moeferry.engine.cuda_graph import DecodeGraphs
 from moeferry.engine.planning import (choose_backend, describe_plan, free_memory, make_engine_plan, needs_plan,
-                                      self_test)
+                                      self_test, settle_after_warm_up)
 from moeferry.memory.allocator import configure_allocator
 from moeferry.memory.guard import OomGuard
 from moeferry.memory.plan import MemoryPlan
@@ -135,6 +136,7 @@ class Engine:
         report("warming up", 0.95)
         engine.warm_up()                                                         # 5. warm up
         if plan is not None:
+            settle_after_warm_up(engine, free_at_start)
             report("boot self-test", 0.97)
             self_test(engine)
         log.info("engine built in %.1f s: %s", time.perf_counter() - t0, engine.describe())

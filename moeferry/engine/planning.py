@@ -3,6 +3,7 @@
     free_memory(device)           free device memory (host MemAvailable on the CPU), before loading
     needs_plan(cfg, device, ...)  whether pool sizes come from a measured plan
     make_engine_plan(...)         probe the worst steps, then `moeferry.memory.plan.make_plan`
+    settle_after_warm_up(...)     count what the graphs and kernels hold beyond the plan (expert cache gives it)
     self_test(engine)             run the worst step through the real pools (boot self-test)
 """
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 from moeferry.cache.kv_pool import kv_bytes_per_token
 from moeferry.cache.state_pool import state_bytes_per_slot
 from moeferry.engine.config import EngineConfig, context_limit, state_slots_for
-from moeferry.memory.plan import MemoryPlan, PlanInputs, PlanRequest, Term, human_bytes, make_plan, usable_memory
+from moeferry.memory.plan import (MemoryPlan, PlanInputs, PlanRefused, PlanRequest, Term, human_bytes, make_plan,
+                                  usable_memory)
 from moeferry.memory.probe import Transients, probe_transients
 from moeferry.model.batch import SeqChunk
 from moeferry.moe.bank import available_host_ram
@@ -102,6 +104,47 @@ def make_engine_plan(cfg: EngineConfig, spec, model, experts, device: torch.devi
         margin=Term(transients.margin, "measured: allocator fragmentation + 2 x run-to-run spread"),
         context_tokens=context)
     return make_plan(inputs, plan_request(cfg, device, context)), transients
+
+
+HELD_AFTER_WARM_UP = "held after the warm-up beyond the plan (graph executables, kernel modules)"
+
+
+def settle_after_warm_up(engine, free_at_start: int) -> None:
+    """The plan was measured before the pools, the decode graphs and the warm-up's kernels
+    existed; graph executables and kernel modules then take device memory outside the allocator
+    that the probe could not see (on the H200's seed boot ~200 MiB, which the self-test's first
+    8192-token chunk found twice by running out of memory). Measure what the process holds now
+    against what the plan says it holds (every term but the transient and margin reserves), and
+    give any excess back from the expert cache before the self-test, which then proves the plan."""
+    if engine.plan is None or engine.device.type != "cuda":
+        return
+    torch.cuda.synchronize(engine.device)
+    torch.cuda.empty_cache()
+    plan = engine.plan
+    held = free_at_start - free_memory(engine.device)
+    account_held(engine, held - (plan.total() - plan.transient.bytes - plan.margin.bytes))
+
+
+def account_held(engine, extra: int) -> None:
+    """Count `extra` bytes held beyond the plan (`MemoryPlan.account_held`), shrinking the
+    expert cache when the plan's slack does not cover them; a plan that cannot absorb them is
+    left to the self-test (which shrinks by the deficits it meets, or fails the boot)."""
+    plan = engine.plan
+    try:
+        settled = plan.account_held(extra, HELD_AFTER_WARM_UP)
+    except PlanRefused as e:
+        log.warning("after the warm-up: %s; the boot self-test decides", str(e).splitlines()[0])
+        return
+    if settled is plan:
+        log.info("after the warm-up: the process holds %s less than planned", human_bytes(-extra))
+        return
+    engine.plan, slots = settled, settled.expert_slots
+    if slots < engine.experts.expert_slots:
+        engine.experts.shrink(slots)
+        engine.on_expert_cache_resized(slots)
+    log.info("after the warm-up: %s %s; expert cache %d -> %d slots, so that the transient (%s) and margin "
+             "(%s) reserves stay free", human_bytes(extra), HELD_AFTER_WARM_UP, plan.expert_slots, slots,
+             human_bytes(plan.transient.bytes), human_bytes(plan.margin.bytes))
 
 
 SELF_TEST_ROUNDS = 4

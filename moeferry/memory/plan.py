@@ -273,6 +273,29 @@ class MemoryPlan:
                   f" x {human_bytes(self.expert_slot_bytes)}" + (f" ({reason})" if reason else ""))
         return replace(self, expert_slots=slots, experts=Term(slots * self.expert_slot_bytes, source))
 
+    def account_held(self, extra: int, reason: str) -> "MemoryPlan":
+        """The same plan with `extra` bytes more held for good than it counted (measured once the
+        pools, the decode graphs and the warm-up's kernels exist: graph executables and kernel
+        modules live outside the allocator, after the probe) added to the weights term. What no
+        term took absorbs it first; then the expert cache gives up the fewest slots that keep
+        the total within the usable memory, so the transient and margin reserves stay whole.
+        Raises PlanRefused when that would take the cache below min_expert_slots (or there is
+        no cache to shrink)."""
+        if extra <= 0:
+            return self
+        weights = Term(self.weights.bytes + extra, f"{self.weights.source}; +{human_bytes(extra)} {reason}")
+        over = self.total() + extra - self.usable.bytes
+        slots = self.expert_slots - (self.slots_freeing(over) if over > 0 and self.expert_slot_bytes else 0)
+        if over > 0 and (self.resident_experts or not self.expert_slot_bytes or slots < self.min_expert_slots):
+            raise PlanRefused(f"{human_bytes(extra)} held beyond the memory plan ({reason}) leaves "
+                              f"{human_bytes(over)} too little for the transient and margin reserves, and the "
+                              f"expert cache cannot shrink enough\n" + _rows(self.terms(), self.usable))
+        experts = self.experts if slots == self.expert_slots else Term(
+            slots * self.expert_slot_bytes,
+            f"derived: {slots} of {self.experts_total} slots x {human_bytes(self.expert_slot_bytes)} "
+            f"({self.expert_slots} planned, less what was held beyond the plan)")
+        return replace(self, weights=weights, experts=experts, expert_slots=slots)
+
     def table(self) -> str:
         """The boot table: each term, its bytes and where it came from."""
         lines = [_rows(self.terms(), self.usable, free=self.free, header=True)]
