@@ -164,7 +164,8 @@ def load_model(reader: CheckpointReader, spec: ModelSpec, dtype: torch.dtype, de
         else:
             mixer = _gdn(w, spec, p + "linear_attn.", state_index)
             state_index += 1
-        mlp = _moe(w, spec, p + "mlp.", i, experts_backend, times) if spec.is_moe_layer(i) else _mlp(w, p + "mlp.", h, spec.dense_intermediate_size)
+        mlp = (_moe(w, spec, p + "mlp.", i, experts_backend, times) if spec.is_moe_layer(i)
+               else _mlp(w, p + "mlp.", h, spec.dense_intermediate_size))
         layers.append(DecoderLayer(spec, mixer, mlp, w.tensor(p + "input_layernorm.weight", (h,)),
                                    w.tensor(p + "post_attention_layernorm.weight", (h,))))
     experts_backend.link_routers({i: l.mlp.router_logits for i, l in enumerate(layers) if isinstance(l.mlp, SparseMoE)})
