@@ -3,7 +3,9 @@
 For each expert format of a checkpoint (one MoE layer's experts are read into a host bank):
 pinned host->device copy time and bandwidth per expert slot, and the time to compute one expert
 on the CPU from its bank for 1 and 8 tokens (the hybrid backend's split is made from these at
-boot). Also a plain pinned copy of 256 MiB, the PCIe ceiling. Prints a table; `--json FILE`.
+boot). Also a plain pinned copy of 256 MiB, the PCIe ceiling, and on CUDA the gather kernel
+that decode misses and prefetches take (the boot's choice of launch shape; device time on a
+full grid and on the prefetch's grid). Prints a table; `--json FILE`.
 """
 from __future__ import annotations
 
@@ -55,9 +57,25 @@ def measure(model_dir: str, device: torch.device, layer: int | None = None) -> d
     fetch_s = time_fetch(bank, device)
     return {"model": model_dir, "device": str(device), "layer": layer, "format": experts.format,
             "slot_bytes": bank.bytes_per_slot, "pinned_copy_Bps": pinned_copy_bandwidth(device),
-            "fetch_s_per_expert": fetch_s, "fetch_Bps": bank.bytes_per_slot / fetch_s,
+            "fetch_s_per_expert": fetch_s, "fetch_Bps": bank.bytes_per_slot / fetch_s, **gather_times(bank, device),
             "cpu_s_per_expert_1_token": time_cpu_expert(bank, 1), "cpu_s_per_expert_8_tokens": time_cpu_expert(bank, 8),
             "cpu_threads": torch.get_num_threads()}
+
+
+def gather_times(bank, device: torch.device) -> dict:
+    """CUDA: the gather kernel's device time per expert in the config the boot would choose, on
+    a full grid (a step's own misses) and on the decode prefetch's grid."""
+    if device.type != "cuda":
+        return {}
+    from moeferry.moe.bandwidth import choose_gather, time_gather
+    from moeferry.moe.offload import prefetch_programs
+    programs = prefetch_programs(device)
+    config, _, _ = choose_gather(bank, device, programs)
+    if config is None:
+        return {}
+    return {"gather_config": list(config), "gather_programs_prefetch": programs,
+            "gather_s_per_expert": time_gather(bank, device, config),
+            "gather_s_per_expert_prefetch": time_gather(bank, device, config, programs)}
 
 
 def table(r: dict) -> str:
@@ -65,11 +83,24 @@ def table(r: dict) -> str:
     rows = [("format (layer)", f"{r['format']} ({r['layer']})"), ("expert slot", f"{r['slot_bytes'] / 2**20:.2f} MiB"),
             ("pinned copy, 256 MiB", f"{r['pinned_copy_Bps'] / gb:.1f} GB/s"),
             ("fetch one expert", f"{r['fetch_s_per_expert'] * 1e6:.0f} us ({r['fetch_Bps'] / gb:.1f} GB/s)"),
+            *gather_rows(r),
             ("CPU expert, 1 token", f"{r['cpu_s_per_expert_1_token'] * 1e6:.0f} us ({r['cpu_threads']} threads)"),
             ("CPU expert, 8 tokens", f"{r['cpu_s_per_expert_8_tokens'] * 1e6:.0f} us"),
             ("a fetch costs", f"{r['fetch_s_per_expert'] / r['cpu_s_per_expert_1_token']:.2f} CPU experts (1 token)")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def gather_rows(r: dict) -> list[tuple[str, str]]:
+    if "gather_s_per_expert" not in r:
+        return []
+    slot, words, warps, vec = r["slot_bytes"], *r["gather_config"]
+
+    def rate(s: float) -> str:
+        return f"{s * 1e6:.0f} us ({slot / s / 1e9:.1f} GB/s)"
+    return [(f"gather one expert ({words} words x {warps} warps{', 16-byte' if vec else ''})",
+             rate(r["gather_s_per_expert"])),
+            (f"  on the prefetch's {r['gather_programs_prefetch']} programs", rate(r["gather_s_per_expert_prefetch"]))]
 
 
 def main(args: argparse.Namespace) -> int:
