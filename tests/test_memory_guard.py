@@ -156,3 +156,15 @@ def test_memory_held_beyond_the_plan_comes_out_of_the_expert_cache(model, refere
     assert _generate(llm) == reference
     account_held(llm.engine, -1)  # holding less than planned changes nothing
     assert llm.engine.experts.expert_slots == before - 3
+
+
+def test_memory_held_beyond_a_resident_plan_takes_its_slack_or_is_left_to_the_self_test(model, reference):
+    from moeferry.engine.planning import account_held
+    llm = LLM(model, dtype="float32", max_extend_tokens=8, kv_reserve_tokens=64)  # resident, planned
+    plan, slots = llm.engine.plan, llm.engine.experts.expert_slots
+    account_held(llm.engine, plan.free // 2)
+    assert llm.engine.plan.weights.bytes == plan.weights.bytes + plan.free // 2
+    assert llm.engine.experts.expert_slots == slots  # nothing to shrink: the experts stay
+    account_held(llm.engine, plan.free)  # beyond the slack: refused, logged, the plan stays
+    assert llm.engine.plan.weights.bytes == plan.weights.bytes + plan.free // 2
+    assert _generate(llm) == reference
