@@ -106,6 +106,8 @@ def _gather_problem(bank: SlotBuffer, device: torch.device, config: tuple) -> st
     src = list(range(min(8, bank.num_slots)))[::-1]
     try:
         dst = SlotBuffer.allocate_like(bank, len(src), device=device)
+        if dst.gather_launch(bank, config) is None:
+            return "a slot tensor is not whole 32-bit words"
         dst.copy_slots(list(range(len(src))), bank, src, gather=config)
         _sync(device)
     except Exception as e:  # e.g. a device that cannot read pinned host memory from a kernel
