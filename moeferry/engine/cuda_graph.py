@@ -118,8 +118,9 @@ class CheckedCuts:
 class PageRows:
     """Keeps the graphs' device page table in step with the batch's page lists, moving only
     what changed. A decode step appends a token, so a row gains at most a page a step, while
-    rebuilding the whole [batch, pages] table from the lists cost 3.2 ms of host time a step at
-    32k tokens of context (page size 1) and 11 ms at 128k. Each row remembers the list it was
+    rebuilding the whole [batch, pages] table from the lists cost 1.8 ms of host time a step at
+    32k tokens of context (page size 1), 7.5 ms at 128k, 11.6 ms at batch 4 and 32k
+    (`benchmarks/graph_inputs.py`, 2-core CPU box). Each row remembers the list it was
     written from (the cache manager grows a sequence's list in place), how many pages it
     wrote and the last of them; a row whose list is another, shorter, or changed under it is
     written whole. The new pages of every row then move in one scatter."""
