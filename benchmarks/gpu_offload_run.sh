@@ -22,6 +22,7 @@
 #   e2e_offload  quant_decode.py e2e --offload CACHE_SIZE: in-process offload decode, graphs with the
 #             cache managed on the device, piecewise graphs, eager; where a piecewise step's time goes (no ballast)
 #   sampling  sampling.py: the sampler's general path against the top-k short path, Qwen3.6's vocabulary
+#   inputs    graph_inputs.py: a decode step's page-table host time against context length (PageRows)
 #   gputests  pytest -m gpu (the whole GPU suite)
 # Returned under $OUT: results.md (every table), results.json, logs.tgz (server, ballast and
 # make-model logs), driver.log, gpu.txt.
@@ -153,6 +154,7 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       e2e_offload) step e2e_offload 220 360 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e_offload" \
                   --offload "$CACHE_SIZE" ;;
       sampling) step sampling 30 90 bash -c "mkdir -p $WORK/sampling; python3 benchmarks/sampling.py --device cuda > $WORK/sampling/sampling.md" ;;
+      inputs)   step inputs 20 90 bash -c "mkdir -p $WORK/inputs; python3 benchmarks/graph_inputs.py --device cuda > $WORK/inputs/graph_inputs.md" ;;
       gputests) step gputests 120 300 bash -c "mkdir -p $WORK/gputests; python3 -m pytest ${GPUTESTS:-tests} -m gpu -q -p no:cacheprovider -rf > $WORK/gputests/pytest.log 2>&1; tail -n 30 $WORK/gputests/pytest.log > $WORK/gputests/pytest.md" ;;
       offload)  step offload 250 ${OFFLOAD_MAX_S:-400} offload offload "$WORK/ckpt" ;;
       offload_nopf) step offload_nopf 150 240 offload offload_nopf "$WORK/ckpt" --engines moeferry \
