@@ -194,6 +194,17 @@ class Engine:
                     self.forward([SeqChunk([0], 2, b.pages, b.state_slot) for b in held])
 
     # -- reporting --------------------------------------------------------------------------
+    def shrink_expert_cache(self, slots: int, plan: MemoryPlan | None = None) -> int:
+        """Shrink the expert cache to `slots` (old slots released, survivors refilled from the
+        banks, no restart), then the plan, the reported sizes and the decode graphs follow
+        (`on_expert_cache_resized`); `plan`: the plan that already says why (else the current
+        one, shrunk by the out-of-memory guard). Returns the bytes freed."""
+        freed = self.experts.shrink(slots)
+        if plan is not None:
+            self.plan = plan
+        self.on_expert_cache_resized(slots)
+        return freed
+
     def on_expert_cache_resized(self, slots: int) -> None:
         """After the guard shrank the expert cache: the plan and the reported sizes follow, and
         CUDA graphs (which hold pointers) are recaptured now, before the failed step is retried,

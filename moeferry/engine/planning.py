@@ -138,12 +138,12 @@ def account_held(engine, extra: int) -> None:
     if settled is plan:
         log.info("after the warm-up: the process holds %s less than planned", human_bytes(-extra))
         return
-    engine.plan, slots = settled, settled.expert_slots
+    slots = settled.expert_slots
     if slots == plan.expert_slots:  # (always so for a resident plan: it has no slots)
+        engine.plan = settled
         log.info("after the warm-up: %s %s; the plan's slack covers it", human_bytes(extra), HELD_AFTER_WARM_UP)
         return
-    engine.experts.shrink(slots)
-    engine.on_expert_cache_resized(slots)
+    engine.shrink_expert_cache(slots, settled)
     log.info("after the warm-up: %s %s; expert cache %d -> %d slots, so that the transient (%s) and margin "
              "(%s) reserves stay free", human_bytes(extra), HELD_AFTER_WARM_UP, plan.expert_slots, slots,
              human_bytes(plan.transient.bytes), human_bytes(plan.margin.bytes))

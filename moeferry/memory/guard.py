@@ -119,8 +119,7 @@ class OomGuard:
         else:  # the worst transient, the failed allocation when the error says, at least 10%
             drop = max(1, -(-max(self.shrink_bytes, requested_bytes(why)) // slot_bytes), have // 10)
         target = max(self.min_slots, have - drop)
-        freed = experts.shrink(target)  # releases the old slots itself
-        self.engine.on_expert_cache_resized(target)
+        freed = self.engine.shrink_expert_cache(target)  # releases the old slots first
         record = {"step": self.steps, "slots_before": have, "slots_after": experts.expert_slots,
                   "bytes_freed": freed, "reason": why}
         self.shrinks.append(record)
