@@ -287,11 +287,11 @@ class ExpertCache:
     def totals(self) -> LayerCounters:
         """The counters summed over the layers (the device's counts folded in first)."""
         per_slot = self.buffer.bytes_per_slot
-        for layer, counts in zip(self.layers, self.device_counts.tolist()):
-            c = self.counters[layer]
-            for name, n in zip(DEVICE_COUNTS, counts):
+        for layer, row in zip(self.layers, self.device_counts.tolist()):
+            c, counts = self.counters[layer], dict(zip(DEVICE_COUNTS, row))
+            for name, n in counts.items():
                 setattr(c, name, getattr(c, name) + n)
-            c.bytes_fetched += (counts[1] + counts[3]) * per_slot  # every device miss and prefetch is copied
+            c.bytes_fetched += (counts["misses"] + counts["prefetched"]) * per_slot  # each one was copied
         self.device_counts.zero_()
         total = LayerCounters()
         for c in self.counters.values():
