@@ -23,13 +23,13 @@
 #             cache managed on the device, piecewise graphs, eager; where a piecewise step's time goes (no ballast)
 #   sampling  sampling.py: the sampler's general path against the top-k short path, Qwen3.6's vocabulary
 #   inputs    graph_inputs.py: a decode step's page-table host time against context length (PageRows)
-#   gputests  pytest -m gpu (the whole GPU suite)
+#   gputests  pytest -m gpu over the files with the gpu marker (GPUTESTS: other pytest arguments), -v
 # Returned under $OUT: results.md (every table), results.json, logs.tgz (server, ballast and
 # make-model logs), driver.log, gpu.txt.
 # Knobs (env): BUDGET_S, RUNS, SEED_EST_S (the seed run's estimate, default 150), SEED_MAX_S / OFFLOAD_MAX_S (those runs' limits, default 360 / 400: FreeToken 0.1.2 boots in 70-110 s), LEAVE_GIB (empty: no ballast), CACHE_SIZE, SKEW, SKEW_FT, FT_ARGS,
 # BENCH_FLAGS / BENCH_ARGS (serve flags of both engines / bench_serve.py options of the bench run),
 # SIZE / LAYERS / QUANT_DEVICE (make-model geometry, quantizer device; empty = CPU), SEED_ARGS / OFFLOAD_ARGS (appended to every seed_scenario.py /
-# offload.py call), GPUTESTS (pytest arguments of the gputests run, default "tests"), SKIP_WHEELS=1 (a machine that has the packages). A CPU wiring check:
+# offload.py call), GPUTESTS (pytest arguments of the gputests run, default the files with the gpu marker), GPUTESTS_MAX_S, SKIP_WHEELS=1 (a machine that has the packages). A CPU wiring check:
 #   SKIP_WHEELS=1 SIZE=tiny QUANT_DEVICE= LEAVE_GIB= CACHE_SIZE=12 RUNS="seed offload" SEED_ARGS="--host 127.0.0.1 --prompts 2 \
 #   --prompt-tokens 64" OFFLOAD_ARGS="--prefill 64 --out-tokens 8" bash benchmarks/gpu_offload_run.sh
 set -uo pipefail
@@ -119,8 +119,19 @@ offload() {  # offload NAME MODEL [offload.py args...]
     "$@" ${OFFLOAD_ARGS:-}
 }
 
-export -f make_ckpt seed offload  # step runs them under timeout, in a child bash
-export WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFFLOAD_FLAGS SEED_ARGS OFFLOAD_ARGS
+gputests() {  # the files that carry the gpu marker (the others import the API clients the GPU host lacks);
+  # each test's name and outcome as it runs, so a run cut by its limit still says how far it got
+  local files=${GPUTESTS:-$(grep -l "pytest.mark.gpu" tests/*.py | tr '\n' ' ')}
+  mkdir -p "$WORK/gputests"
+  local max=${GPUTESTS_MAX_S:-300} l; l=$(left); [ "$l" -lt "$max" ] && max=$l
+  timeout -k 5 "$(( max - 20 ))" python3 -m pytest $files -m gpu -vv -p no:cacheprovider -rf --durations=10 \
+    > "$WORK/gputests/pytest.log" 2>&1
+  { grep -E "(PASSED|FAILED|ERROR|SKIPPED)" "$WORK/gputests/pytest.log" | grep "::" | sed 's/ *\[ *[0-9]*%\]//'
+    tail -n 25 "$WORK/gputests/pytest.log"; } > "$WORK/gputests/pytest.md"
+}
+
+export -f left make_ckpt seed offload gputests  # step runs them under timeout, in a child bash
+export T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFFLOAD_FLAGS SEED_ARGS OFFLOAD_ARGS
 
 {
   echo "== env ($(date -u +%T))"
@@ -155,7 +166,7 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
                   --offload "$CACHE_SIZE" ;;
       sampling) step sampling 30 90 bash -c "mkdir -p $WORK/sampling; python3 benchmarks/sampling.py --device cuda > $WORK/sampling/sampling.md" ;;
       inputs)   step inputs 20 90 bash -c "mkdir -p $WORK/inputs; python3 benchmarks/graph_inputs.py --device cuda > $WORK/inputs/graph_inputs.md" ;;
-      gputests) step gputests 120 300 bash -c "mkdir -p $WORK/gputests; python3 -m pytest ${GPUTESTS:-tests} -m gpu -q -p no:cacheprovider -rf > $WORK/gputests/pytest.log 2>&1; tail -n 30 $WORK/gputests/pytest.log > $WORK/gputests/pytest.md" ;;
+      gputests) step gputests 120 ${GPUTESTS_MAX_S:-300} gputests ;;
       offload)  step offload 250 ${OFFLOAD_MAX_S:-400} offload offload "$WORK/ckpt" ;;
       offload_nopf) step offload_nopf 150 240 offload offload_nopf "$WORK/ckpt" --engines moeferry \
                   --ours-args "--disable-moe-decode-prefetch" ;;
