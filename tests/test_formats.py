@@ -378,6 +378,33 @@ def test_modelopt_mixed_precision_per_layer_choices_and_excludes():
                                             "quantized_layers": {"x": {"quant_algo": "W8A8_SQ_PER_CHANNEL"}}}})
 
 
+def test_rule_index_finds_the_scans_first_match():
+    """QuantScheme.layer_for through RuleIndex (dicts for runs of exact / prefix rules) against
+    the plain first-match scan, over random rule lists drawn from the names looked up (every
+    kind, the same name twice, nested prefixes, runs split by other kinds, both spellings)."""
+    import random
+
+    from moeferry.checkpoint.formats.detect import LayerQuant, QuantScheme, Rule, name_aliases
+    rng = random.Random(0)
+    pool = ["model.layers.0.mlp.experts.7.gate_proj", "model.layers.0.mlp.experts.7.down_proj",
+            "model.layers.1.self_attn.q_proj", "model.layers.0.mlp.gate", "lm_head", "model.layers.1.mlp.experts.3.up_proj"]
+
+    def pattern(kind: str) -> str:
+        n = rng.choice(name_aliases(rng.choice(pool)))
+        dots = [i for i, c in enumerate(n) if c == "."]
+        if kind == "prefix":
+            return n[:rng.choice(dots)] if dots else n
+        return {"glob": "*" + n.rsplit(".", 1)[-1], "never": "", "ct": "re:.*experts"}.get(kind, n)
+
+    for trial in range(300):
+        kinds = rng.choices(["exact", "prefix", "glob", "never", "ct"], weights=[4, 4, 1, 1, 1], k=rng.randint(0, 12))
+        rules = [Rule(k, pattern(k), LayerQuant(f"f{i}")) for i, k in enumerate(kinds)]
+        scheme = QuantScheme("modelopt", tuple(rules))
+        for n in pool + ["model.language_model.layers.0.mlp.experts.7.gate_proj"]:
+            scan = next((r.layer for r in rules if any(r.matches(a) for a in name_aliases(n))), scheme.default)
+            assert scheme.layer_for(n) == scan, (trial, n, rules)
+
+
 def test_awq_detection():
     cfg = {"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
                                    "version": "gemm", "modules_to_not_convert": ["model.visual", "in_proj_a"]}}
