@@ -219,6 +219,28 @@ def test_awq_single_word_nibble_order():
     assert list(AWQ_REVERSE_ORDER) == [AWQ_ORDER.index(c) for c in range(8)]
 
 
+def test_awq_nibble_bytes_match_the_nibble_by_nibble_form():
+    from moeferry.checkpoint.formats.fp4 import pack_nibbles
+    from moeferry.checkpoint.formats.int4 import awq_nibble_bytes, unpack_int32
+    words = torch.randint(-2**31, 2**31, (96, 5), generator=torch.Generator().manual_seed(3), dtype=torch.int64)
+    words = words.to(torch.int32)  # every bit pattern, the sign bit included
+    assert torch.equal(awq_nibble_bytes(words), pack_nibbles(unpack_int32(words, AWQ_ORDER).t()))
+
+
+def test_int4_ct_device_bytes_are_the_stored_words_bytes():
+    """int4_ct's packed form takes the stored words' bytes as they are; the same bytes as
+    packing the unpacked nibbles, for in_features a multiple of 8 and not (padded words)."""
+    from moeferry.checkpoint.formats.fp4 import pack_nibbles
+    from moeferry.checkpoint.formats.int4 import unpack_int32
+    fmt = FORMATS["int4_ct"]
+    for inp in (64, 44):
+        p = QuantParams(group_size=4 if inp == 44 else 32, symmetric=False)
+        t = fmt.quantize(varied_weight(out=24, inp=inp, seed=inp), p)
+        got = fmt.packed(t, p)
+        assert torch.equal(got.packed, pack_nibbles(unpack_int32(t["weight_packed"])[:, :inp]))
+        torch.testing.assert_close(got.dequantize(torch.float32), fmt.dequantize(t, 24, inp, torch.float32, p))
+
+
 def test_awq_dequant_matches_formula_on_known_ints():
     fmt = FORMATS["int4_awq"]
     g, inp, out = 64, 160, 24  # partial last group

@@ -86,7 +86,7 @@ def _layer_experts(w: WeightLoader, spec: ModelSpec, p: str, threads: int = 1, m
         return (w.packed(q + "gate_proj", i, h, mapped), w.packed(q + "up_proj", i, h, mapped),
                 w.packed(q + "down_proj", h, i, mapped))
 
-    if threads > 1 and not mapped:  # views are Python work under the GIL: threads only contend
+    if threads > 1 and (FORMATS[fmt].repacks or not mapped):  # views are Python work: threads only contend
         with ThreadPoolExecutor(threads) as pool:
             experts = list(pool.map(read, range(e)))
     else:

@@ -93,6 +93,7 @@ class QuantFormat:
     optional_suffixes: ClassVar[tuple[str, ...]] = ()
     suffix_aliases: ClassVar[Mapping[str, str]] = {}
     default_params: ClassVar[QuantParams] = QuantParams()
+    repacks: ClassVar[bool] = False  # `packed(...)` computes a new layout (tensor work: readers in parallel help)
 
     def moe_kernel(self):
         """The fused-MoE kernel (and slot layout) of this format's device form."""

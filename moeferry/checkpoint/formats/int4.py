@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import PackedWeight, QuantFormat, QuantParams, cdiv
-from .fp4 import pack_nibbles, unpack_nibbles
+from .fp4 import unpack_nibbles
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -55,6 +55,24 @@ def unpack_int32(words: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
     nib = (words.long()[..., None] >> _SHIFTS) & 0xF  # [R, C, 8], nibble i
     inverse = [order.index(c) for c in range(8)]      # column c sits in nibble inverse[c]
     return nib[..., inverse].reshape(words.shape[0], -1)
+
+
+_NIBBLES = 0x0F0F0F0F
+_AWQ_BYTE_COLUMNS = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])  # column c of a word pair's 8 bytes sits in byte [c]
+
+
+def awq_nibble_bytes(qweight: torch.Tensor) -> torch.Tensor:
+    """AWQ qweight int32 [in, out/8] -> uint8 [out, in/2] (inputs 2j low, 2j+1 high; the same
+    bytes as `pack_nibbles(unpack_int32(qweight, AWQ_ORDER).t())`) in int32 word operations:
+    rows 2j and 2j+1 are merged nibble by nibble (even nibbles, then odd: columns 0,4,1,5 and
+    2,6,3,7 of the pack, by AWQ's order) and the bytes put in column order while transposing.
+    6-12x faster than going through int64 nibbles (int4_awq expert reads: 1.3 s a layer on the
+    H200 host). Bytes of an int32 in little-endian order, as on every host torch runs on here."""
+    a, b = qweight[0::2], qweight[1::2]
+    even = (a & _NIBBLES) | ((b & _NIBBLES) << 4)
+    odd = ((a >> 4) & _NIBBLES) | (((b >> 4) & _NIBBLES) << 4)
+    pairs = torch.stack((even, odd), -1).view(torch.uint8).view(a.shape[0], -1, 8)  # [in/2, out/8, 8]
+    return pairs.permute(1, 2, 0).index_select(1, _AWQ_BYTE_COLUMNS).reshape(-1, a.shape[0])
 
 
 def _grouped(w: torch.Tensor, g: int) -> torch.Tensor:
@@ -103,6 +121,7 @@ def _int4_bytes(out_features, in_features, g, zeros: bool) -> int:
 class Int4AwqFormat(QuantFormat):
     name = "int4_awq"
     device_form = "int4"
+    repacks = True
     tensor_suffixes = ("qweight", "qzeros", "scales")
     default_params = QuantParams(group_size=128, symmetric=False)
 
@@ -156,10 +175,13 @@ class Int4AwqFormat(QuantFormat):
                 "scales": scales.t().contiguous()}
 
     def packed(self, tensors, params=None):
-        q, z, s, g = self._unpacked(tensors, params)
-        inp, out = q.shape
-        return Int4Weight(out, inp, pack_nibbles(q.t()), s.t().contiguous(),
-                          z.t().to(torch.uint8).contiguous(), g)
+        qweight, s = tensors["qweight"], tensors["scales"]
+        inp, out = qweight.shape[0], 8 * qweight.shape[1]
+        if inp % 2:
+            raise ValueError(f"int4_awq: in_features {inp} is odd (nibble pairs need an even count)")
+        z = unpack_int32(tensors["qzeros"], AWQ_ORDER)  # [ngroups, out]
+        g = _group_size(inp, s.shape[0], self.params(params))
+        return Int4Weight(out, inp, awq_nibble_bytes(qweight), s.t().contiguous(), z.t().to(torch.uint8).contiguous(), g)
 
 
 class Int4CtFormat(QuantFormat):
@@ -198,12 +220,15 @@ class Int4CtFormat(QuantFormat):
         p = self.params(params)
         return _int4_bytes(out_features, in_features, self._g(in_features, p), zeros=not p.symmetric)
 
+    @staticmethod
+    def _zeros(tensors, out_features):
+        """Unsigned zeros [out, ngroups] (None: symmetric)."""
+        zp = tensors.get("weight_zero_point")
+        return unpack_int32(zp.t().contiguous()).t()[:out_features] if zp is not None else None
+
     def _unsigned(self, tensors, out_features, in_features):
         """Unsigned weight nibbles [out, in] and unsigned zeros [out, ngroups] (None: symmetric)."""
-        u = unpack_int32(tensors["weight_packed"])[:, :in_features]
-        zp = tensors.get("weight_zero_point")
-        uz = unpack_int32(zp.t().contiguous()).t()[:out_features] if zp is not None else None
-        return u, uz
+        return unpack_int32(tensors["weight_packed"])[:, :in_features], self._zeros(tensors, out_features)
 
     def dequantize(self, tensors, out_features, in_features, dtype=torch.bfloat16, params=None):
         u, uz = self._unsigned(tensors, out_features, in_features)
@@ -248,8 +273,11 @@ class Int4CtFormat(QuantFormat):
         out, inp = (int(x) for x in tensors["weight_shape"].tolist())
         if inp % 2:
             raise ValueError(f"int4_ct: in_features {inp} must be even for the device layout")
-        u, uz = self._unsigned(tensors, out, inp)
+        uz = self._zeros(tensors, out)
         s = tensors["weight_scale"]
         g = _group_size(inp, s.shape[1], self.params(params))
         zeros = uz.to(torch.uint8).contiguous() if uz is not None else None
-        return Int4Weight(out, inp, pack_nibbles(u), s.contiguous(), zeros, g)
+        # element 8w+j in bits 4j of word w: a little-endian word's bytes already hold elements
+        # 2k (low) and 2k+1 (high), the device layout; the stored offset-binary nibble is unsigned
+        nibble_bytes = tensors["weight_packed"].contiguous().view(torch.uint8)[:, :inp // 2].contiguous()
+        return Int4Weight(out, inp, nibble_bytes, s.contiguous(), zeros, g)
