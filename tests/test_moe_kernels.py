@@ -24,7 +24,7 @@ from moeferry.moe.slots import SlotBuffer  # noqa: E402
 from moeferry.moe.triton_experts import TritonExperts  # noqa: E402
 from moeferry.ops.moe import experts_reference, swiglu  # noqa: E402
 from moeferry.ops.triton.moe_decode import DecodeConfig  # noqa: E402
-from moeferry.ops.triton.moe_prep import RoutingScratch, prepare_routing  # noqa: E402
+from moeferry.ops.triton.moe_prep import RoutingScratch, max_blocks, prepare_routing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = 2
@@ -121,6 +121,8 @@ def check_prep(t, k, e=16, slots=24, missing=2, shared=False, block_m=16, seed=0
     assert torch.allclose(r.pair_w, want_w.reshape(-1).float())
     nb = int(r.num_blocks)
     assert nb <= r.max_blocks
+    # the blocks are sized for the row's experts (+ shared), not for every slot of the buffer
+    assert r.max_blocks == max_blocks(t * topk, min(slots, e + int(shared)), block_m)
     seen = []
     blocks_per_slot = {}
     for b in range(nb):
@@ -203,6 +205,7 @@ CASES["nvfp4-T20"] = (check_moe, dict(fmt="nvfp4", t=20, e=8, k=2, seed=8))
 CASES["prep-T1"] = (check_prep, dict(t=1, k=2))
 CASES["prep-T3-shared"] = (check_prep, dict(t=3, k=4, shared=True))
 CASES["prep-T64"] = (check_prep, dict(t=64, k=4, block_m=32))
+CASES["prep-T64-many-slots"] = (check_prep, dict(t=64, k=4, slots=400, block_m=32, shared=True))
 CASES["prep-T600-multi-launch"] = (check_prep, dict(t=600, k=2, shared=True, missing=5))
 CASES["executor-shared-in-buffer"] = (check_executor, dict())
 CASES["executor-shared-own-buffer"] = (check_executor, dict(shared_i=32))

@@ -156,8 +156,9 @@ class RoutingScratch:
         self.counts.zero_()
 
 
-def max_blocks(num_pairs: int, num_slots: int, block_m: int) -> int:
-    groups = min(num_pairs, num_slots)
+def max_blocks(num_pairs: int, num_groups: int, block_m: int) -> int:
+    """Blocks `num_pairs` pairs can need when they fall in at most `num_groups` slots."""
+    groups = min(num_pairs, num_groups)
     return max(1, min(num_pairs, (num_pairs + groups * (block_m - 1)) // block_m))
 
 
@@ -172,7 +173,11 @@ def prepare_routing(ids: torch.Tensor, weights: torch.Tensor, table_row: torch.T
     topk = k_in + int(has_shared)
     p = t * topk
     dev = ids.device
-    nmax = max_blocks(p, scratch.counts.shape[0], block_m)
+    # a call reaches at most its table row's experts (and the shared slot), however many slots
+    # the buffer has: an offload cache holds every layer's (4307 on the H200 seed boot, whose
+    # 8192-token chunk then sized its blocks for 4307 groups: ~270 MiB of padding rows the
+    # probe, on a 40-slot cache, had not needed)
+    nmax = max_blocks(p, min(scratch.counts.shape[0], table_row.numel() + int(has_shared)), block_m)
     r = Routing(sorted_ids=torch.empty(nmax * block_m, dtype=torch.int32, device=dev),
                 block_slot=torch.empty(nmax, dtype=torch.int32, device=dev),
                 block_rows=torch.empty(nmax, dtype=torch.int32, device=dev),
