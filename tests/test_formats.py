@@ -263,6 +263,37 @@ def test_awq_dequant_matches_formula_on_known_ints():
     assert fmt.dequantize(tq, out, inp, torch.float32, p).sub(w).abs().max() <= tq["scales"].float().max() / 2 + 1e-6
 
 
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_stacked_rows_dequantize_to_the_parts_rows(name):
+    """`PackedWeight.stack_rows`: projections quantized apart (their own scales, global scales,
+    zero points) stacked into one weight dequantize to the parts' rows in order, exactly."""
+    fmt = FORMATS[name]
+    p = QuantParams(block_size=(16, 32)) if name == "fp8_block" else None
+    parts = [fmt.packed(fmt.quantize(varied_weight(out=n, inp=64, seed=n) * (1 + n), p), p) for n in (32, 16, 48)]
+    stacked = type(parts[0]).stack_rows(parts)
+    assert stacked is not None and stacked.out_features == 96 and stacked.in_features == 64
+    want = torch.cat([w.dequantize(torch.float32) for w in parts])
+    assert torch.equal(stacked.dequantize(torch.float32), want)
+
+
+def test_stack_rows_refuses_what_cannot_share_a_weight():
+    int4 = FORMATS["int4_awq"]
+    g32, g64 = QuantParams(group_size=32, symmetric=False), QuantParams(group_size=64, symmetric=False)
+    a = int4.packed(int4.quantize(varied_weight(out=16, inp=128, seed=1), g32), g32)
+    b = int4.packed(int4.quantize(varied_weight(out=16, inp=128, seed=2), g64), g64)
+    assert type(a).stack_rows([a, b]) is None  # other group size
+    fp8 = FORMATS["fp8_tensor"]
+    c = fp8.packed(fp8.quantize(varied_weight(out=16, inp=128, seed=3)))
+    d = fp8.packed(fp8.quantize(varied_weight(out=16, inp=64, seed=4)))
+    assert type(c).stack_rows([c, d]) is None  # other input size
+    assert type(c).stack_rows([c, a]) is None  # other class
+    blk = FORMATS["fp8_block"]
+    pb = QuantParams(block_size=(16, 32))
+    e = blk.packed(blk.quantize(varied_weight(out=24, inp=64, seed=5), pb), pb)  # 24 rows: half a block left
+    f = blk.packed(blk.quantize(varied_weight(out=16, inp=64, seed=6), pb), pb)
+    assert type(e).stack_rows([e, f]) is None and type(e).stack_rows([f, e]) is not None
+
+
 # -- FP8 scales on hand-built tensors ----------------------------------------------------------
 def test_fp8_block_scales_apply_per_128x128_block():
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight

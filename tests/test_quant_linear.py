@@ -29,13 +29,19 @@ def _rel(out, ref):
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def check_linear(fmt, m, n, k, device="cpu", params=None, dtype=torch.bfloat16, tol=1e-2, seed=0):
-    """QuantLinear(x) vs x @ dequantize(W)^T in fp32; returns the relative error."""
+def check_linear(fmt, m, n, k, device="cpu", params=None, dtype=torch.bfloat16, tol=1e-2, seed=0, parts=1):
+    """QuantLinear(x) vs x @ dequantize(W)^T in fp32; returns the relative error. `parts` > 1:
+    W is that many projections quantized apart (each its own scales) and stacked by rows."""
     gen = torch.Generator().manual_seed(seed)
     f = FORMATS[fmt]
     params = QuantParams(**params) if params else None
-    w = torch.randn(n, k, generator=gen) * 0.05
-    packed = f.packed(f.quantize(w.bfloat16() if fmt == "bf16" else w, params), params)
+
+    def one(rows, scale):
+        w = torch.randn(rows, k, generator=gen) * scale
+        return f.packed(f.quantize(w.bfloat16() if fmt == "bf16" else w, params), params)
+
+    weights = [one(n // parts, 0.05 * (1 + i)) for i in range(parts)]
+    packed = weights[0] if parts == 1 else type(weights[0]).stack_rows(weights)
     lin = QuantLinear(packed.to(device), fmt)
     x = torch.randn(m, k, generator=gen).to(dtype)
     ref = x.float() @ packed.dequantize(torch.float32).t()
@@ -60,13 +66,14 @@ CASES["fp8_block-edges"] = ("fp8_block", 3, 200, 320, {"block_size": (128, 128)}
 CASES["int4_ct-asym-g64"] = ("int4_ct", 2, 64, 256, {"group_size": 64, "symmetric": False})
 CASES["int4_awq-g32-prefill"] = ("int4_awq", 20, 40, 128, {"group_size": 32, "symmetric": False})
 CASES["nvfp4-k32"] = ("nvfp4", 3, 24, 32, None)
+STACKED = {f"{_fmt}-stacked-decode": (_fmt, 1, 96, 128, None) for _fmt in ("fp8_tensor", "nvfp4", "int4_awq")}
 
 
 def _worker(shard: int, nshards: int) -> None:
     def run(name):
-        fmt, m, n, k, params = CASES[name]
-        return check_linear(fmt, m, n, k, params=params, seed=hash(name) % 1000)
-    report_cases(list(CASES), run, shard, nshards)
+        fmt, m, n, k, params = CASES.get(name) or STACKED[name]
+        return check_linear(fmt, m, n, k, params=params, seed=hash(name) % 1000, parts=3 if name in STACKED else 1)
+    report_cases(list(CASES) + list(STACKED), run, shard, nshards)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +81,7 @@ def interpreted():
     return run_workers(__file__, WORKERS, MOEFERRY_TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(STACKED))
 def test_interpreted(interpreted, case):
     assert_case_passed(interpreted, case)
 

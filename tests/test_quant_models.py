@@ -140,6 +140,9 @@ def test_logits_equal_transformers_on_dequantized_weights(arch, preset, quant_ch
     assert packed_experts < llm.spec.num_layers * e * 3 * i * h * 1.3  # <= ~1 byte a weight, not 4
     routers = [m for m in mods if isinstance(m, Linear) and m.out_features == e]
     assert routers and all(m.weight.dtype == torch.float32 for m in routers)  # routers stay unquantized
+    # projections of one input are one weight where they stack (fp8_block: rows in whole blocks)
+    stacks = [getattr(layer.mixer, "qkv", None) or layer.mixer.in_qkvz for layer in llm.engine.model.layers]
+    assert all(s.fused is not None for s in stacks) or preset == "fp8_block", preset
 
 
 def test_config_files_match_the_producers(quant_checkpoint):

@@ -37,20 +37,20 @@ class FullAttention:
 
     def __init__(self, spec: ModelSpec, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, kv_index: int):
         self.spec, self.kv_index = spec, kv_index
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
+        self.qkv, self.o_proj = Linears(q_proj, k_proj, v_proj), o_proj  # one GEMM where the weights stack
         self.q_norm, self.k_norm = q_norm, k_norm
 
     def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         s, b = self.spec, ctx.batch
         t, d = x.shape[0], s.head_dim
-        q = self.q_proj(x)
+        q, k, v = self.qkv(x)
         gate = None
         if s.attn_output_gate:
             q, gate = q.view(t, s.num_heads, 2 * d).chunk(2, dim=-1)
             gate = gate.reshape(t, s.num_heads * d)
         q = rms_norm(q.reshape(t, s.num_heads, d), self.q_norm, s.rms_norm_eps, s.zero_centered_norm)
-        k = rms_norm(self.k_proj(x).view(t, s.num_kv_heads, d), self.k_norm, s.rms_norm_eps, s.zero_centered_norm)
-        v = self.v_proj(x).view(t, s.num_kv_heads, d)
+        k = rms_norm(k.view(t, s.num_kv_heads, d), self.k_norm, s.rms_norm_eps, s.zero_centered_norm)
+        v = v.view(t, s.num_kv_heads, d)
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         k_cache, v_cache = ctx.kv_pool.k[self.kv_index], ctx.kv_pool.v[self.kv_index]
         store_kv(k_cache, v_cache, k, v, b.out_slots)
@@ -68,8 +68,8 @@ class GatedDeltaNet:
     def __init__(self, spec: ModelSpec, in_qkv, in_z, in_b, in_a, out_proj, conv_weight, a_log, dt_bias,
                  norm_weight, state_index: int):
         self.spec, self.state_index = spec, state_index
-        self.in_qkv, self.in_z, self.out_proj = in_qkv, in_z, out_proj
-        self.in_ba = Linears(in_b, in_a)  # the two small gate projections, one GEMM when both are plain
+        self.in_qkvz, self.out_proj = Linears(in_qkv, in_z), out_proj  # one GEMM where the weights stack
+        self.in_ba = Linears(in_b, in_a)  # the two small gate projections (plain in the NVIDIA checkpoints)
         self.conv_weight, self.a_log, self.dt_bias, self.norm_weight = conv_weight, a_log, dt_bias, norm_weight
 
     def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -78,7 +78,8 @@ class GatedDeltaNet:
         hk, hv, dk, dv = s.linear_num_k_heads, s.linear_num_v_heads, s.linear_k_head_dim, s.linear_v_head_dim
         conv_state = ctx.state_pool.conv[self.state_index]
         cu, slots = _dev(b.cu_seqlens_t, b.cu_seqlens), _dev(b.state_slots_t, b.state_slots)
-        mixed = causal_conv1d(self.in_qkv(x), self.conv_weight, conv_state, cu, slots, b.max_q_len or None)
+        qkv, z = self.in_qkvz(x)
+        mixed = causal_conv1d(qkv, self.conv_weight, conv_state, cu, slots, b.max_q_len or None)
         q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
         state = ctx.state_pool.recurrent[self.state_index]
@@ -88,7 +89,7 @@ class GatedDeltaNet:
         else:
             g, beta = gdn_gates(gate_a, gate_b, self.a_log, self.dt_bias)
             o = gdn_prefill(q, k, v, g, beta, state, cu, slots, b.max_q_len or None)
-        z = self.in_z(x).reshape(t * hv, dv)
+        z = z.reshape(t * hv, dv)
         o = gated_rms_norm(o.reshape(t * hv, dv), z, self.norm_weight, s.rms_norm_eps)
         return self.out_proj(o.reshape(t, hv * dv))
 
@@ -97,10 +98,11 @@ class DenseMLP:
     """SwiGLU MLP (shared expert, or the dense layers of Qwen3-MoE)."""
 
     def __init__(self, gate_proj: Linear, up_proj: Linear, down_proj: Linear):
-        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.gate_up, self.down_proj = Linears(gate_proj, up_proj), down_proj  # one GEMM where the weights stack
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class SparseMoE:

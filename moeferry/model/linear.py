@@ -27,13 +27,13 @@ class Linear:
 
 
 class Linears:
-    """Several projections of the same input as one GEMM when they are all plain `Linear`s
-    (their weights concatenated: one launch instead of several); a tuple of outputs either way."""
+    """Several projections of the same input as one GEMM where their weights can be stacked
+    (plain `Linear`s of one dtype, or `QuantLinear`s of one format whose packed weights stack:
+    `PackedWeight.stack_rows`), one launch instead of several; a tuple of outputs either way."""
 
     def __init__(self, *parts):
         self.sizes = [m.out_features for m in parts]
-        self.fused = Linear(torch.cat([m.weight for m in parts])) if all(type(m) is Linear for m in parts) and \
-            len({m.weight.dtype for m in parts}) == 1 else None
+        self.fused = _stacked(parts)
         self.parts = None if self.fused is not None else parts
 
     def __call__(self, x: torch.Tensor) -> tuple:
@@ -44,6 +44,15 @@ class Linears:
     def first(self, x: torch.Tensor) -> torch.Tensor:
         """Only the first projection's output (the rest computed too when fused: one GEMM)."""
         return self(x)[0] if self.fused is not None else self.parts[0](x)
+
+
+def _stacked(parts) -> "Linear | QuantLinear | None":
+    if all(type(m) is Linear for m in parts) and len({m.weight.dtype for m in parts}) == 1:
+        return Linear(torch.cat([m.weight for m in parts]))
+    if all(type(m) is QuantLinear for m in parts) and len({m.format for m in parts}) == 1:
+        packed = type(parts[0].packed).stack_rows([m.packed for m in parts])
+        return None if packed is None else QuantLinear(packed, parts[0].format)
+    return None
 
 
 class QuantLinear:

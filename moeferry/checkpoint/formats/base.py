@@ -60,6 +60,37 @@ class PackedWeight:
 
     out_features: int
     in_features: int
+    row_fields: ClassVar[tuple[str, ...]] = ()  # the tensor fields indexed by output row
+
+    @classmethod
+    def stack_rows(cls, parts: list["PackedWeight"]) -> "PackedWeight | None":
+        """One weight holding `parts`' output rows in order (projections of one input computed
+        as one GEMM), or None where they cannot share one: another class or input size, other
+        form parameters (group size, block size, zero points or none)."""
+        first = parts[0]
+        if not cls.row_fields or any(type(p) is not cls for p in parts) or not cls.can_stack(parts):
+            return None
+        rest = [f.name for f in dataclasses.fields(cls) if f.name not in cls.row_fields and f.name != "out_features"]
+        if any(_differ(getattr(p, n), getattr(first, n)) for p in parts for n in rest):
+            return None
+        rows = {}
+        for name in cls.row_fields:
+            got = [p.rows_of(name) for p in parts]
+            if any(g is None for g in got):
+                if not all(g is None for g in got):
+                    return None
+                rows[name] = None
+            else:
+                rows[name] = torch.cat(got)
+        return dataclasses.replace(first, out_features=sum(p.out_features for p in parts), **rows)
+
+    @classmethod
+    def can_stack(cls, parts: list["PackedWeight"]) -> bool:
+        return True
+
+    def rows_of(self, name: str) -> torch.Tensor | None:
+        """Row field `name` with one entry per output row (a form may broadcast a scalar)."""
+        return getattr(self, name)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -195,6 +226,13 @@ def _same_shape(shape: Shape, want: Shape) -> bool:
     if math.prod(want) == 1 and len(want) <= 1:  # a scalar: [] and [1] are the same thing
         return len(shape) <= 1 and math.prod(shape) == 1
     return shape == want
+
+
+def _differ(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                    and torch.equal(a, b))
+    return a != b
 
 
 def as_scalar(t: torch.Tensor) -> torch.Tensor:

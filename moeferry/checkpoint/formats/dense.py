@@ -12,6 +12,7 @@ from .base import PackedWeight, QuantFormat, QuantParams
 @dataclass(frozen=True, eq=False)
 class DenseWeight(PackedWeight):
     weight: torch.Tensor  # [out, in] bf16
+    row_fields = ("weight",)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return self.weight.to(dtype)

@@ -75,7 +75,7 @@ def dequant_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_mult: torch.
                   dtype: torch.dtype) -> torch.Tensor:
     out = packed.shape[0]
     vals = e2m1_decode(unpack_nibbles(packed)).view(out, -1, GROUP)
-    w = vals * (scale.float() * as_scalar(global_mult))[..., None]
+    w = vals * (scale.float() * global_mult.float().reshape(-1, 1))[..., None]  # a scalar or one per row
     return w.view(out, -1).to(dtype)
 
 
@@ -83,7 +83,14 @@ def dequant_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_mult: torch.
 class Fp4Weight(PackedWeight):
     packed: torch.Tensor       # uint8 [out, in/2], low nibble first
     scale: torch.Tensor        # float8_e4m3fn [out, in/16]
-    global_scale: torch.Tensor  # fp32 [1], a multiplier (ModelOpt weight_scale_2)
+    global_scale: torch.Tensor  # fp32 [1], a multiplier (ModelOpt weight_scale_2); [out] once rows are stacked
+    row_fields = ("packed", "scale", "global_scale")
+
+    def rows_of(self, name: str) -> torch.Tensor:
+        if name == "global_scale":
+            return self.global_scale.float().reshape(-1).expand(self.out_features) \
+                if self.global_scale.numel() == 1 else self.global_scale
+        return getattr(self, name)
 
     def dequantize(self, dtype=torch.bfloat16):
         return dequant_nvfp4(self.packed, self.scale, self.global_scale, dtype)

@@ -36,6 +36,7 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
 class Fp8Weight(PackedWeight):
     weight: torch.Tensor  # e4m3 [out, in]
     scale: torch.Tensor   # fp32 [out]: per-tensor scales are broadcast to every row
+    row_fields = ("weight", "scale")
 
     def dequantize(self, dtype=torch.bfloat16):
         return (self.weight.float() * self.scale[:, None]).to(dtype)
@@ -46,6 +47,12 @@ class Fp8BlockWeight(PackedWeight):
     weight: torch.Tensor     # e4m3 [out, in]
     scale_inv: torch.Tensor  # fp32 [ceil(out/b0), ceil(in/b1)]
     block_size: tuple[int, int] = (128, 128)
+    row_fields = ("weight", "scale_inv")  # scale_inv by blocks of rows
+
+    @classmethod
+    def can_stack(cls, parts) -> bool:
+        """Scale rows cover whole blocks: every part but the last fills its blocks."""
+        return all(p.out_features % p.block_size[0] == 0 for p in parts[:-1])
 
     def dequantize(self, dtype=torch.bfloat16):
         return dequant_blocks(self.weight, self.scale_inv, self.block_size).to(dtype)

@@ -104,6 +104,7 @@ class Int4Weight(PackedWeight):
     scales: torch.Tensor         # fp16/bf16 [out, ngroups]
     zeros: torch.Tensor | None   # uint8 [out, ngroups] unsigned zero points; None means 8
     group_size: int = 128
+    row_fields = ("packed", "scales", "zeros")
 
     def dequantize(self, dtype=torch.bfloat16):
         u = unpack_nibbles(self.packed).float()[:, :self.in_features]
