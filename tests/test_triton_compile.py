@@ -4,11 +4,14 @@ The Triton interpreter accepts code the compiler refuses (a plain module global 
 kernel, for one), so a kernel checked only under the interpreter can still fail at its first
 real launch. `triton.compile` needs no GPU for a given target: these cases build the cubin of
 the kernels that run inside the decode graph of a device-managed expert cache, in each
-specialisation the engine launches, and check what the compiler made of the aligned gather.
+specialisation the engine launches, and check what the compiler made of the aligned gather;
+and of the few-token MoE path's kernels for every slot form, as `decode_moe` launches them.
 """
 from __future__ import annotations
 
 import re
+
+import torch
 
 import pytest
 
@@ -48,3 +51,55 @@ def test_slot_gather_compiles_and_vectorises(vec):
     ptx = kernel.asm["ptx"]
     wide = len(re.findall(r"ld\.global(\.\w+)*\.v4", ptx)), len(re.findall(r"st\.global(\.\w+)*\.v4", ptx))
     assert (min(wide) > 0) == vec, wide
+
+
+_POINTERS = {torch.uint8: "*u8", torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64",
+             torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float8_e4m3fn: "*fp8e4nv"}
+
+
+class _Recorder:
+    """Stands in for a JIT kernel: `kernel[grid](*args, **kw)` records the launch instead."""
+
+    def __init__(self, fn, launches: list):
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append((self.fn, args, kw))
+
+
+def _compile_launch(fn, args, kw):
+    """Compile a recorded launch for sm_90: pointers typed by their tensors, ints as i32, the
+    constexprs as launched."""
+    constants = {p.name: kw[p.name] for p in fn.params if p.is_constexpr}
+    sig = {name: ("constexpr" if name in constants else _POINTERS[a.dtype] if isinstance(a, torch.Tensor) else "i32")
+           for name, a in zip(fn.arg_names, list(args) + [constants.get(n) for n in fn.arg_names[len(args):]])}
+    return _compile(fn, sig, constants)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_tensor", "fp8_block", "nvfp4", "int4_awq"])
+@pytest.mark.parametrize("shared", [False, True])
+def test_moe_decode_kernels_compile(fmt, shared, monkeypatch):
+    """The few-token MoE path (`moe_decode.py`, off until timed on a GPU) compiles for sm_90 for
+    every slot form at Qwen3.6's H and I, with and without the shared expert: its launches are
+    recorded on the CPU and each is compiled as launched."""
+    from moeferry.checkpoint.formats import FORMATS
+    from moeferry.moe.slots import SlotBuffer
+    from moeferry.ops.triton import moe_decode
+    h, i, e, k = 2048, 512, 4, 2
+    f, gen = FORMATS[fmt], torch.Generator().manual_seed(0)
+
+    def packed(n, m):
+        w = torch.randn(n, m, generator=gen) * 0.05
+        return f.packed(f.quantize(w.bfloat16() if fmt == "bf16" else w))
+
+    buf = SlotBuffer.from_experts(fmt, [(packed(i, h), packed(i, h), packed(h, i)) for _ in range(e)], "cpu")
+    launches = []
+    for name in ("_decode_gate_up_kernel", "_decode_down_kernel"):
+        monkeypatch.setattr(moe_decode, name, _Recorder(getattr(moe_decode, name), launches))
+    x, ids = torch.randn(1, h).bfloat16(), torch.tensor([[0, 2]])
+    table = torch.arange(e, dtype=torch.int32)
+    moe_decode.decode_moe(x, ids, torch.full((1, k), 0.5), buf.gate_up, buf.down, table, e - 1 if shared else -1,
+                          torch.ones(1) if shared else None, moe_decode.DecodeConfig())
+    assert len(launches) == 2
+    for fn, args, kw in launches:
+        assert "cubin" in _compile_launch(fn, args, kw).asm
