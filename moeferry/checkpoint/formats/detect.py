@@ -119,8 +119,8 @@ _INDEXED = ("exact", "prefix")
 
 class RuleIndex:
     """Rules in their order, each run of `exact` or `prefix` rules held in a dict: the first
-    match is the same as a scan's, found in a few lookups. A full-depth ModelOpt config names
-    ~600 modules; scanning them for each of a layer's 768 expert tensors cost ~0.6 s a layer."""
+    match is the same as a scan's, found in a few lookups. A full-depth ModelOpt config makes
+    ~580 rules; scanning them for each of a layer's 768 expert tensors cost up to 0.9 s a layer."""
 
     def __init__(self, rules: tuple[Rule, ...]):
         self.segments: list[Rule | tuple[str, dict[str, tuple[int, Rule]]]] = []

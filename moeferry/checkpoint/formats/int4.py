@@ -72,7 +72,7 @@ def awq_nibble_bytes(qweight: torch.Tensor) -> torch.Tensor:
     even = (a & _NIBBLES) | ((b & _NIBBLES) << 4)
     odd = ((a >> 4) & _NIBBLES) | (((b >> 4) & _NIBBLES) << 4)
     pairs = torch.stack((even, odd), -1).view(torch.uint8).view(a.shape[0], -1, 8)  # [in/2, out/8, 8]
-    return pairs.permute(1, 2, 0).index_select(1, _AWQ_BYTE_COLUMNS).reshape(-1, a.shape[0])
+    return pairs.permute(1, 2, 0).index_select(1, _AWQ_BYTE_COLUMNS.to(qweight.device)).reshape(-1, a.shape[0])
 
 
 def _grouped(w: torch.Tensor, g: int) -> torch.Tensor:

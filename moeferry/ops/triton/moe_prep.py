@@ -174,9 +174,8 @@ def prepare_routing(ids: torch.Tensor, weights: torch.Tensor, table_row: torch.T
     p = t * topk
     dev = ids.device
     # a call reaches at most its table row's experts (and the shared slot), however many slots
-    # the buffer has: an offload cache holds every layer's (4307 on the H200 seed boot, whose
-    # 8192-token chunk then sized its blocks for 4307 groups: ~270 MiB of padding rows the
-    # probe, on a 40-slot cache, had not needed)
+    # the buffer has: an offload cache holds every layer's (4307 on the H200 seed boot, where an
+    # 8192-token NVFP4 chunk sized ~600 MiB of block rows for them; its 257 reachable need ~96)
     nmax = max_blocks(p, min(scratch.counts.shape[0], table_row.numel() + int(has_shared)), block_m)
     r = Routing(sorted_ids=torch.empty(nmax * block_m, dtype=torch.int32, device=dev),
                 block_slot=torch.empty(nmax, dtype=torch.int32, device=dev),
