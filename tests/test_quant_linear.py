@@ -1,7 +1,7 @@
 """Quantized dense layers (QuantLinear -> Triton kernel of the format's device form) against
 the CPU reference: the registry's dequantization, then an fp32 matmul.
 
-Interpreter cases (every registry format; decode M=1/5 with split-K, the fp8 GEMV at M=1/3,
+Interpreter cases (every registry format; decode M=1/5 with split-K, the fp8 GEMV at M=1/3, weights stacked from parts with their own scales,
 prefill M=40; N not a multiple of the tile; K not a multiple of the k-step; fp8 block edges; int4 with and without zero points) run in one worker
 subprocess with TRITON_INTERPRET=1 (tests/interpreter_workers.py), each reported as a test.
 GPU cases (`-m gpu`) run the compiled kernels at Qwen3.6 shapes and skip without CUDA.
@@ -66,7 +66,8 @@ CASES["fp8_block-edges"] = ("fp8_block", 3, 200, 320, {"block_size": (128, 128)}
 CASES["int4_ct-asym-g64"] = ("int4_ct", 2, 64, 256, {"group_size": 64, "symmetric": False})
 CASES["int4_awq-g32-prefill"] = ("int4_awq", 20, 40, 128, {"group_size": 32, "symmetric": False})
 CASES["nvfp4-k32"] = ("nvfp4", 3, 24, 32, None)
-STACKED = {f"{_fmt}-stacked-decode": (_fmt, 1, 96, 128, None) for _fmt in ("fp8_tensor", "nvfp4", "int4_awq")}
+STACKED = {f"{_fmt}-stacked-{kind}": (_fmt, m, 96, 128, None)
+           for _fmt in ("fp8_tensor", "nvfp4", "int4_awq") for kind, m in (("decode", 1), ("prefill", 40))}
 
 
 def _worker(shard: int, nshards: int) -> None:
