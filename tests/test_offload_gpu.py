@@ -96,8 +96,9 @@ def test_gather_config_chosen_by_device_time_on_both_grids(checkpoints, quant):
     llm = LLM(checkpoints(quant), moe_backend="offload", moe_cache_rate=0.25)
     backend = llm.engine.experts
     bank = next(iter(backend.banks.values()))
-    config, _, what = choose_gather(bank, llm.engine.device, prefetch_programs(llm.engine.device))
+    config, _, what, device_s = choose_gather(bank, llm.engine.device, prefetch_programs(llm.engine.device))
     assert config is not None and "full grid / " in what, what
+    assert device_s is not None and all(t > 0 for t in device_s), device_s
     assert backend.gather_kernel is not None
     full, capped = time_gather(bank, llm.engine.device, config), time_gather(bank, llm.engine.device, config, 1)
     assert 0 < full <= capped * 1.5, (full, capped)  # one program cannot beat a full grid by much

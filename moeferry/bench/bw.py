@@ -67,15 +67,15 @@ def gather_times(bank, device: torch.device) -> dict:
     a full grid (a step's own misses) and on the decode prefetch's grid."""
     if device.type != "cuda":
         return {}
-    from moeferry.moe.bandwidth import choose_gather, time_gather
+    from moeferry.moe.bandwidth import choose_gather
     from moeferry.moe.offload import prefetch_programs
     programs = prefetch_programs(device)
-    config, _, _ = choose_gather(bank, device, programs)
-    if config is None:
+    choice = choose_gather(bank, device, programs)  # times every config on both grids
+    if choice.config is None:
         return {}
-    return {"gather_config": list(config), "gather_programs_prefetch": programs,
-            "gather_s_per_expert": time_gather(bank, device, config),
-            "gather_s_per_expert_prefetch": time_gather(bank, device, config, programs)}
+    full, capped = choice.device_s
+    return {"gather_config": list(choice.config), "gather_programs_prefetch": programs,
+            "gather_s_per_expert": full, "gather_s_per_expert_prefetch": capped}
 
 
 def table(r: dict) -> str:

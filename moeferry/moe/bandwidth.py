@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -57,20 +58,25 @@ def time_gather(bank: SlotBuffer, device: torch.device, config: tuple, programs:
     return min(times)
 
 
-def choose_gather(bank: SlotBuffer, device: torch.device, prefetch_programs: int | None = None
-                  ) -> tuple[tuple | None, bool, str]:
+class GatherChoice(NamedTuple):
+    config: tuple | None           # the gather kernel's launch shape (None: the kernel is unavailable)
+    faster: bool                   # it beats one copy per tensor, host time included
+    what: str                      # what was measured, for the log
+    device_s: tuple[float, float] | None = None  # the config's device seconds per expert: full / prefetch grid
+
+
+def choose_gather(bank: SlotBuffer, device: torch.device, prefetch_programs: int | None = None) -> GatherChoice:
     """How misses move: the gather kernel (`moeferry.ops.triton.slot_gather`) in the config
     that moves 16 experts soonest on a full grid (a step's own misses) plus on the prefetch's
     capped grid (`prefetch_programs`), among the configs that move the bytes exactly (a config
     that fails or moves them wrong is left out, and the log says so). Device time, by CUDA
     events: a single host-timed batch of 8 picked a slow config on one H200 boot (54 us an
     expert where the best moves one in 43 us; that server's decode reached 30 GB/s against 41 in
-    the others). Returns (that config or None, whether it beats one copy per tensor, host time
-    included: the host-managed path uses it then, while steps that manage the cache on the
-    device always need it; what was measured)."""
+    the others). The host-managed path uses the config only where it is `faster` than one copy
+    per tensor; steps that manage the cache on the device always need it."""
     from moeferry.ops.triton.slot_gather import CONFIGS
     if device.type != "cuda":
-        return None, False, "per-tensor copies (no CUDA)"
+        return GatherChoice(None, False, "per-tensor copies (no CUDA)")
     timed, failed = {}, []
     for config in CONFIGS:
         problem = _gather_problem(bank, device, config)
@@ -79,7 +85,7 @@ def choose_gather(bank: SlotBuffer, device: torch.device, prefetch_programs: int
             continue
         timed[config] = (time_gather(bank, device, config), time_gather(bank, device, config, prefetch_programs))
     if not timed:
-        return None, False, f"per-tensor copies (gather kernel unavailable: {'; '.join(failed)})"
+        return GatherChoice(None, False, f"per-tensor copies (gather kernel unavailable: {'; '.join(failed)})")
     best = min(timed, key=lambda c: sum(timed[c]))
     gather_s = min(time_fetch(bank, device, gather=best) for _ in range(2))
     copy_s = min(time_fetch(bank, device) for _ in range(2))
@@ -90,7 +96,7 @@ def choose_gather(bank: SlotBuffer, device: torch.device, prefetch_programs: int
             + f"); host-timed batches of 8: {gather_s * 1e6:.0f} us by the gather kernel, {copy_s * 1e6:.0f} us by "
             f"per-tensor copies" + (f"; left out: {'; '.join(failed)}" if failed else ""))
     use = gather_s < copy_s
-    return best, use, f"{'gather kernel' if use else 'per-tensor copies'}: {what}"
+    return GatherChoice(best, use, f"{'gather kernel' if use else 'per-tensor copies'}: {what}", timed[best])
 
 
 def _us(times: tuple[float, float]) -> str:

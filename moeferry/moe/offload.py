@@ -292,8 +292,8 @@ class OffloadBackend:
     def _choose_transfer(self) -> None:
         """Decode misses move by the one-launch gather kernel or by copies: measured, the faster kept."""
         from moeferry.moe.bandwidth import choose_gather
-        self.gather_kernel, faster, what = choose_gather(next(iter(self.banks.values())), self.device,
-                                                         self.prefetch_programs)
+        self.gather_kernel, faster, what, _ = choose_gather(next(iter(self.banks.values())), self.device,
+                                                            self.prefetch_programs)
         self.gather = self.gather_kernel if faster else None
         self.transfer_chosen = True
         log.info("expert fetches: %s", what)
