@@ -144,12 +144,15 @@ class Int4AwqFormat(QuantFormat):
     def bytes_for(self, out_features, in_features, params=None):
         return _int4_bytes(out_features, in_features, self._g(in_features, params), zeros=True)
 
+    def _zeros_scales_group(self, tensors, params):
+        """(unsigned zeros [ngroups, out], scales [ngroups, out], group size)."""
+        s = tensors["scales"]
+        z = unpack_int32(tensors["qzeros"], AWQ_ORDER)
+        return z, s, _group_size(tensors["qweight"].shape[0], s.shape[0], self.params(params))
+
     def _unpacked(self, tensors, params):
         q = unpack_int32(tensors["qweight"], AWQ_ORDER)  # [in, out]
-        z = unpack_int32(tensors["qzeros"], AWQ_ORDER)   # [ngroups, out]
-        s = tensors["scales"]
-        g = _group_size(q.shape[0], s.shape[0], self.params(params))
-        return q, z, s, g
+        return (q, *self._zeros_scales_group(tensors, params))
 
     def dequantize(self, tensors, out_features, in_features, dtype=torch.bfloat16, params=None):
         q, z, s, g = self._unpacked(tensors, params)
@@ -176,12 +179,11 @@ class Int4AwqFormat(QuantFormat):
                 "scales": scales.t().contiguous()}
 
     def packed(self, tensors, params=None):
-        qweight, s = tensors["qweight"], tensors["scales"]
+        qweight = tensors["qweight"]
         inp, out = qweight.shape[0], 8 * qweight.shape[1]
         if inp % 2:
             raise ValueError(f"int4_awq: in_features {inp} is odd (nibble pairs need an even count)")
-        z = unpack_int32(tensors["qzeros"], AWQ_ORDER)  # [ngroups, out]
-        g = _group_size(inp, s.shape[0], self.params(params))
+        z, s, g = self._zeros_scales_group(tensors, params)
         return Int4Weight(out, inp, awq_nibble_bytes(qweight), s.t().contiguous(), z.t().to(torch.uint8).contiguous(), g)
 
 
