@@ -154,6 +154,8 @@ ODD_BODIES = [
     {"thinking": {"type": "sideways"}},
     {"tool_choice": "any"},
     {"tool_choice": {"type": "sometimes"}},
+    {"tool_choice": {"type": {"type": "any"}}},
+    {"tool_choice": {"type": ["auto"]}, "tools": [{"name": "f", "input_schema": {"type": "object"}}]},
     {"tools": [{"name": "f"}]},
     {"tools": [{"name": "f", "input_schema": {"type": "object", "properties": 5, "required": 3}}],
      "tool_choice": {"type": "tool", "name": "f"}, "max_tokens": 2},

@@ -179,7 +179,7 @@ def _tool_choice(choice: dict | None) -> tuple[Any, bool | None]:
         if not isinstance(choice.get("name"), str):
             raise bad_request("tool_choice of type 'tool' needs a name", param="tool_choice")
         return {"type": "function", "function": {"name": choice["name"]}}, parallel
-    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind) if isinstance(kind, str) else None
     if mapped is None:
         raise bad_request(f"tool_choice type must be auto, any, tool or none, got {kind!r}", param="tool_choice")
     return mapped, parallel
