@@ -89,14 +89,14 @@ def check_moe(fmt, t, e, k, h=128, i=64, slots=None, missing=0, shared=False, dt
     xdt = getattr(torch, dtype)
     x = (torch.randn(t, h, generator=gen)).to(xdt)
     w, ids = _routing(t, e, k, gen, "cpu")
-    shw = torch.sigmoid(torch.randn(t, generator=gen)) if shared else None
-    out = buf.run(x, ids, w.to(xdt), table, int(where[e]) if shared else -1, shw, config=_path_config(path, t, buf))
+    gate = torch.randn(t, generator=gen) if shared else None  # the shared gate's logits
+    out = buf.run(x, ids, w.to(xdt), table, int(where[e]) if shared else -1, gate, config=_path_config(path, t, buf))
     assert out.shape == x.shape and out.dtype == xdt
     dq = [_dequant(ex) for ex in experts]
     w_ref = w.to(xdt).float().masked_fill(torch.isin(ids, gone), 0.0)
     ref = experts_reference(x.float(), ids, w_ref, lambda j: dq[j])
     if shared:
-        ref = ref + shw[:, None] * swiglu(x.float(), *dq[e])
+        ref = ref + torch.sigmoid(gate)[:, None] * swiglu(x.float(), *dq[e])
     err = _rel(out, ref)
     assert err < tol, f"relative error {err:.3g} >= {tol}"
     return err
@@ -109,15 +109,15 @@ def check_prep(t, k, e=16, slots=24, missing=2, shared=False, block_m=16, seed=0
     table = torch.randperm(slots, generator=gen)[:e].to(torch.int32)
     table[torch.randperm(e, generator=gen)[:missing]] = -1
     scratch = RoutingScratch(slots, "cpu")
-    shw = torch.rand(t, generator=gen) if shared else None
+    gate = torch.randn(t, generator=gen) if shared else None
     for _ in range(2):
-        r = prepare_routing(ids, w, table, scratch, block_m, shared_slot=slots - 1, shared_weight=shw)
+        r = prepare_routing(ids, w, table, scratch, block_m, shared_slot=slots - 1, shared_gate=gate)
         assert int(scratch.counts.abs().sum()) == 0, "counters not reset"
     topk = k + int(shared)
     pair_slot = torch.cat([table[ids], torch.full((t, 1), slots - 1, dtype=torch.int32)], 1) if shared else table[ids]
     pair_slot = pair_slot.reshape(-1)
     assert torch.equal(r.pair_slot, pair_slot)
-    want_w = torch.cat([w, shw[:, None]], 1) if shared else w
+    want_w = torch.cat([w, torch.sigmoid(gate)[:, None]], 1) if shared else w
     assert torch.allclose(r.pair_w, want_w.reshape(-1).float())
     nb = int(r.num_blocks)
     assert nb <= r.max_blocks
@@ -149,12 +149,12 @@ def check_executor(t=3, e=8, k=2, h=128, i=64, shared_i=64, seed=0):
     sdn = (torch.randn(h, shared_i, generator=gen) * 0.05).bfloat16()
     x = torch.randn(t, h, generator=gen).bfloat16()
     w, ids = _routing(t, e, k, gen, "cpu", torch.bfloat16)
-    gate = torch.sigmoid(torch.randn(t, 1, generator=gen)).bfloat16()
+    gate = torch.randn(t, 1, generator=gen).bfloat16()  # the shared gate's logits
     ex = TritonExperts.resident(gu, dn, shared=(sgu, sdn))
     assert (ex.shared_slot >= 0) == (shared_i == i)
-    out = ex(x, ids, w, shared_weight=gate)
+    out = ex(x, ids, w, shared_gate=gate)
     ref = DenseExperts(gu.float(), dn.float())(x.float(), ids, w.float())
-    ref = ref + gate.float() * swiglu(x.float(), sgu.float(), sdn.float())
+    ref = ref + torch.sigmoid(gate.float()) * swiglu(x.float(), sgu.float(), sdn.float())
     err = _rel(out, ref)
     assert err < 2e-2, f"relative error {err:.3g}"
     err2 = _rel(ex(x, ids, w), DenseExperts(gu.float(), dn.float())(x.float(), ids, w.float()))
@@ -369,13 +369,13 @@ def test_gpu_qwen_shapes(fmt, t):
     shared = t in (3, 1024)
     missing = torch.tensor([5, 77], device="cuda") if t == 64 else torch.tensor([], dtype=torch.long, device="cuda")
     table[missing] = -1
-    shw = torch.sigmoid(torch.randn(t, generator=gen)).cuda() if shared else None
-    out = buf.run(x, ids, w, table, int(where[e]) if shared else -1, shw)
+    gate = torch.randn(t, generator=gen).cuda() if shared else None
+    out = buf.run(x, ids, w, table, int(where[e]) if shared else -1, gate)
     torch.cuda.synchronize()
     w_ref = w.float().masked_fill(torch.isin(ids, missing), 0.0)
     ref = experts_reference(x.float(), ids, w_ref, lambda j: dq[j])
     if shared:
-        ref = ref + shw[:, None] * swiglu(x.float(), *dq[e])
+        ref = ref + torch.sigmoid(gate)[:, None] * swiglu(x.float(), *dq[e])
     err = _rel(out, ref)
     assert err < 2e-2, f"{fmt} T={t}: relative error {err:.3g}"
 
@@ -397,11 +397,11 @@ def test_gpu_decode_paths(fmt, t, path):
     table = where[:e].clone()
     missing = ids[0, :2]  # two of token 0's experts are not resident
     table[missing] = -1
-    shw = torch.sigmoid(torch.randn(t, generator=gen)).cuda()
+    gate = torch.randn(t, generator=gen).cuda()
     cfg = DecodeConfig() if path == "decode" else moe_gemm.choose_config(t, buf.gate_up, buf.down)
-    out = buf.run(x, ids, w, table, int(where[e]), shw, config=cfg)
+    out = buf.run(x, ids, w, table, int(where[e]), gate, config=cfg)
     w_ref = w.float().masked_fill(torch.isin(ids, missing), 0.0)
-    ref = experts_reference(x.float(), ids, w_ref, lambda j: dq[j]) + shw[:, None] * swiglu(x.float(), *dq[e])
+    ref = experts_reference(x.float(), ids, w_ref, lambda j: dq[j]) + torch.sigmoid(gate)[:, None] * swiglu(x.float(), *dq[e])
     err = _rel(out, ref)
     assert err < 2e-2, f"{fmt} T={t} {path}: relative error {err:.3g}"
 

@@ -123,13 +123,13 @@ def check_run_reference(case, t, e=8, k=3, slots=11, missing=3, shared=False, dt
     logits = torch.randn(t, e, generator=gen)
     w, ids = torch.topk(torch.softmax(logits, -1), k)
     w = (w / w.sum(-1, keepdim=True)).to(dtype)
-    shw = torch.sigmoid(torch.randn(t, generator=gen)).to(dtype) if shared else None
-    out = buf.run_reference(x, ids, w, table, int(where[e]) if shared else -1, shw)
+    gate = torch.randn(t, generator=gen).to(dtype) if shared else None  # the shared gate's logits
+    out = buf.run_reference(x, ids, w, table, int(where[e]) if shared else -1, gate)
     assert out.shape == x.shape and out.dtype == dtype
     dq = [_dequant(ex) for ex in experts]
     ref = experts_reference(x.float(), ids, w.float().masked_fill(torch.isin(ids, gone), 0.0), lambda j: dq[j])
     if shared:
-        ref = ref + shw.float()[:, None] * swiglu(x.float(), *dq[e])
+        ref = ref + torch.sigmoid(gate.float())[:, None] * swiglu(x.float(), *dq[e])
     return _rel(out, ref)
 
 

@@ -68,10 +68,11 @@ class _Recorder:
 
 
 def _compile_launch(fn, args, kw):
-    """Compile a recorded launch for sm_90: pointers typed by their tensors, ints as i32, the
-    constexprs as launched."""
+    """Compile a recorded launch for sm_90: pointers typed by their tensors, floats as fp32, ints
+    as i32, the constexprs as launched."""
     constants = {p.name: kw[p.name] for p in fn.params if p.is_constexpr}
-    sig = {name: ("constexpr" if name in constants else _POINTERS[a.dtype] if isinstance(a, torch.Tensor) else "i32")
+    sig = {name: ("constexpr" if name in constants else _POINTERS[a.dtype] if isinstance(a, torch.Tensor)
+                  else "fp32" if isinstance(a, float) else "i32")
            for name, a in zip(fn.arg_names, list(args) + [constants.get(n) for n in fn.arg_names[len(args):]])}
     return _compile(fn, sig, constants)
 
@@ -103,3 +104,30 @@ def test_moe_decode_kernels_compile(fmt, shared, monkeypatch):
     assert len(launches) == 2
     for fn, args, kw in launches:
         assert "cubin" in _compile_launch(fn, args, kw).asm
+
+
+@pytest.mark.parametrize("zero_centered", [True, False])
+def test_qk_norm_rope_compiles(zero_centered, monkeypatch):
+    """The fused q/k norm + rotary picks q's or k's pointers by program id (one branch per
+    tensor): it compiles for sm_90 at Qwen3.6's attention shapes (16 q heads of 256 with the
+    output gate interleaved, 2 k heads, 64 rotary dims), as `qk_norm_rope` launches it."""
+    from moeferry.ops.triton import rope
+    launches = []
+    monkeypatch.setattr(rope, "_qk_norm_rope_kernel", _Recorder(rope._qk_norm_rope_kernel, launches))
+    q = torch.randn(1, 16, 512).bfloat16()[..., :256]
+    k, w = torch.randn(1, 2, 256).bfloat16(), torch.randn(256).bfloat16()
+    cos = sin = torch.randn(1, 64).bfloat16()
+    rope.qk_norm_rope(q, k, w, w, 1e-6, zero_centered, cos, sin)
+    (fn, args, kw), = launches
+    assert "cubin" in _compile_launch(fn, args, kw).asm
+
+
+def test_route_topk_compiles(monkeypatch):
+    """The router kernel (top-8 of 256 gathered in registers, one cast at the store) compiles
+    for sm_90 with bf16 logits, as `route_topk` launches it."""
+    from moeferry.ops.triton import router
+    launches = []
+    monkeypatch.setattr(router, "_route_kernel", _Recorder(router._route_kernel, launches))
+    router.route_topk(torch.randn(1, 256).bfloat16(), 8, True)
+    (fn, args, kw), = launches
+    assert "cubin" in _compile_launch(fn, args, kw).asm

@@ -132,6 +132,27 @@ def case_rope(device, seed=2):
     return worst
 
 
+
+def case_qk_norm_rope(device, seed=12):
+    """q/k RMSNorm + rotary in one launch against rms_norm_ref then apply_rope_ref: zero-centred
+    and plain weights, partial and full rotary, q a strided view (Qwen3.5's gated q_proj), one k head."""
+    from moeferry.ops.triton import rope as tr
+    g = _gen(seed)
+    worst = 0.0
+    for t, hq, hk, d, rot, zc in ((9, 5, 1, 48, 16, True), (4, 3, 2, 32, 32, False), (6, 16, 2, 256, 64, True)):
+        inv = ref_rope.rope_inv_freq(rot, 10000.0)
+        cos, sin = ref_rope.rope_cos_sin(torch.randint(0, 4000, (t,), generator=g), inv, torch.float32)
+        q = torch.randn(t, hq, 2 * d, generator=g)[..., :d] * 3.0
+        k = torch.randn(t, hk, d, generator=g) + 0.5
+        qw, kw = torch.randn(d, generator=g) * 0.2, torch.randn(d, generator=g) * 0.2 + (0.0 if zc else 1.0)
+        q, k, qw, kw, cos, sin = (x.to(device) for x in (q, k, qw, kw, cos, sin))
+        qo, ko = tr.qk_norm_rope(q, k, qw, kw, 1e-6, zc, cos, sin)
+        for out, x, w, what in ((qo, q, qw, "q"), (ko, k, kw, "k")):
+            ref = ref_rope.apply_rope_ref(ref_norm.rms_norm_ref(x, w, 1e-6, zc), cos, sin)
+            assert out.shape == ref.shape and out.is_contiguous()
+            worst = max(worst, _check(out, ref, 1e-5, f"qk_norm_rope {what}"))
+    return worst
+
 def case_store_kv(device, seed=3):
     from moeferry.ops.triton import attention as ta
     g = _gen(seed)
@@ -557,6 +578,13 @@ def test_gpu_conv_norm_rope_real_shapes():
     cos, sin = ref_rope.rope_cos_sin(torch.arange(4096, device="cuda"), ref_rope.rope_inv_freq(64, 1e7).cuda(),
                                      torch.bfloat16)
     _check(tr.apply_rope(q, cos, sin), ref_rope.apply_rope_ref(qf, cos.float(), sin.float()), 1e-2, "rope")
+    k, kf = _bf16_pair(4096, 2, 256, g=g)
+    kw, kwf = _bf16_pair(256, g=g, scale=0.1)
+    qo, ko = tr.qk_norm_rope(q, k, qw, kw, 1e-6, True, cos, sin)
+    _check(qo, ref_rope.apply_rope_ref(ref_norm.rms_norm_ref(qf, qwf, 1e-6, True), cos.float(), sin.float()), 1e-2,
+           "q norm + rope")
+    _check(ko, ref_rope.apply_rope_ref(ref_norm.rms_norm_ref(kf, kwf, 1e-6, True), cos.float(), sin.float()), 1e-2,
+           "k norm + rope")
     o, of = _bf16_pair(4096 * 32, 128, g=g)
     z, zf = _bf16_pair(4096 * 32, 128, g=g)
     gw, gwf = _bf16_pair(128, g=g)

@@ -14,7 +14,7 @@ from moeferry.ops.conv import causal_conv1d
 from moeferry.ops.gdn import gdn_decode_gated, gdn_gates, gdn_prefill
 from moeferry.ops.moe import route_topk
 from moeferry.ops.norm import add_rms_norm, gated_rms_norm, rms_norm
-from moeferry.ops.rope import apply_rope
+from moeferry.ops.rope import qk_norm_rope
 
 
 def _dev(tensor, host):
@@ -48,10 +48,9 @@ class FullAttention:
         if s.attn_output_gate:
             q, gate = q.view(t, s.num_heads, 2 * d).chunk(2, dim=-1)
             gate = gate.reshape(t, s.num_heads * d)
-        q = rms_norm(q.reshape(t, s.num_heads, d), self.q_norm, s.rms_norm_eps, s.zero_centered_norm)
-        k = rms_norm(k.view(t, s.num_kv_heads, d), self.k_norm, s.rms_norm_eps, s.zero_centered_norm)
+        q, k = qk_norm_rope(q.reshape(t, s.num_heads, d), k.view(t, s.num_kv_heads, d), self.q_norm, self.k_norm,
+                            s.rms_norm_eps, s.zero_centered_norm, ctx.cos, ctx.sin)  # one kernel on CUDA
         v = v.view(t, s.num_kv_heads, d)
-        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         k_cache, v_cache = ctx.kv_pool.k[self.kv_index], ctx.kv_pool.v[self.kv_index]
         store_kv(k_cache, v_cache, k, v, b.out_slots)
         out = paged_attention(q, k_cache, v_cache, _dev(b.cu_seqlens_t, b.cu_seqlens), _dev(b.kv_lens_t, b.kv_lens),
@@ -108,7 +107,7 @@ class DenseMLP:
 class SparseMoE:
     """Router (fp32 softmax, top-k) + routed experts + optional gated shared expert. With a
     `shared_gate` but no `shared` MLP, the experts' executor holds the shared expert (one more
-    slot of its kernel) and is given the gate's weight per token."""
+    slot of its kernel) and is given the gate's logit per token (its kernel takes the sigmoid)."""
 
     def __init__(self, spec: ModelSpec, router: Linear, experts, shared: DenseMLP | None, shared_gate: Linear | None):
         self.spec, self.experts, self.shared = spec, experts, shared
@@ -121,7 +120,7 @@ class SparseMoE:
         logits, *shared_logit = self.gates(x)  # router and shared-expert gate: one GEMM when both are plain
         weights, ids = route_topk(logits, self.spec.top_k, self.spec.norm_topk_prob)
         if shared_logit and self.shared is None:
-            return self.experts(x, ids, weights, shared_weight=torch.sigmoid(shared_logit[0]))
+            return self.experts(x, ids, weights, shared_gate=shared_logit[0])
         out = self.experts(x, ids, weights)
         if self.shared is not None:  # out + sigmoid(gate) * shared(x), the product and sum in one op
             out = torch.addcmul(out, torch.sigmoid(shared_logit[0]), self.shared(x))

@@ -95,7 +95,7 @@ class ResidentBackend:
 
     def add_layer(self, layer: int, experts: LayerExperts, shared: ExpertWeights | None = None):
         """The layer's executor; `shared` (only when `takes_shared`): the shared expert, in the
-        routed experts' format, held in slot E and run with them (`shared_weight=` per token)."""
+        routed experts' format, held in slot E and run with them (`shared_gate=`: the gate logit per token)."""
         if shared is not None and not self.takes_shared:
             raise ValueError("the reference executors take no shared expert (takes_shared is False)")
         if use_kernels(self.device):

@@ -180,28 +180,28 @@ class SlotBuffer:
 
     # -- compute --------------------------------------------------------------------------
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table_row: torch.Tensor,
-            shared_slot: int = -1, shared_weight: torch.Tensor | None = None,
+            shared_slot: int = -1, shared_gate: torch.Tensor | None = None,
             config: MoEConfig | DecodeConfig | None = None) -> torch.Tensor:
         return fused_moe(x, ids, weights, self.gate_up, self.down, table_row, self.scratch,
-                         shared_slot, shared_weight, config)
+                         shared_slot, shared_gate, config)
 
     # slots dequantized together by `run_reference` (a decode step touches <= top_k experts)
     REFERENCE_BATCH = 8
 
     def run_reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table_row: torch.Tensor,
-                      shared_slot: int = -1, shared_weight: torch.Tensor | None = None) -> torch.Tensor:
+                      shared_slot: int = -1, shared_gate: torch.Tensor | None = None) -> torch.Tensor:
         """`run` in plain PyTorch, the CPU reference of the fused kernels (same contract: experts
-        are read only through `table_row`, -1 = skipped; `shared_weight` [T] adds `shared_slot`
-        to every token). Each distinct slot of the step is dequantized once (`dense_slots`, in
+        are read only through `table_row`, -1 = skipped; `shared_gate` [T] adds `shared_slot`
+        to every token, weighted by its fp32 sigmoid). Each distinct slot of the step is dequantized once (`dense_slots`, in
         x's dtype), its tokens go through `swiglu`, each pair's output times its routing weight
         is rounded to x's dtype and the pairs are summed in fp32, as the kernels do."""
         from moeferry.ops.moe import swiglu
 
         slot = table_row.to(ids.device).long()[ids]  # [T, k] slot of each (token, choice)
         pair_w = weights.float()
-        if shared_weight is not None:
+        if shared_gate is not None:
             slot = torch.cat([slot, slot.new_full((slot.shape[0], 1), shared_slot)], dim=1)
-            pair_w = torch.cat([pair_w, shared_weight.reshape(-1, 1).float()], dim=1)
+            pair_w = torch.cat([pair_w, torch.sigmoid(shared_gate.reshape(-1, 1).float())], dim=1)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for batch in torch.unique(slot[slot >= 0]).split(self.REFERENCE_BATCH):
             gate_up = self.gate_up.dense_slots(batch, x.dtype)

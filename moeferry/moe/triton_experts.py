@@ -11,7 +11,7 @@ class TritonExperts:
 
     Reads experts from `buffer` through `table_row` (expert -> slot, -1 = skip). An optional
     shared expert lives in slot `shared_slot` of the same buffer (one extra pair per token,
-    weighted by `shared_weight`, e.g. sigmoid(shared_expert_gate(x))), or in a buffer of its
+    weighted by sigmoid(`shared_gate`), the shared_expert_gate's logit), or in a buffer of its
     own when its intermediate size differs; both run through the same kernels."""
 
     def __init__(self, buffer: SlotBuffer, table_row: torch.Tensor, shared_slot: int = -1,
@@ -38,16 +38,16 @@ class TritonExperts:
                    shared_buffer=SlotBuffer.from_dense(sgu[None].to(gate_up), sd[None].to(down)))
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 shared_weight: torch.Tensor | None = None) -> torch.Tensor:
-        if shared_weight is not None and self.shared_slot >= 0:
-            return self.buffer.run(x, ids, weights, self.table_row, self.shared_slot, shared_weight.reshape(-1))
+                 shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+        if shared_gate is not None and self.shared_slot >= 0:
+            return self.buffer.run(x, ids, weights, self.table_row, self.shared_slot, shared_gate.reshape(-1))
         out = self.buffer.run(x, ids, weights, self.table_row)
-        if shared_weight is not None:
+        if shared_gate is not None:
             if self.shared_buffer is None:
                 raise ValueError("this executor holds no shared expert")
             t = x.shape[0]
             zeros = torch.zeros(t, 1, dtype=torch.int64, device=x.device)
-            out = out + self.shared_buffer.run(x, zeros, shared_weight.reshape(t, 1), self._shared_row)
+            out = out + self.shared_buffer.run(x, zeros, torch.sigmoid(shared_gate.float()).reshape(t, 1), self._shared_row)
         return out
 
     @property

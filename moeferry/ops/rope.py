@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from moeferry.ops.norm import rms_norm
 from moeferry.ops.triton import use_triton
 
 
@@ -28,6 +29,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         from moeferry.ops.triton import rope as tr
         return tr.apply_rope(x, cos, sin)
     return apply_rope_ref(x, cos, sin)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                 zero_centered: bool, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention's per-head q/k RMSNorm then rotary: q [T, Hq, D], k [T, Hk, D] -> new tensors.
+    One Triton launch for the four ops where the norm keeps q's dtype (the reference: `rms_norm_ref`
+    then `apply_rope_ref`), else the two ops one after the other."""
+    if use_triton(q) and (zero_centered or q_weight.dtype == k_weight.dtype == q.dtype == k.dtype):
+        from moeferry.ops.triton import rope as tr
+        return tr.qk_norm_rope(q, k, q_weight, k_weight, eps, zero_centered, cos, sin)
+    return (apply_rope(rms_norm(q, q_weight, eps, zero_centered), cos, sin),
+            apply_rope(rms_norm(k, k_weight, eps, zero_centered), cos, sin))
 
 
 def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ def _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, j,
     if HAS_SHARED:
         sh = j == K_IN
         s = tl.where(sh, shared_slot, s)
-        w = tl.where(sh, tl.load(shw_ptr + t + j * 0, mask=sh, other=0.0).to(tl.float32), w)
+        w = tl.where(sh, tl.sigmoid(tl.load(shw_ptr + t + j * 0, mask=sh, other=0.0).to(tl.float32)), w)
     s = tl.where(j < TOPK, s, -1)
     return s, w
 
@@ -146,15 +146,15 @@ def supports(gate_up: SlotMatrix) -> bool:
 
 
 def decode_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: SlotMatrix, down: SlotMatrix,
-               table_row: torch.Tensor, shared_slot: int, shared_weight: torch.Tensor | None,
+               table_row: torch.Tensor, shared_slot: int, shared_gate: torch.Tensor | None,
                cfg: DecodeConfig) -> torch.Tensor:
     """`fused_moe`'s contract (x [T, H] contiguous rows, ids/weights [T, k], table_row [E])."""
     t, k_in = ids.shape
-    has_shared = shared_weight is not None
+    has_shared = shared_gate is not None
     topk = k_in + int(has_shared)
     h, i = down.n, down.k
     ids, weights = ids.contiguous(), weights.contiguous()
-    shw = shared_weight.reshape(-1).contiguous() if has_shared else weights
+    shw = shared_gate.reshape(-1).contiguous() if has_shared else weights
     inter = torch.empty(t * topk, i, dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
     route = (ids, weights, shw, table_row, shared_slot)

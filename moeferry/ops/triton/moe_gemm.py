@@ -313,10 +313,11 @@ def reduce_pairs(y: torch.Tensor, r: Routing, out: torch.Tensor) -> torch.Tensor
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: SlotMatrix,
               down: SlotMatrix, table_row: torch.Tensor, scratch: RoutingScratch, shared_slot: int = -1,
-              shared_weight: torch.Tensor | None = None,
+              shared_gate: torch.Tensor | None = None,
               config: MoEConfig | DecodeConfig | None = None) -> torch.Tensor:
     """x [T, H]; ids, weights [T, k]; table_row [E] int32 (expert -> slot, -1: skipped).
-    With `shared_weight` [T] the expert in `shared_slot` is added to every token with that weight.
+    With `shared_gate` [T] (the shared expert gate's logits) the expert in `shared_slot` is added to
+    every token, weighted by sigmoid(shared_gate) in fp32 (taken in the kernels).
     `config`: a MoEConfig forces the grouped-GEMM path, a DecodeConfig the decode path
     (default: `choose_decode`, else `choose_config`). Returns [T, H] in x's dtype."""
     if x.shape[0] == 0:
@@ -328,8 +329,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up
     if isinstance(config, DecodeConfig):
         if not decode_supports(gate_up):
             raise ValueError(f"decode path: {gate_up.kernel.name} slots with group {gate_up.group} not supported")
-        return decode_moe(x, ids, weights, gate_up, down, table_row, shared_slot, shared_weight, config)
+        return decode_moe(x, ids, weights, gate_up, down, table_row, shared_slot, shared_gate, config)
     cfg = config or choose_config(x.shape[0], gate_up, down)
-    r = prepare_routing(ids, weights, table_row, scratch, cfg.block_m, shared_slot, shared_weight)
+    r = prepare_routing(ids, weights, table_row, scratch, cfg.block_m, shared_slot, shared_gate)
     out = torch.empty_like(x)
     return reduce_pairs(down_weighted(gate_up_silu(x, gate_up, r, cfg), down, r, cfg), r, out)

@@ -45,7 +45,7 @@ def _phase_a(i0, ids_ptr, w_ptr, shw_ptr, table_ptr, shared_slot, P, counts_ptr,
     if HAS_SHARED:
         sh = m & (j == K_IN)
         s = tl.where(sh, shared_slot, s)
-        w = tl.where(sh, tl.load(shw_ptr + t, mask=sh, other=0.0).to(tl.float32), w)
+        w = tl.where(sh, tl.sigmoid(tl.load(shw_ptr + t, mask=sh, other=0.0).to(tl.float32)), w)
     valid = m & (s >= 0)
     r = tl.atomic_add(counts_ptr + s, tl.full((BLOCK,), 1, tl.int32), mask=valid)
     tl.store(pair_slot_ptr + offs, tl.where(valid, s, -1), mask=m)
@@ -164,12 +164,12 @@ def max_blocks(num_pairs: int, num_groups: int, block_m: int) -> int:
 
 def prepare_routing(ids: torch.Tensor, weights: torch.Tensor, table_row: torch.Tensor,
                     scratch: RoutingScratch, block_m: int, shared_slot: int = -1,
-                    shared_weight: torch.Tensor | None = None) -> Routing:
+                    shared_gate: torch.Tensor | None = None) -> Routing:
     """ids/weights [T, k] (expert ids, routing weights); table_row [E] int32 expert -> slot.
-    With `shared_weight` [T] (e.g. sigmoid of the shared-expert gate), every token gets one
-    more pair on `shared_slot`."""
+    With `shared_gate` [T] (the shared-expert gate's logits), every token gets one more pair on
+    `shared_slot`, weighted by sigmoid(shared_gate) in fp32."""
     t, k_in = ids.shape
-    has_shared = shared_weight is not None
+    has_shared = shared_gate is not None
     topk = k_in + int(has_shared)
     p = t * topk
     dev = ids.device
@@ -187,7 +187,7 @@ def prepare_routing(ids: torch.Tensor, weights: torch.Tensor, table_row: torch.T
     rank = torch.empty(p, dtype=torch.int32, device=dev)
     ids = ids.contiguous()
     weights = weights.contiguous()
-    shw = shared_weight.reshape(-1).contiguous() if has_shared else weights
+    shw = shared_gate.reshape(-1).contiguous() if has_shared else weights
     c, g = scratch.counts, scratch.gstart
     try:
         if p <= SINGLE_PROGRAM_MAX_PAIRS:
