@@ -451,6 +451,43 @@ def case_cache_resolve(device, seed=13):
     return 0.0
 
 
+
+def case_model_kernel_path(device, seed=0):
+    """The whole model through the kernels (the GPU path, here interpreted) against the plain-
+    PyTorch path on the same tiny checkpoints: an 8-token prefill chunk, then three decode steps;
+    Qwen3.5 `mixed_nvfp4` (Gated DeltaNet, gated attention, NVFP4 experts and shared expert
+    in the experts' kernel) resident and through a 4-slot offload cache, Qwen3-MoE in bf16."""
+    import tempfile
+
+    import moeferry.moe.offload as offload
+    import moeferry.moe.resident as resident
+    from moeferry.checkpoint.synthetic import make_model
+    from moeferry.llm import LLM
+    if device != "cpu":
+        pytest.skip("the GPU's own parity tests (test_gpu_parity.py) cover the compiled path")
+
+    def logits(path, kernels: bool, **kw):
+        env, orig = os.environ.get("MOEFERRY_TRITON_INTERPRET"), resident.use_kernels
+        os.environ["MOEFERRY_TRITON_INTERPRET"] = "1" if kernels else "0"
+        resident.use_kernels = offload.use_kernels = (lambda dev: True) if kernels else orig
+        try:
+            return LLM(str(path), device="cpu", dtype="float32", **kw).logits(list(range(3, 14)), chunk_size=[8, 1])
+        finally:
+            resident.use_kernels = offload.use_kernels = orig
+            os.environ["MOEFERRY_TRITON_INTERPRET"] = env or ""
+
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch, quant, backends in (("qwen3_5_moe", "mixed_nvfp4", ({}, {"moe_backend": "offload", "moe_cache_size": 4})),
+                                      ("qwen3_moe", None, ({},))):
+            path = make_model(Path(tmp) / arch, arch, "tiny", seed=seed, quant=quant, num_layers=4)
+            ref = logits(path, False)
+            for kw in backends:
+                out = logits(path, True, **kw)
+                assert torch.equal(out.argmax(-1), ref.argmax(-1)), (arch, kw)
+                worst = max(worst, _check(out, ref, 1e-5, f"{arch} {quant} {kw}"))
+    return worst
+
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 
