@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark modules
 import moe_kernels as MK  # noqa: E402  (its timing helpers and MoE cases)
+from moeferry.moe.path_choice import DecodeTarget, choose_decode_tokens, host_seconds  # noqa: E402
 
 DEV = torch.device("cuda")
 SMOKE = False  # --smoke: tiny shapes on the CPU under MOEFERRY_TRITON_INTERPRET=1 (checks the script)
@@ -236,6 +237,9 @@ def bench_moe(args, log):
     rows = []
     for label, fmt in MOE_FORMS[:2] if SMOKE else MOE_FORMS:
         case = MK.Case(fmt)
+        # what the engine's warm-up would choose on this device (`moe.path_choice`)
+        chose = choose_decode_tokens(DecodeTarget(case.buf, case.table), MK.K, 16, torch.bfloat16,
+                                     **({"timer": host_seconds} if SMOKE else {}))[0]
         for t in (1, 2, 4) if SMOKE else (1, 2, 4, 8, 16):
             x = torch.randn(t, MK.H, device=DEV).bfloat16()
             rts = MK.routings(t, 2 if SMOKE else 16, seed=t)
@@ -260,13 +264,12 @@ def bench_moe(args, log):
                 log(f"  {label:10s} T={t:2d}: old {t_old * 1e6:6.1f} us; every decode config failed")
                 continue
             t_new, e_new, best = min(new, key=lambda r: r[0])
-            default = G.choose_decode(t, case.buf.gate_up) or old_cfg
             n_old = kernel_launches(lambda: case.moe(x, ids0, w0, old_cfg))
             n_new = kernel_launches(lambda: case.moe(x, ids0, w0, best))
             win = "new" if t_new < t_old else "old"
             rows.append(dict(format=label, T=t, bytes=nbytes, t_old=t_old, rel_old=e_old, launches_old=n_old,
                              t_new=t_new, rel_new=e_new, launches_new=n_new, best_new=best, winner=win,
-                             default="new" if isinstance(default, DecodeConfig) else "old",
+                             default="new" if t <= chose else "old",
                              sweep=[(c, tm, e) for tm, e, c in new]))
             log(f"  {label:10s} T={t:2d} {nbytes / 2**20:6.1f} MiB  old {t_old * 1e6:6.1f} us ({100 * nbytes / t_old / bw:3.0f}%,"
                 f" {n_old} launches, rel {e_old:.1e})  new {t_new * 1e6:6.1f} us ({100 * nbytes / t_new / bw:3.0f}%,"
@@ -279,7 +282,8 @@ def bench_moe(args, log):
         del case
         if not SMOKE:
             torch.cuda.empty_cache()
-    log("winners (set moe_gemm.DECODE_MAX_TOKENS / DECODE_CONFIGS from these):")
+    log("winners (the warm-up chooses between the grouped GEMM and DecodeConfig() by timing; a better\n"
+        "block size here goes into DecodeConfig's defaults):")
     for label, _ in MOE_FORMS:
         got = [r for r in rows if r["format"] == label]
         if got:
@@ -518,18 +522,20 @@ def bench_e2e(args, log):
 
 def decode_path_rates(engine, log, upto=(1, 2, 4)):
     """Whole-model decode with the MoE decode path on for T <= t (each t of `upto`), the graphs
-    recaptured: what `moe_gemm.DECODE_MAX_TOKENS` should be, judged on the model."""
-    from moeferry.ops.triton import moe_gemm as G
-    saved, rates = dict(G.DECODE_MAX_TOKENS), {}
+    recaptured: whether the warm-up's per-kernel choice (`moe.path_choice`) holds on the model."""
+    buffers = [t.buffer for t in engine.experts.decode_targets()]
+    saved, rates = [b.decode_tokens for b in buffers], {}
     try:
         for t in upto:
-            G.DECODE_MAX_TOKENS.update({k: t for k in saved})
+            for b in buffers:
+                b.decode_tokens = t
             if engine.graphs is not None:
                 engine.graphs.invalidate()
             rates[t] = {b: decode_rate(engine, b) for b in (1, 4)}
             log(f"  MoE decode path for T <= {t}: decode b1 {rates[t][1]:.1f} tok/s  b4 {rates[t][4]:.1f} tok/s")
     finally:
-        G.DECODE_MAX_TOKENS.update(saved)
+        for b, n in zip(buffers, saved):
+            b.decode_tokens = n
         if engine.graphs is not None:
             engine.graphs.invalidate()
     return rates

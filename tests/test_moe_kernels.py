@@ -188,8 +188,8 @@ CASES["fp8_block-T2-permuted-missing-shared"] = (check_moe, dict(
     fmt="fp8_block", t=2, e=16, k=4, slots=20, missing=3, shared=True, seed=6, params={"block_size": (32, 32)}))
 CASES["int4_ct-asymmetric-T2-missing"] = (check_moe, dict(fmt="int4_ct", t=2, e=8, k=4, missing=2, seed=7,
                                                                params={"group_size": 32, "symmetric": False}))
-# the decode path is off by default (moe_gemm.DECODE_MAX_TOKENS, until a GPU measurement sets
-# it): the cases above check the grouped-GEMM path at decode sizes, these force the decode path
+# a buffer takes the decode path only where its warm-up timing chose it (`decode_tokens`, 0 by
+# default): the cases above check the grouped-GEMM path at decode sizes, these force the decode path
 for _f in FORMAT_NAMES:
     CASES[f"decode-{_f}-T2-permuted-missing-shared"] = (check_moe, dict(
         fmt=_f, t=2, e=16, k=4, slots=20, missing=3, shared=True, seed=9, path="decode",
@@ -209,6 +209,90 @@ CASES["prep-T64-many-slots"] = (check_prep, dict(t=64, k=4, slots=400, block_m=3
 CASES["prep-T600-multi-launch"] = (check_prep, dict(t=600, k=2, shared=True, missing=5))
 CASES["executor-shared-in-buffer"] = (check_executor, dict())
 CASES["executor-shared-own-buffer"] = (check_executor, dict(shared_i=32))
+
+
+def check_path_choice(fmt="nvfp4", h=128, i=64, e=8, k=2, seed=0):
+    """The warm-up's MoE path choice (`moe.path_choice`), with scripted timings: the decode path
+    is taken up to the largest size at which it won at every size before, on every buffer of
+    the timed one's layout (not on another layout's); a buffer then runs it up to that size
+    and the grouped GEMM above; a decode output that disagrees, or an error, keeps it off."""
+    from moeferry.moe import path_choice as pc
+    from moeferry.ops.triton import moe_gemm
+    gen = torch.Generator().manual_seed(seed)
+    params = QuantParams(**_params(fmt)) if _params(fmt) else None
+
+    def buffer(hidden):
+        return SlotBuffer.from_experts(fmt, [_quantized_expert(fmt, hidden, i, gen, params) for _ in range(e + 1)], "cpu")
+
+    table = torch.arange(e, dtype=torch.int32)
+    a, b, other = buffer(h), buffer(h), buffer(2 * h)
+    targets = [pc.DecodeTarget(a, table, e), pc.DecodeTarget(b, table, e), pc.DecodeTarget(other, table, e)]
+
+    def scripted(times):  # time_paths asks for (grouped, decode) per size, in order
+        times = iter(times)
+        return lambda fn: next(times)
+
+    # sizes 1, 2, 4 (max 4): decode wins at 1 and 2, loses at 4 -> 2; the other layout: loses at 1 -> 0
+    chosen = pc.choose_decode_paths(targets[:2], k, 4, torch.bfloat16, scripted([2.0, 1.0, 2.0, 1.5, 2.0, 3.0]))
+    assert list(chosen.values()) == [2] and a.decode_tokens == b.decode_tokens == 2, chosen
+    assert pc.choose_decode_paths(targets[2:], k, 4, torch.bfloat16, scripted([1.0, 2.0]))
+    assert other.decode_tokens == 0
+    calls = []
+    real = moe_gemm.decode_moe
+    moe_gemm.decode_moe = lambda *args: calls.append(args[0].shape[0]) or real(*args)
+    try:
+        for t in (1, 2, 3, 4):
+            w, ids = _routing(t, e, k, gen, "cpu", torch.bfloat16)
+            x = torch.randn(t, h, generator=gen).bfloat16()
+            out = a.run(x, ids, w, table)
+            ref = a.run_reference(x.float(), ids, w.float(), table)
+            assert _rel(out, ref.float()) < 2e-2
+        assert calls == [1, 2], calls  # T = 3 and 4 took the grouped GEMM
+        moe_gemm.decode_moe = lambda *args: real(*args) * 3  # a decode path that disagrees
+        chosen = pc.choose_decode_paths(targets[:1], k, 4, torch.bfloat16, scripted([2.0, 1.0] * 3))
+        assert list(chosen.values()) == [0] and a.decode_tokens == 0
+    finally:
+        moe_gemm.decode_moe = real
+    return 0.0
+
+
+
+def check_engine_path_choice(backend):
+    """`Engine.choose_moe_paths` finds each backend's buffers (resident: every layer's; offload:
+    its cache) and, with the decode path chosen for one token, decode steps through it give the
+    logits of the plain-PyTorch path."""
+    import tempfile
+    from unittest import mock
+
+    from moeferry import LLM
+    from moeferry.checkpoint.synthetic import make_model
+    from moeferry.ops.triton import moe_gemm
+
+    model = make_model(tempfile.mkdtemp(), "qwen3_5_moe", "tiny", seed=4, num_layers=2)
+    prompt, kw = [5, 17, 99, 3, 250, 8], ({"moe_backend": "offload", "moe_cache_size": 6} if backend == "offload" else {})
+    ref = LLM(str(model), dtype="float32", **kw).logits(prompt, chunk_size=[4, 1])
+    calls = []
+    real = moe_gemm.decode_moe
+    with mock.patch("moeferry.moe.resident.use_kernels", return_value=True), \
+            mock.patch("moeferry.moe.offload.use_kernels", return_value=True), \
+            mock.patch.object(moe_gemm, "decode_moe", lambda *a: calls.append(a[0].shape[0]) or real(*a)):
+        llm = LLM(str(model), dtype="float32", **kw)
+        targets = llm.engine.experts.decode_targets()
+        assert len(targets) == (2 if backend == "resident" else 1), targets
+        times = iter([2.0, 1.0, 2.0, 3.0] * len(targets))  # (grouped, decode) at T = 1, then 2
+        llm.engine.choose_moe_paths(timer=lambda fn: next(times))
+        assert all(t.buffer.decode_tokens == 1 for t in targets)
+        calls.clear()  # the timing ran both paths at T = 1 and 2
+        out = llm.logits(prompt, chunk_size=[4, 1])
+    assert calls and set(calls) == {1}, calls  # the 4-token chunk took the grouped GEMM
+    err = _rel(out, ref)
+    assert err < 1e-5, err
+    return err
+
+
+CASES["path-choice-nvfp4"] = (check_path_choice, dict())
+CASES["path-choice-engine-resident"] = (check_engine_path_choice, dict(backend="resident"))
+CASES["path-choice-engine-offload"] = (check_engine_path_choice, dict(backend="offload"))
 
 
 def check_gather(fmt, h=64, i=32, bank_slots=6, seed=0):
@@ -404,6 +488,22 @@ def test_gpu_decode_paths(fmt, t, path):
     ref = experts_reference(x.float(), ids, w_ref, lambda j: dq[j]) + torch.sigmoid(gate)[:, None] * swiglu(x.float(), *dq[e])
     err = _rel(out, ref)
     assert err < 2e-2, f"{fmt} T={t} {path}: relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", DEVICE_FORMS)
+def test_gpu_path_choice_times_both_paths(fmt):
+    """The warm-up's MoE path choice on the device (graph-replay timing) at Qwen3.6 shapes with
+    the shared expert: both paths agree at every size it times, every time is a real device
+    time, and the buffer takes the decode path up to a measured size (or not at all)."""
+    from moeferry.moe import path_choice as pc
+    buf, where, _ = _gpu_setup(fmt)
+    target = pc.DecodeTarget(buf, where[:QWEN["e"]].clone(), int(where[QWEN["e"]]))
+    tokens, timings, why = pc.choose_decode_tokens(target, QWEN["k"], 16, torch.bfloat16)
+    assert timings and all(0 < p.grouped_s < 1e-2 and 0 < p.decode_s < 1e-2 for p in timings), timings
+    assert all(p.rel_diff <= pc.AGREE for p in timings), timings
+    assert tokens in (0, *pc.SIZES) and (tokens == 0 or timings[0].decode_s < timings[0].grouped_s), (tokens, why)
 
 
 @pytest.mark.gpu

@@ -164,18 +164,31 @@ class Engine:
         return self.model.forward(batch, self.cache.kv, self.cache.states)
 
     def warm_up(self) -> None:
-        """Compile the kernels the server will use before the first request: a prefill chunk in
+        """Before the first request: choose the MoE kernel path of each decode size by timing
+        (`choose_moe_paths`), then compile the kernels the server will use: a prefill chunk in
         each kernel-config size bucket (then a decode step on it), and every decode batch size
         (captured CUDA graphs; eager batches in each bucket where graphs are off, e.g. offload),
         all through the real pools, given back after."""
         if self.device.type != "cuda":
             return
         t0 = time.perf_counter()
+        self.choose_moe_paths()
         self.run_warm_steps()
         torch.cuda.synchronize()
         log.info("warm-up took %.1f s%s", time.perf_counter() - t0,
                  "" if self.graphs is None or self.graphs.disabled is None
                  else f" (CUDA graphs off: {self.graphs.disabled})")
+
+    def choose_moe_paths(self, timer=None) -> None:
+        """Before any decode graph is captured: which MoE kernel path serves each decode batch
+        size, timed on this device for each slot layout (`moeferry.moe.path_choice`; `timer`:
+        seconds per call of a function, default the replay of a CUDA graph of calls)."""
+        targets = self.experts.decode_targets()
+        if targets:
+            from moeferry.moe.path_choice import choose_decode_paths
+            max_batch = min(self.cfg.max_running_requests, self.sizes.num_state_slots)
+            choose_decode_paths(targets, self.spec.top_k, max_batch, self.model.dtype,
+                                **({"timer": timer} if timer else {}))
 
     def run_warm_steps(self) -> None:
         """The warm-up's steps (on any device; tests run them on the CPU)."""

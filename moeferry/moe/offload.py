@@ -137,6 +137,15 @@ class OffloadBackend:
         self.executors[layer] = OffloadExperts(self, layer)
         return self.executors[layer]
 
+    def decode_targets(self) -> list:
+        """Each device cache's slot buffer with one of its layers' rows, for the warm-up's choice
+        of MoE path (`moe.path_choice`); the staging area serves prefill chunks, not decode."""
+        from moeferry.moe.path_choice import DecodeTarget
+        if not self.kernels:
+            return []
+        first = {id(c): layer for layer, c in sorted(self.caches.items(), reverse=True)}
+        return [DecodeTarget(c.buffer, c.row(first[id(c)])) for c in self.distinct_caches]
+
     def link_routers(self, routers: dict) -> None:
         """Each MoE layer's executor gets the next MoE layer's router (to predict its experts)."""
         order = sorted(routers)

@@ -93,6 +93,12 @@ class ResidentBackend:
     def link_routers(self, routers: dict) -> None:
         """Resident experts need no prediction of the next layer's routing (offload prefetches)."""
 
+    def decode_targets(self) -> list:
+        """Each layer's slot buffer, for the warm-up's choice of MoE path (`moe.path_choice`)."""
+        from moeferry.moe.path_choice import DecodeTarget
+        return [DecodeTarget(ex.buffer, ex.table_row, ex.shared_slot) for ex in self.layers.values()
+                if hasattr(ex, "buffer")]
+
     def add_layer(self, layer: int, experts: LayerExperts, shared: ExpertWeights | None = None):
         """The layer's executor; `shared` (only when `takes_shared`): the shared expert, in the
         routed experts' format, held in slot E and run with them (`shared_gate=`: the gate logit per token)."""

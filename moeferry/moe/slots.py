@@ -18,7 +18,7 @@ from moeferry.checkpoint.formats import FORMATS
 from moeferry.moe.layer_experts import ExpertWeights
 from moeferry.ops.triton.moe_formats import DENSE, MoEKernel, SlotMatrix
 from moeferry.ops.triton.moe_decode import DecodeConfig
-from moeferry.ops.triton.moe_gemm import MoEConfig, fused_moe
+from moeferry.ops.triton.moe_gemm import MoEConfig, decode_config, fused_moe
 from moeferry.ops.triton.moe_prep import RoutingScratch
 
 
@@ -38,6 +38,9 @@ class SlotBuffer:
             raise ValueError(f"shapes: gate_up [{gate_up.n}, {gate_up.k}] vs down [{down.n}, {down.k}]")
         self.gate_up, self.down = gate_up, down
         self.scratch = RoutingScratch(gate_up.num_slots, gate_up.w.device)
+        # calls of up to this many tokens take the decode path (two GEMV launches) instead of
+        # the grouped GEMM: 0 until the warm-up times both on the device (`moe.path_choice`)
+        self.decode_tokens = 0
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -63,7 +66,9 @@ class SlotBuffer:
             return dataclasses.replace(m, **{
                 k: torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype, device=device or t.device, pin_memory=pin)
                 for k, t in m.tensors().items()})
-        return cls(like(other.gate_up), like(other.down))
+        buf = cls(like(other.gate_up), like(other.down))
+        buf.decode_tokens = other.decode_tokens  # same layout, same kernels: the same choice
+        return buf
 
     @classmethod
     def from_experts(cls, fmt, experts: Sequence[ExpertWeights], device, num_slots: int | None = None,
@@ -182,6 +187,10 @@ class SlotBuffer:
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table_row: torch.Tensor,
             shared_slot: int = -1, shared_gate: torch.Tensor | None = None,
             config: MoEConfig | DecodeConfig | None = None) -> torch.Tensor:
+        """The fused MoE kernels on these slots; `config` forces a path (default: the decode path
+        for up to `decode_tokens` tokens, else the grouped GEMM's config for T)."""
+        if config is None and x.shape[0] <= self.decode_tokens:
+            config = decode_config(self.gate_up)
         return fused_moe(x, ids, weights, self.gate_up, self.down, table_row, self.scratch,
                          shared_slot, shared_gate, config)
 

@@ -13,8 +13,9 @@ With split-K (GemmConfig.split > 1, decode) each GEMM program reduces one slice 
 writes fp32 partial sums: gate_up's are added up and SiLU-multiplied by `_silu_reduce_kernel`,
 down's by `_reduce_kernel` together with the pairs.
 
-For a few tokens (T <= DECODE_MAX_TOKENS of the slot form) `fused_moe` runs the decode path
-of moe_decode.py instead (two launches, no routing prep, GEMV on the CUDA cores).
+With a DecodeConfig `fused_moe` runs the decode path of moe_decode.py instead (two launches,
+no routing prep, GEMV on the CUDA cores): a slot buffer asks for it up to the token count
+its warm-up timing chose (`SlotBuffer.decode_tokens`, `moeferry.moe.path_choice`).
 
 Weights are read through the format's step (moe_formats.py), which dequantizes inside the
 kernel; the math is bf16 (the activations' dtype) with fp32 accumulation. Decode (few
@@ -210,24 +211,18 @@ INTERPRET_CONFIGS: list[tuple[int, MoEConfig]] = [
 ]
 
 
-# The decode path (moe_decode.py: GEMV per pair, two launches, no routing prep) for T up to
-# DECODE_MAX_TOKENS[kernel name] (0: never), with the config of the first row of
-# DECODE_CONFIGS whose bound >= T. `benchmarks/quant_decode.py moe` times both paths per
-# format and T and prints the winner. The decode path is checked (interpreter tests, every
-# format) but not yet timed on a GPU, so it is off until that table says where it wins: the
-# grouped-GEMM path is the measured one (benchmarks/README.md).
-DECODE_MAX_TOKENS: dict[str, int] = {"dense": 0, "fp8_row": 0, "fp8_block": 0, "fp4": 0, "int4": 0}
-DECODE_CONFIGS: list[tuple[int, DecodeConfig]] = [(1 << 62, DecodeConfig())]
+# The decode path (moe_decode.py: GEMV per pair, two launches, no routing prep) runs where a
+# slot buffer's `decode_tokens` admits T: the warm-up times both paths on the device at decode
+# sizes and keeps the faster (`moeferry.moe.path_choice`); `benchmarks/quant_decode.py moe`
+# sweeps the decode path's block sizes against the grouped GEMM per format and T.
 INTERPRET_DECODE_CONFIG = DecodeConfig(gate_up_bn=16, gate_up_bk=64, down_bn=32, down_bk=32)
 
 
-def choose_decode(num_tokens: int, gate_up: SlotMatrix) -> DecodeConfig | None:
-    """The decode path's config for T tokens of this format, or None: the grouped-GEMM path."""
-    if num_tokens > DECODE_MAX_TOKENS.get(gate_up.kernel.name, 0) or not decode_supports(gate_up):
+def decode_config(gate_up: SlotMatrix) -> DecodeConfig | None:
+    """The decode path's config for this slot form, or None where its kernels do not handle it."""
+    if not decode_supports(gate_up):
         return None
-    if interpreting():
-        return INTERPRET_DECODE_CONFIG
-    return next(c for bound, c in DECODE_CONFIGS if num_tokens <= bound)
+    return INTERPRET_DECODE_CONFIG if interpreting() else DecodeConfig()
 
 
 def _fit(g: GemmConfig, m: SlotMatrix) -> GemmConfig:
@@ -319,13 +314,11 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up
     With `shared_gate` [T] (the shared expert gate's logits) the expert in `shared_slot` is added to
     every token, weighted by sigmoid(shared_gate) in fp32 (taken in the kernels).
     `config`: a MoEConfig forces the grouped-GEMM path, a DecodeConfig the decode path
-    (default: `choose_decode`, else `choose_config`). Returns [T, H] in x's dtype."""
+    (default: the grouped GEMM, `choose_config`). Returns [T, H] in x's dtype."""
     if x.shape[0] == 0:
         return torch.zeros_like(x)
     if x.stride(1) != 1:
         x = x.contiguous()
-    if config is None:
-        config = choose_decode(x.shape[0], gate_up)
     if isinstance(config, DecodeConfig):
         if not decode_supports(gate_up):
             raise ValueError(f"decode path: {gate_up.kernel.name} slots with group {gate_up.group} not supported")
