@@ -184,11 +184,15 @@ class Engine:
         size, timed on this device for each slot layout (`moeferry.moe.path_choice`; `timer`:
         seconds per call of a function, default the replay of a CUDA graph of calls)."""
         targets = self.experts.decode_targets()
-        if targets:
-            from moeferry.moe.path_choice import choose_decode_paths
-            max_batch = min(self.cfg.max_running_requests, self.sizes.num_state_slots)
-            choose_decode_paths(targets, self.spec.top_k, max_batch, self.model.dtype,
-                                **({"timer": timer} if timer else {}))
+        if not targets:
+            return
+        from moeferry.moe.path_choice import choose_decode_paths
+        t0 = time.perf_counter()
+        max_batch = min(self.cfg.max_running_requests, self.sizes.num_state_slots)
+        choose_decode_paths(targets, self.spec.top_k, max_batch, self.model.dtype, **({"timer": timer} if timer else {}))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the timing graphs' pools go back before the plan is settled
+        log.info("MoE path choice took %.1f s", time.perf_counter() - t0)
 
     def run_warm_steps(self) -> None:
         """The warm-up's steps (on any device; tests run them on the CPU)."""
