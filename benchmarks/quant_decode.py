@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark modules
 import moe_kernels as MK  # noqa: E402  (its timing helpers and MoE cases)
-from moeferry.moe.path_choice import DecodeTarget, choose_decode_tokens, host_seconds  # noqa: E402
+from moeferry.moe.path_choice import DecodeTarget, choose_decode_tokens, graph_seconds, host_seconds  # noqa: E402
 
 DEV = torch.device("cuda")
 SMOKE = False  # --smoke: tiny shapes on the CPU under MOEFERRY_TRITON_INTERPRET=1 (checks the script)
@@ -239,7 +239,7 @@ def bench_moe(args, log):
         case = MK.Case(fmt)
         # what the engine's warm-up would choose on this device (`moe.path_choice`)
         chose = choose_decode_tokens(DecodeTarget(case.buf, case.table), MK.K, 16, torch.bfloat16,
-                                     **({"timer": host_seconds} if SMOKE else {}))[0]
+                                     host_seconds if SMOKE else graph_seconds)[0]
         for t in (1, 2, 4) if SMOKE else (1, 2, 4, 8, 16):
             x = torch.randn(t, MK.H, device=DEV).bfloat16()
             rts = MK.routings(t, 2 if SMOKE else 16, seed=t)

@@ -186,10 +186,10 @@ class Engine:
         targets = self.experts.decode_targets()
         if not targets:
             return
-        from moeferry.moe.path_choice import choose_decode_paths
+        from moeferry.moe.path_choice import choose_decode_paths, graph_seconds
         t0 = time.perf_counter()
         max_batch = min(self.cfg.max_running_requests, self.sizes.num_state_slots)
-        choose_decode_paths(targets, self.spec.top_k, max_batch, self.model.dtype, **({"timer": timer} if timer else {}))
+        choose_decode_paths(targets, self.spec.top_k, max_batch, self.model.dtype, timer or graph_seconds)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the timing graphs' pools go back before the plan is settled
         log.info("MoE path choice took %.1f s", time.perf_counter() - t0)

@@ -1,4 +1,5 @@
-"""Partial neox-style rotary embedding: rotate the first R dims (rotate-half), copy the rest.
+"""Partial neox-style rotary embedding: rotate the first R dims (rotate-half), copy the rest;
+and attention's q/k RMSNorm + rotary in one launch (`qk_norm_rope`).
 
 One program per (token, block of heads). The products are rounded to the activation dtype
 before the sum, as the reference (which computes in that dtype) does. No workspace.
@@ -10,6 +11,20 @@ import triton
 import triton.language as tl
 
 from moeferry.ops.triton import next_pow2
+
+
+@triton.jit
+def _rotated(x1, x2, cos_row, sin_row, i, imask, half, dt):
+    """The rotate-half rotary of the halves x1, x2 ([heads, half], fp32 values of dtype `dt`)
+    by one token's cos/sin rows: each product rounded to `dt` before the sum, as the reference
+    (which computes in that dtype) does. Returns (o1, o2) in fp32."""
+    c1 = tl.load(cos_row + i, mask=imask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_row + half + i, mask=imask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_row + i, mask=imask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_row + half + i, mask=imask, other=0.0).to(tl.float32)[None, :]
+    o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+    o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    return o1, o2
 
 
 @triton.jit
@@ -25,14 +40,9 @@ def _rope_kernel(x_ptr, stride_xt, stride_xh, cos_ptr, sin_ptr, stride_ct, out_p
     base = x_ptr + t * stride_xt + heads[:, None] * stride_xh
     x1 = tl.load(base + i[None, :], mask=m, other=0.0)
     x2 = tl.load(base + HALF + i[None, :], mask=m, other=0.0)
-    c1 = tl.load(cos_ptr + t * stride_ct + i, mask=imask, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + t * stride_ct + HALF + i, mask=imask, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + t * stride_ct + i, mask=imask, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + t * stride_ct + HALF + i, mask=imask, other=0.0).to(tl.float32)[None, :]
     dt = out_ptr.dtype.element_ty
-    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    o1 = (x1f * c1).to(dt).to(tl.float32) + (-x2f * s1).to(dt).to(tl.float32)
-    o2 = (x2f * c2).to(dt).to(tl.float32) + (x1f * s2).to(dt).to(tl.float32)
+    o1, o2 = _rotated(x1.to(tl.float32), x2.to(tl.float32), cos_ptr + t * stride_ct, sin_ptr + t * stride_ct,
+                      i, imask, HALF, dt)
     obase = out_ptr + t * H * D + heads[:, None] * D
     tl.store(obase + i[None, :], o1.to(dt), mask=m)
     tl.store(obase + HALF + i[None, :], o2.to(dt), mask=m)
@@ -100,12 +110,7 @@ def _qk_norm_rope_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_k
     imask = i < HALF
     y1 = _normed(base, w_ptr, i, imask, hmask, inv, dt, ZERO_CENTERED)
     y2 = _normed(base, w_ptr, HALF + i, imask, hmask, inv, dt, ZERO_CENTERED)
-    c1 = tl.load(cos_ptr + t * stride_ct + i, mask=imask, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + t * stride_ct + HALF + i, mask=imask, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + t * stride_ct + i, mask=imask, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + t * stride_ct + HALF + i, mask=imask, other=0.0).to(tl.float32)[None, :]
-    o1 = (y1 * c1).to(dt).to(tl.float32) + (-y2 * s1).to(dt).to(tl.float32)
-    o2 = (y2 * c2).to(dt).to(tl.float32) + (y1 * s2).to(dt).to(tl.float32)
+    o1, o2 = _rotated(y1, y2, cos_ptr + t * stride_ct, sin_ptr + t * stride_ct, i, imask, HALF, dt)
     obase = o_ptr + t * H * D + heads[:, None] * D
     m = hmask[:, None] & imask[None, :]
     tl.store(obase + i[None, :], o1.to(dt), mask=m)
