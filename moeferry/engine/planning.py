@@ -182,7 +182,8 @@ def _self_test_round(engine) -> None:
     with engine.cache.sequences([context]) as (seq,):
         engine.guard.run(lambda: engine.run_batch([SeqChunk(ids, start, seq.pages, seq.state_slot)]), boot=True)
     batch = min(cfg.max_running_requests, sizes.num_state_slots)
-    depth = max(1, min(context, sizes.kv_tokens // batch) - 1)
+    page = engine.cache.kv.page_size  # each sequence holds whole pages: share the pool by pages
+    depth = max(1, min(context, sizes.kv_tokens // page // batch * page) - 1)
     with engine.cache.sequences([depth + 1] * batch) as held:
         chunks = [SeqChunk([1], depth, b.pages, b.state_slot) for b in held]
         engine.guard.run(lambda: engine.run_batch(chunks), boot=True)
