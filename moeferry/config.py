@@ -132,8 +132,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "as stalled after min(5, SECONDS/2) s. Must exceed the longest single step (default: 60)")
 
     g = p.add_argument_group("experts")
-    g.add_argument("--moe-backend", choices=("auto",) + MOE_BACKENDS, default="auto",
-                   help="where experts run: resident = every expert on the device; offload = every expert in "
+    g.add_argument("--moe-backend", choices=("auto",) + MOE_BACKENDS + ("fused",), default="auto",
+                   help="where experts run: resident = every expert on the device (fused: FreeToken's name for "
+                   "it, accepted as the same); offload = every expert in "
                    "pinned host RAM with a device cache of expert slots, misses copied over PCIe; cpu = misses "
                    "computed on the CPU; hybrid = each step's misses split between PCIe copies and the CPU; "
                    "auto = resident when the checkpoint fits in free device memory with room to spare, else "
@@ -405,6 +406,11 @@ def _backend_row(e: EngineConfig) -> str:
     return f"{e.moe_backend} (expert cache: {size}, policy {e.moe_cache_policy})"
 
 
+def _moe_backend(name: str) -> str:
+    """FreeToken's `fused` (its experts-on-the-device backend) is our `resident`."""
+    return "resident" if name == "fused" else name
+
+
 def _engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     """The engine's half of the flags (pool sizes as given; the engine resolves the rest)."""
     device = _resolve_device(args.device)
@@ -414,7 +420,7 @@ def _engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     num_tokens = args.num_pages * args.page_size if args.num_pages is not None else args.num_tokens
     try:  # EngineConfig checks the combinations (one place for serve and LLM)
         return EngineConfig(
-            model_dir=model_dir, device=device, dtype=dtype, moe_backend=args.moe_backend,
+            model_dir=model_dir, device=device, dtype=dtype, moe_backend=_moe_backend(args.moe_backend),
             moe_cache_size=args.moe_cache_size, moe_cache_rate=args.moe_cache_rate,
             moe_cache_auto=args.moe_cache_auto, moe_cache_policy=args.moe_cache_policy,
             moe_prefill_overlap=args.moe_prefill_overlap,

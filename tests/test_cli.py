@@ -82,6 +82,8 @@ def test_defaults_and_aliases(model):
     assert cfg.max_seq_len == 1008  # the pool bounds the context
     assert cfg.sizes.num_state_slots == 3 and not cfg.engine.prefix_cache
     assert cfg.served_model_name == Path(model).name
+    fused = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--moe-backend", "fused"))
+    assert fused.engine.moe_backend == "resident"  # FreeToken's name for experts on the device
 
 
 @pytest.mark.parametrize("argv", [
