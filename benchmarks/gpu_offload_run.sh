@@ -18,6 +18,9 @@
 #   bench     bench_serve.py: `moeferry bench serve` against both engines, BENCH_FLAGS, no ballast (issue 14)
 #   moe       quant_decode.py moe: the MoE decode path against the grouped-GEMM path (issue 13 item 3)
 #   load      load_speed.py: loading per layer, old and new paths, and load_model (issue 13 item 5)
+#   resident  offload.py, no ballast: moeferry --moe-backend resident against FreeToken with every expert
+#             cached (--moe-backend offload --moe-cache-size 10240: it refuses NVFP4 with fused) (issue 13)
+#   bf16_12   a 12-layer bf16 checkpoint, offload.py with --moe-backend fused on both, no ballast (issue 13)
 #   e2e       quant_decode.py e2e: in-process resident decode b1/b4/b16 and an eager profile (issue 13)
 #   e2e_offload  quant_decode.py e2e --offload CACHE_SIZE: in-process offload decode, graphs with the
 #             cache managed on the device, piecewise graphs, eager; where a piecewise step's time goes (no ballast)
@@ -48,6 +51,7 @@ OFFLOAD_ARGS=${OFFLOAD_ARGS:-}
 FT_ARGS=${FT_ARGS:---attention-backend triton}
 BENCH_FLAGS=${BENCH_FLAGS:---moe-backend offload --moe-cache-size 10240 --max-running-requests 8 --max-seq-len-override 8192}
 OFFLOAD_FLAGS="--moe-backend offload --moe-cache-size $CACHE_SIZE --max-running-requests 4 --max-seq-len-override 32768"
+PEER_FLAGS="--max-running-requests 4 --max-seq-len-override 32768"  # the resident runs' shared flags
 T_START=$(date +%s)
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 TOKENIZERS_PARALLELISM=false
@@ -94,15 +98,15 @@ step() {
   return $rc
 }
 
-make_ckpt() {  # make_ckpt DIR SKEW [QUANT]; a checkpoint a warm machine already holds is kept
-  local logf="$WORK/make_$(basename "$1").log" rc
-  [ -f "$1/.made-$2-${3:-mixed_nvfp4}" ] && { echo "kept $1 (made by an earlier call)"; return 0; }
+make_ckpt() {  # make_ckpt DIR SKEW [QUANT (bf16: none) [LAYERS]]; a checkpoint a warm machine already holds is kept
+  local logf="$WORK/make_$(basename "$1").log" rc quant=${3:-mixed_nvfp4} layers=${4:-$LAYERS}
+  [ -f "$1/.made-$2-$quant" ] && { echo "kept $1 (made by an earlier call)"; return 0; }
   rm -rf "$1"
   MOEFERRY_QUANT_DEVICE=$QUANT_DEVICE python3 -m moeferry.cli make-model --arch qwen3_5_moe --size "$SIZE" \
-    ${LAYERS:+--num-layers $LAYERS} --multimodal --dtype bfloat16 --quant "${3:-mixed_nvfp4}" --router-skew "$2" \
-    --out "$1" > "$logf" 2>&1
+    ${layers:+--num-layers $layers} --multimodal --dtype bfloat16 $([ "$quant" = bf16 ] || echo "--quant $quant") \
+    --router-skew "$2" --out "$1" > "$logf" 2>&1
   rc=$?; tail -n 3 "$logf"; du -sh "$1"
-  [ $rc = 0 ] && touch "$1/.made-$2-${3:-mixed_nvfp4}"; return $rc
+  [ $rc = 0 ] && touch "$1/.made-$2-$quant"; return $rc
 }
 
 seed() {  # seed NAME [seed_scenario.py args...]
@@ -119,6 +123,11 @@ offload() {  # offload NAME MODEL [offload.py args...]
     "$@" ${OFFLOAD_ARGS:-}
 }
 
+peer() {  # peer NAME MODEL SHARED_FLAGS OURS_FLAGS FT_FLAGS: offload.py without ballast, per-engine flags
+  python3 benchmarks/offload.py --model "$2" --out "$WORK/$1" --flags "$3" --ours-args "$4" --ft-args "$FT_ARGS $5" \
+    --boot-timeout 200 --request-timeout 60 --engine-budget 70 ${OFFLOAD_ARGS:-}
+}
+
 gputests() {  # the files that carry the gpu marker (the others import the API clients the GPU host lacks);
   # each test's name and outcome as it runs, so a run cut by its limit still says how far it got
   local files=${GPUTESTS:-$(grep -l "pytest.mark.gpu" tests/*.py | tr '\n' ' ')}
@@ -130,8 +139,8 @@ gputests() {  # the files that carry the gpu marker (the others import the API c
     tail -n 25 "$WORK/gputests/pytest.log"; } > "$WORK/gputests/pytest.md"
 }
 
-export -f left make_ckpt seed offload gputests  # step runs them under timeout, in a child bash
-export T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFFLOAD_FLAGS SEED_ARGS OFFLOAD_ARGS
+export -f left make_ckpt seed offload peer gputests  # step runs them under timeout, in a child bash
+export T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFFLOAD_FLAGS PEER_FLAGS SEED_ARGS OFFLOAD_ARGS
 
 {
   echo "== env ($(date -u +%T))"
@@ -161,6 +170,10 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       moe)      step moe 200 480 python3 benchmarks/quant_decode.py moe --out "$WORK/moe" ;;
       load)     step load 60 200 python3 benchmarks/load_speed.py --model "$WORK/ckpt" --device cuda --layers 3 \
                   --load-model ;;
+      resident) step resident 250 400 peer resident "$WORK/ckpt" "$PEER_FLAGS" "--moe-backend resident" \
+                  "--moe-backend offload --moe-cache-size 10240" ;;
+      bf16_12)  step make_bf16_12 60 200 make_ckpt "$WORK/ckpt_bf16_12" 0 bf16 12 \
+                  && step bf16_12 180 300 peer bf16_12 "$WORK/ckpt_bf16_12" "--moe-backend fused $PEER_FLAGS" "" "" ;;
       e2e)      step e2e 120 240 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e" --profile ;;
       e2e_offload) step e2e_offload 220 360 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e_offload" \
                   --offload "$CACHE_SIZE" ;;

@@ -110,9 +110,11 @@ def render(info: dict, rows: list[dict], prefill_n: int) -> str:
                       _pair(ratio(get(ours, "decode_b1", "e2e_tok_s"), get(ft, "decode_b1", "e2e_tok_s")),
                             ratio(get(ours, "decode_b4", "e2e_tok_s"), get(ft, "decode_b4", "e2e_tok_s")))]
                      + [None] * (len(headers) - 7))
-    notes = ("\nTargets (issue 11): decode >= 1.5x FreeToken at equal slots and >= 0.8 of the PCIe bound; "
-             "prefill time <= FreeToken's; boot <= 0.5x FreeToken's. Ratios: time ratios for boot and "
-             "prefill (lower is better), rate ratios for decode.\n")
+    targets = ("Targets (issue 11): decode >= 1.5x FreeToken at equal slots and >= 0.8 of the PCIe bound; "
+               "prefill time <= FreeToken's; boot <= 0.5x FreeToken's." if "--moe-cache" in info["flags"] else
+               "Targets (issue 13, experts on the device): decode b1 >= 1.5x FreeToken's (mixed_nvfp4) or 1.2x "
+               "(bf16); prefill ahead; the first request after ready within 1.5x of the third.")
+    notes = f"\n{targets} Ratios: time ratios for boot and prefill (lower is better), rate ratios for decode.\n"
     return head + md_table(headers, table) + notes
 
 
