@@ -18,6 +18,7 @@
 #   bench     bench_serve.py: `moeferry bench serve` against both engines, BENCH_FLAGS, no ballast (issue 14)
 #   moe       quant_decode.py moe: the MoE decode path against the grouped-GEMM path (issue 13 item 3)
 #   load      load_speed.py: loading per layer, old and new paths, and load_model (issue 13 item 5)
+#   prep13    in parallel (no timing runs then): the main checkpoint, the bf16_12 checkpoint and gputests
 #   resident  offload.py, no ballast: moeferry --moe-backend resident against FreeToken with every expert
 #             cached (--moe-backend offload --moe-cache-size 10240: it refuses NVFP4 with fused) (issue 13)
 #   bf16_12   a 12-layer bf16 checkpoint, offload.py with --moe-backend fused on both, no ballast (issue 13)
@@ -156,7 +157,10 @@ export T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFFLOAD_
     python3 -c 'import fastapi, uvicorn, pydantic, freetoken, flashlib, tvm_ffi, zmq
 print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__)' || exit 4
   fi
-  step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; }
+  case " $RUNS " in
+    *" prep13 "*) ;;  # it makes the checkpoint itself, alongside other work
+    *) step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; } ;;
+  esac
   for run in $RUNS; do
     case $run in
       seed)     step seed ${SEED_EST_S:-150} ${SEED_MAX_S:-360} seed seed ;;
@@ -170,6 +174,8 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       moe)      step moe 200 480 python3 benchmarks/quant_decode.py moe --out "$WORK/moe" ;;
       load)     step load 60 200 python3 benchmarks/load_speed.py --model "$WORK/ckpt" --device cuda --layers 3 \
                   --load-model ;;
+      prep13)   step prep13 120 300 bash -c 'gputests & make_ckpt "$WORK/ckpt_bf16_12" 0 bf16 12 & \
+                  make_ckpt "$WORK/ckpt" 0; rc=$?; wait; exit $rc' || { echo "no checkpoint: stopping"; break; } ;;
       resident) step resident 250 400 peer resident "$WORK/ckpt" "$PEER_FLAGS" "--moe-backend resident" \
                   "--moe-backend offload --moe-cache-size 10240" ;;
       bf16_12)  step make_bf16_12 60 200 make_ckpt "$WORK/ckpt_bf16_12" 0 bf16 12 \
