@@ -488,6 +488,57 @@ def case_model_kernel_path(device, seed=0):
                 worst = max(worst, _check(out, ref, 1e-5, f"{arch} {quant} {kw}"))
     return worst
 
+def case_warm_up_covers_prefill_shapes(device, seed=0):
+    """Serving compiles nothing the warm-up did not: after `run_warm_steps` and an eager step at
+    each decode-graph size (what capturing runs first), prefill chunks of every length 1..140
+    and longer ones up to the 8192 chunk, alone and beside 1 or 3 decode rows, launch only
+    kernel variants (Triton compile keys) the warm-up launched, with the configs a GPU picks
+    (`tests/compile_keys.py`: recorded, not run). The H200 once took 0.93 s on the first 8-token
+    prompt, 0.11 s on the second: its routing-prep and conv variants were compiled then."""
+    import tempfile
+
+    import moeferry.moe.resident as resident
+    from tests.compile_keys import CompileKeys
+    from moeferry.checkpoint.synthetic import make_model
+    from moeferry.engine.cuda_graph import default_sizes
+    from moeferry.llm import LLM
+    from moeferry.model.batch import SeqChunk
+    if device != "cpu":
+        pytest.skip("records the interpreter's launches")
+
+    def step(eng, prefill: int, decode_rows: int) -> None:
+        tokens = [3 + i % 200 for i in range(prefill)]
+        with eng.cache.sequences([5] * decode_rows + [prefill + 1]) as held:
+            *rows, seq = held
+            if rows:
+                eng.forward([SeqChunk([1] * 4, 0, b.pages, b.state_slot) for b in rows])
+            eng.forward([SeqChunk([1], 4, b.pages, b.state_slot) for b in rows]
+                        + [SeqChunk(tokens, 0, seq.pages, seq.state_slot)])
+
+    orig = resident.use_kernels
+    resident.use_kernels = lambda dev: True
+    try:
+        with tempfile.TemporaryDirectory() as tmp, CompileKeys() as keys:
+            for quant in ("mixed_nvfp4", None):
+                path = make_model(Path(tmp) / str(quant), "qwen3_5_moe", "tiny", seed=seed, quant=quant, num_layers=4)
+                eng = LLM(str(path), device="cpu", dtype="bfloat16", max_extend_tokens=8192, num_tokens=16384,
+                          max_seq_len=8200).engine
+                eng.run_warm_steps()
+                for batch in default_sizes(min(eng.cfg.max_running_requests, eng.sizes.num_state_slots)):
+                    step(eng, 1, batch - 1)
+                warmed = set(keys.seen)
+                for n in [*range(1, 141), 200, 513, 1000, 4097, 8192]:
+                    step(eng, n, 0)
+                for n in (1, 3, 20, 70, 130, 600):
+                    step(eng, n, 1)
+                    step(eng, n, 3)
+                new = keys.new_since(warmed)
+                assert not new, f"{quant}: variants first compiled while serving:\n" + "\n".join(new)
+    finally:
+        resident.use_kernels = orig
+    return 0.0
+
+
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 

@@ -43,9 +43,13 @@ from moeferry.moe import make_backend
 
 log = logging.getLogger("moeferry.engine")
 
-# warm-up shapes: one prefill chunk (tokens) and one eager decode batch per kernel-config bucket
-# (moe_gemm.CONFIGS: <= 1, 4, 32, 512 tokens; quant_linear: <= 4, 16 rows, tiled beyond)
-WARM_PREFILL = (16, 64, 600)
+# warm-up shapes: one prefill chunk (tokens) in each bucket of a launch's compile-time choices
+# (conv.py's block of 4 / 8 / 16 tokens; quant_linear's GEMV rows <= 4, split-K <= 16, tiles of
+# 32 / 64 / 128 rows; moe_gemm's configs <= 4, 32, 512, 4096 tokens; moe_prep's one program up to
+# 1024 pairs), and one eager decode batch per bucket where graphs are off. Token and row counts
+# are not specialized on (`do_not_specialize`), so one length per bucket compiles what every
+# length in it uses (tests/test_triton_kernels.py::case_warm_up_covers_prefill_shapes).
+WARM_PREFILL = (2, 5, 9, 17, 33, 65, 129, 513, 4097)
 WARM_BATCHES = (2, 5, 33)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -166,7 +170,7 @@ class Engine:
     def warm_up(self) -> None:
         """Before the first request: choose the MoE kernel path of each decode size by timing
         (`choose_moe_paths`), then compile the kernels the server will use: a prefill chunk in
-        each kernel-config size bucket (then a decode step on it), and every decode batch size
+        each bucket of WARM_PREFILL (then a decode step on it), and every decode batch size
         (captured CUDA graphs; eager batches in each bucket where graphs are off, e.g. offload),
         all through the real pools, given back after."""
         if self.device.type != "cuda":

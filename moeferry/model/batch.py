@@ -74,7 +74,10 @@ class ForwardBatch:
             return torch.tensor(x, dtype=torch.long, device=device)
 
         state_slots = [c.state_slot for c in chunks]
-        meta = torch.tensor(cu + kv_lens + state_slots, dtype=torch.int32).to(device)  # one host->device copy
-        b = len(chunks)
+        # one host->device copy; each list starts on a 16-byte boundary, so a kernel reading it
+        # is compiled for an aligned pointer whatever the batch size (one variant, warmed at boot)
+        b, w = len(chunks), -(-(len(chunks) + 1) // 4) * 4
+        pad = [0] * (w - b)
+        meta = torch.tensor(cu + pad[1:] + kv_lens + pad + state_slots, dtype=torch.int32).to(device)
         return cls(t(ids), t(pos), q_lens, kv_lens, cu, table.to(device), t(slots), state_slots, t(rows), page_size,
-                   meta[: b + 1], meta[b + 1: 2 * b + 1], meta[2 * b + 1:], max(q_lens))
+                   meta[: b + 1], meta[w: w + b], meta[2 * w:], max(q_lens))

@@ -59,7 +59,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
                                                    slots.contiguous(), ROW=row, BLOCK=block, num_warps=4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt"])  # the page table's width varies step to step
 def _decode_kernel(q_ptr, stride_qt, stride_qh, k_ptr, v_ptr, stride_ks, stride_kh, stride_vs, stride_vh,
                    pt_ptr, stride_pt, kvlen_ptr, out_ptr, po_ptr, pml_ptr, scale, page_size,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -168,7 +168,7 @@ def paged_attention_decode(q, k_cache, v_cache, kv_lens, page_table, page_size: 
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt"])  # the page table's width varies step to step
 def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_ptr, v_ptr, stride_ks, stride_kh, stride_vs, stride_vh,
                     pt_ptr, stride_pt, cu_ptr, kvlen_ptr, out_ptr, scale, page_size,
                     GROUP: tl.constexpr, NUM_HQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,

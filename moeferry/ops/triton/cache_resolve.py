@@ -27,7 +27,7 @@ SLOT_BITS = 20  # slots a cache may have: 2**20 (the victim search packs a stamp
 _BIG, _SLOT_BITS, _SLOTS = tl.constexpr(BIG), tl.constexpr(SLOT_BITS), tl.constexpr(1 << SLOT_BITS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _resolve_kernel(ids_ptr, n, table_ptr, owner_ptr, stamp_ptr, flag_ptr, clock_ptr, dst_ptr, count_ptr,
                     key_base, num_slots, PREFETCH: tl.constexpr, N: tl.constexpr, S: tl.constexpr):
     offs = tl.arange(0, N)

@@ -49,7 +49,7 @@ def _tile_ids(pid, num_m, num_n, GROUP_M: tl.constexpr):
     return first_m + (pid % width) % size_m, (pid % width) // size_m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])
 def _gate_up_kernel(x_ptr, stride_x, inter_ptr, ws_ptr, w_ptr, s_ptr, z_ptr, rs_ptr,
                     sorted_ptr, block_slot_ptr, block_rows_ptr, num_blocks_ptr, max_blocks, H, I, K_SPLIT, SPLIT,
                     STEP: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
@@ -92,7 +92,7 @@ def _gate_up_kernel(x_ptr, stride_x, inter_ptr, ws_ptr, w_ptr, s_ptr, z_ptr, rs_
         tl.store(part + I, acc_u, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])
 def _silu_reduce_kernel(ws_ptr, inter_ptr, block_rows_ptr, num_blocks_ptr, max_blocks, I, SPLIT,
                         BM: tl.constexpr, BN: tl.constexpr):
     """inter = silu(sum gate partials) * (sum up partials), for the written rows of a block."""
@@ -113,7 +113,7 @@ def _silu_reduce_kernel(ws_ptr, inter_ptr, block_rows_ptr, num_blocks_ptr, max_b
     tl.store(inter_ptr + rows[:, None] * I + offs_n[None, :], h.to(inter_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks", "num_pairs"])
 def _down_kernel(inter_ptr, y_ptr, w_ptr, s_ptr, z_ptr, rs_ptr, pair_w_ptr,
                  sorted_ptr, block_slot_ptr, block_rows_ptr, num_blocks_ptr, max_blocks, H, I, K_SPLIT, num_pairs,
                  STEP: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
@@ -147,7 +147,7 @@ def _down_kernel(inter_ptr, y_ptr, w_ptr, s_ptr, z_ptr, rs_ptr, pair_w_ptr,
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _reduce_kernel(y_ptr, out_ptr, pair_slot_ptr, H, stride_out, num_pairs, SPLIT,
                    TOPK: tl.constexpr, BH: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)

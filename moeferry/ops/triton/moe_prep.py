@@ -30,6 +30,12 @@ SINGLE_PROGRAM_MAX_PAIRS = 1024
 _BLOCK = 256
 
 
+def _single_block(pairs: int) -> int:
+    """The one-program prep's block: 32 pairs for a small decode batch, else _BLOCK (two compiled
+    variants in all, both warmed at boot, rather than one per power of two of the pair count)."""
+    return 32 if pairs <= 32 else _BLOCK
+
+
 @triton.jit
 def _phase_a(i0, ids_ptr, w_ptr, shw_ptr, table_ptr, shared_slot, P, counts_ptr,
              pair_slot_ptr, pair_w_ptr, rank_ptr,
@@ -84,7 +90,7 @@ def _phase_c(i0, P, counts_ptr, gstart_ptr, pair_slot_ptr, rank_ptr, sorted_ptr,
     tl.store(counts_ptr + s, tl.zeros((BLOCK,), tl.int32), mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _prep_single_kernel(ids_ptr, w_ptr, shw_ptr, table_ptr, shared_slot, P, counts_ptr, gstart_ptr,
                         pair_slot_ptr, pair_w_ptr, rank_ptr, num_blocks_ptr, block_slot_ptr,
                         block_rows_ptr, sorted_ptr,
@@ -103,7 +109,7 @@ def _prep_single_kernel(ids_ptr, w_ptr, shw_ptr, table_ptr, shared_slot, P, coun
         _phase_c(i0, P, counts_ptr, gstart_ptr, pair_slot_ptr, rank_ptr, sorted_ptr, BM, BLOCK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _prep_a_kernel(ids_ptr, w_ptr, shw_ptr, table_ptr, shared_slot, P, counts_ptr,
                    pair_slot_ptr, pair_w_ptr, rank_ptr, num_blocks_ptr,
                    K_IN: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
@@ -114,14 +120,14 @@ def _prep_a_kernel(ids_ptr, w_ptr, shw_ptr, table_ptr, shared_slot, P, counts_pt
              pair_slot_ptr, pair_w_ptr, rank_ptr, K_IN, TOPK, HAS_SHARED, BLOCK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _prep_b_kernel(P, counts_ptr, gstart_ptr, pair_slot_ptr, rank_ptr, num_blocks_ptr,
                    block_slot_ptr, block_rows_ptr, BM: tl.constexpr, BLOCK: tl.constexpr):
     _phase_b(tl.program_id(0) * BLOCK, P, counts_ptr, gstart_ptr, pair_slot_ptr, rank_ptr,
              num_blocks_ptr, block_slot_ptr, block_rows_ptr, BM, BLOCK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _prep_c_kernel(P, counts_ptr, gstart_ptr, pair_slot_ptr, rank_ptr, sorted_ptr,
                    BM: tl.constexpr, BLOCK: tl.constexpr):
     _phase_c(tl.program_id(0) * BLOCK, P, counts_ptr, gstart_ptr, pair_slot_ptr, rank_ptr,
@@ -194,7 +200,7 @@ def prepare_routing(ids: torch.Tensor, weights: torch.Tensor, table_row: torch.T
             _prep_single_kernel[(1,)](ids, weights, shw, table_row, shared_slot, p, c, g, r.pair_slot, r.pair_w,
                                       rank, r.num_blocks, r.block_slot, r.block_rows, r.sorted_ids,
                                       K_IN=k_in, TOPK=topk, HAS_SHARED=has_shared, BM=block_m,
-                                      BLOCK=min(_BLOCK, max(16, triton.next_power_of_2(p))), num_warps=4)
+                                      BLOCK=_single_block(p), num_warps=4)
         else:
             grid = (triton.cdiv(p, _BLOCK),)
             _prep_a_kernel[grid](ids, weights, shw, table_row, shared_slot, p, c, r.pair_slot, r.pair_w, rank,

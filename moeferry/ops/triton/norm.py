@@ -14,7 +14,7 @@ import triton.language as tl
 from moeferry.ops.triton import next_pow2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(x_ptr, stride_x, res_ptr, stride_r, sum_ptr, w_ptr, out_ptr, n_rows, N, eps,
                      HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -37,7 +37,7 @@ def _rms_norm_kernel(x_ptr, stride_x, res_ptr, stride_r, sum_ptr, w_ptr, out_ptr
     tl.store(out_ptr + rows64[:, None] * N + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _gated_rms_norm_kernel(x_ptr, stride_x, g_ptr, stride_g, w_ptr, out_ptr, n_rows, N, eps,
                            ROUND_MID: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)

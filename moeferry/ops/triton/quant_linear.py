@@ -49,7 +49,7 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 DENSE_KERNELS: dict[str, MoEKernel] = {k.name: k for k in (DENSE, FP8_ROW, FP8_BLOCK, FP4, INT4)}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _quant_gemm_kernel(x_ptr, stride_x, out_ptr, ws_ptr, cnt_ptr, w_ptr, s_ptr, z_ptr, rs_ptr, M, N, K, K_SPLIT, SPLIT,
                        STEP: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
                        HAS_Z: tl.constexpr, DT: tl.constexpr, SWAP: tl.constexpr,
@@ -72,7 +72,7 @@ def _quant_gemm_kernel(x_ptr, stride_x, out_ptr, ws_ptr, cnt_ptr, w_ptr, s_ptr, 
             M, N, SPLIT, ROW_SCALE, BM, BN)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _quant_gemv_kernel(x_ptr, stride_x, out_ptr, ws_ptr, cnt_ptr, w_ptr, s_ptr, z_ptr, rs_ptr, M, N, K, K_SPLIT, SPLIT,
                        STEP: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
                        HAS_Z: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):

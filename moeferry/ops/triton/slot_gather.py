@@ -34,7 +34,7 @@ UNIT = 4  # words in a 16-byte unit (vec descriptors count in units)
 _UNIT = tl.constexpr(UNIT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["items"])
 def _gather_kernel(desc_ptr, src_ptr, dst_ptr, src_base, dst_base, items, parts, blocks,
                    BLOCK: tl.constexpr, VEC: tl.constexpr):
     """Work item w = (i, part, blk): words blk*BLOCK.. of tensor `part` of the i-th expert moved
