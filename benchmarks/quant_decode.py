@@ -27,6 +27,7 @@ warm-up steps, batch 1 and 4; prints whether decode runs in CUDA graphs (or why 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import json
 import math
 import sys
@@ -305,6 +306,31 @@ def decode_rate(engine, batch, prompt_len=64, steps=24, warmup=4, around=None):
     return ours_decode(engine, batch, prompt_len, steps, torch.Generator().manual_seed(batch), warmup, around)[0]
 
 
+def scheduler_rate(engine, batch, params, prompt_len=8, steps=64, warmup=8) -> float:
+    """tok/s of decode through the server's Scheduler (what the worker loop runs each step:
+    schedule, graph replay, sampling with `params`, bookkeeping), in this process: the gap to
+    `decode_rate` is the scheduler's and sampler's share of a server's step, the rest of the gap
+    to the server's rate is IPC and the API process."""
+    from moeferry.scheduler.request import Request
+    from moeferry.scheduler.scheduler import Scheduler
+    sched = Scheduler(engine)
+    gen = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        prompt = torch.randint(0, engine.spec.vocab_size, (prompt_len,), generator=gen).tolist()
+        sched.add(Request(f"bench-{i}", prompt, replace(params, max_tokens=steps + warmup + 2, ignore_eos=True)))
+    for _ in range(warmup + 1):  # the prefill step, then decode
+        sched.step()
+    sync()
+    t = time.perf_counter()
+    for _ in range(steps):
+        sched.step()
+    sync()
+    rate = batch * steps / (time.perf_counter() - t)
+    while sched.has_work:
+        sched.step()
+    return rate
+
+
 def profile_step(engine, log, top=15):
     """Kernel time of two eager batch-1 decode steps by kernel name (graphs off)."""
     from torch.profiler import ProfilerActivity, profile
@@ -514,6 +540,12 @@ def bench_e2e(args, log):
     out["graphs"] = graphs_state(engine.graphs)
     log(f"  load {load_s:.1f} s  decode b1 {out['b1']:.1f} tok/s  b4 {out['b4']:.1f} tok/s  "
         f"b16 {out['b16']:.1f} tok/s  graphs: {out['graphs']}")
+    from moeferry.scheduler.sampling import SamplingParams
+    for name, params in (("greedy", SamplingParams(temperature=0.0)),
+                         ("sampled", SamplingParams(temperature=0.7, top_p=0.8, top_k=20))):  # Qwen3.6's defaults
+        out[f"scheduler_{name}"] = {b: scheduler_rate(engine, b, params) for b in (1, 4)}
+        log(f"  through the scheduler, {name}: b1 {out[f'scheduler_{name}'][1]:.1f} tok/s  "
+            f"b4 {out[f'scheduler_{name}'][4]:.1f} tok/s")
     if args.profile:
         profile_step(engine, log)
     out["decode_path"] = decode_path_rates(engine, log)
