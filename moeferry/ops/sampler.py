@@ -5,8 +5,10 @@ Order: penalties (repetition on prompt+output, presence/frequency on output), mi
 generator (exponential race, reproducible per seed). Greedy rows take argmax of the penalised
 logits. Logprobs are of the raw model distribution. Where every sampling row has a top-k (a
 model's usual defaults), the draw is among each row's top-k_max tokens (`top_candidates`: one
-`topk`, no sort of the vocabulary; the same distribution); a batch of greedy rows only takes
-the argmax; penalties run only where some row has one.
+`topk`, no sort of the vocabulary; the same distribution), and that draw runs on the host: the
+[B, k] candidates come over in one copy (the step reads its tokens on the host anyway), where
+filtering and the race are a few microseconds instead of ~40 tiny device launches; a batch of
+greedy rows only takes the argmax; penalties run only where some row has one.
 
 Numerically safe over the whole accepted range: temperatures below GREEDY_BELOW are greedy (dividing
 by 1e-40 overflows fp32 to inf, and a softmax of infs is NaN), and penalised logits are clamped to
@@ -15,7 +17,7 @@ finite, well-defined distribution.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,10 +37,21 @@ class SamplingBatch:
     output_counts: torch.Tensor  # [B, V] counts of generated tokens ([B, 0] where no row `adjusts`)
     seen: torch.Tensor  # [B, V] bool: token in prompt or output (the same)
     banned: torch.Tensor  # [B, V] bool: masked this step (min_tokens, grammar; the same)
-    generators: list[torch.Generator | None]  # on the logits' device; None for greedy rows
+    generators: list[torch.Generator | None]  # on the device that draws (`draws_on_host`); None for greedy rows
     # known on the host when the batch is built (the defaults take the general path):
     adjusts: bool = True  # some row has a penalty or banned tokens (else `apply_penalties` changes nothing)
     top_k_max: int = 0  # every sampling row has a top-k, the largest (0: some row has none)
+
+    def draws_on_host(self, vocab: int) -> bool:
+        """The short path (every sampling row has a top-k below the vocabulary) draws on the host."""
+        return 0 < self.top_k_max < vocab
+
+    def row_params_on_host(self) -> "SamplingBatch":
+        """The per-row parameters the draw reads, on the host (no copy where they are already)."""
+        if self.temperature.device.type == "cpu":
+            return self
+        return replace(self, temperature=self.temperature.cpu(), top_k=self.top_k.cpu(), top_p=self.top_p.cpu(),
+                       min_p=self.min_p.cpu())
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -86,30 +99,44 @@ def top_candidates(logits: torch.Tensor, b: SamplingBatch, k: int) -> tuple[torc
     excluded ones -inf; their ids), both [B, k]. The same distribution as `filter_logits`
     without sorting the vocabulary (a temperature keeps the order)."""
     best, ids = logits.topk(k, dim=-1)
+    return _filtered(best, b), ids
+
+
+def _filtered(best: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     best = _scaled(best, b)
-    return best.masked_fill(_drop_sorted(best, b), float("-inf")), ids
+    return best.masked_fill(_drop_sorted(best, b), float("-inf"))
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """Token ids [B] for fp32 logits [B, V]."""
+    """Token ids [B] for fp32 logits [B, V] (on the host where the short path drew them)."""
     logits = logits.float()
     if b.adjusts:
         logits = apply_penalties(logits, b)
     greedy = logits.argmax(-1)
     if all(g is None for g in b.generators):  # every row greedy
         return greedy
-    if 0 < b.top_k_max < logits.shape[-1]:  # draw among each row's best few, not the vocabulary
-        filtered, ids = top_candidates(logits, b, b.top_k_max)
-        drawn = ids.gather(1, _race(filtered, b)[:, None])[:, 0]
-    else:
-        drawn = _race(filter_logits(logits, b), b)
+    if b.draws_on_host(logits.shape[-1]):  # draw among each row's best few, not the vocabulary
+        return _draw_on_host(logits, greedy, b)
+    drawn = _race(filter_logits(logits, b), b)
     return torch.where(is_greedy(b.temperature), greedy, drawn)
+
+
+def _draw_on_host(logits: torch.Tensor, greedy: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """The short path: each row's top_k_max candidates and the argmax come to the host in one
+    copy (ids are exact in fp32: vocabularies are far below 2^24), where the filter and the
+    race run on [B, k] with the rows' host generators."""
+    best, ids = logits.topk(b.top_k_max, dim=-1)
+    both = torch.cat((best, ids.float(), greedy[:, None].float()), dim=1).cpu()
+    k, host = b.top_k_max, b.row_params_on_host()
+    best, ids, greedy = both[:, :k], both[:, k:2 * k].long(), both[:, 2 * k].long()
+    drawn = ids.gather(1, _race(_filtered(best, host), host)[:, None])[:, 0]
+    return torch.where(is_greedy(host.temperature), greedy, drawn)
 
 
 def _race(filtered: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """One draw per row from softmax(filtered) (exponential race, each row's own generator)."""
     noise = torch.ones_like(filtered)
-    for i, g in enumerate(b.generators):  # drawn on the logits' device; greedy rows need none
+    for i, g in enumerate(b.generators):  # drawn on `filtered`'s device; greedy rows need none
         if g is not None:
             noise[i].exponential_(generator=g)
     return (filtered.softmax(-1) / noise).argmax(-1)
@@ -118,6 +145,6 @@ def _race(filtered: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(chosen logprob [B], top ids [B, n], top logprobs [B, n]) of the raw distribution."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, tokens[:, None])[:, 0]
+    chosen = lp.gather(1, tokens.to(lp.device)[:, None])[:, 0]
     top_lp, top_ids = lp.topk(max(top_n, 1), dim=-1)
     return chosen, top_ids[:, :top_n], top_lp[:, :top_n]

@@ -33,12 +33,16 @@ def build_sampling_batch(reqs: list[Request], vocab: int, eos_ids: set[int], dev
         banned |= grammar.to(device)
     sampling = [p for p in ps if p.temperature > 0]
     top_k_max = max(p.top_k for p in sampling) if sampling and all(p.top_k > 0 for p in sampling) else 0
-    rows = vec([[p.temperature, max(p.top_k, 0), p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
-                 p.repetition_penalty] for p in ps]).T  # one host->device copy for every row's parameters
+    on_host = 0 < top_k_max < vocab  # the short path draws on the host (SamplingBatch.draws_on_host)
+    rows = torch.tensor([[p.temperature, max(p.top_k, 0), p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+                          p.repetition_penalty] for p in ps], dtype=torch.float32).T
+    if not on_host or adjusts:  # penalties (and the general path's filter) read them on the device
+        rows = rows.to(device)  # one host->device copy for every row's parameters
+    draws = "cpu" if on_host else device
     return SamplingBatch(
         temperature=rows[0], top_k=rows[1].long(), top_p=rows[2], min_p=rows[3], presence=rows[4],
         frequency=rows[5], repetition=rows[6], output_counts=counts, seen=seen, banned=banned,
-        generators=[r.generator(device) if r.params.temperature > 0 else None for r in reqs],
+        generators=[r.generator(draws) if r.params.temperature > 0 else None for r in reqs],
         adjusts=adjusts, top_k_max=top_k_max)
 
 

@@ -57,16 +57,19 @@ class Request:
         self.num_preemptions = 0
         self.matcher = None  # structured output: the grammar matcher, made in the worker when first sampled
         self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        self._generator: torch.Generator | None = None
+        self._generators: dict[torch.device, torch.Generator] = {}
         self.arrival: int = 0
         self.queued_at = 0  # scheduler step at which it last entered the waiting queue
         self.admitted_at = 0  # scheduler step at which it last started running
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        """The request's random stream on the sampling device (made on first use from its seed)."""
-        if self._generator is None or self._generator.device != torch.device(device):
-            self._generator = torch.Generator(device).manual_seed(self.seed)
-        return self._generator
+    def generator(self, device: torch.device | str) -> torch.Generator:
+        """The request's random stream on `device`, the one that draws its token this step (made
+        on first use from its seed; one per device, so a request whose draws move between the
+        host and the GPU continues each stream rather than restarting it)."""
+        device = torch.device(device)
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return self._generators[device]
 
     @property
     def all_ids(self) -> list[int]:
