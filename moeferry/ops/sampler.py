@@ -43,8 +43,7 @@ class SamplingBatch:
     top_k_max: int = 0  # every sampling row has a top-k, the largest (0: some row has none)
 
     def draws_on_host(self, vocab: int) -> bool:
-        """The short path (every sampling row has a top-k below the vocabulary) draws on the host."""
-        return 0 < self.top_k_max < vocab
+        return draws_on_host(self.top_k_max, vocab)
 
     def row_params_on_host(self) -> "SamplingBatch":
         """The per-row parameters the draw reads, on the host (no copy where they are already)."""
@@ -52,6 +51,12 @@ class SamplingBatch:
             return self
         return replace(self, temperature=self.temperature.cpu(), top_k=self.top_k.cpu(), top_p=self.top_p.cpu(),
                        min_p=self.min_p.cpu())
+
+
+def draws_on_host(top_k_max: int, vocab: int) -> bool:
+    """The short path (every sampling row has a top-k below the vocabulary) draws on the host
+    (its ids travel as fp32, exact below 2^24: every real vocabulary)."""
+    return 0 < top_k_max < vocab < 2**24
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:

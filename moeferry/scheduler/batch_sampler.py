@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from moeferry.ops.sampler import SamplingBatch, logprobs_of, sample
+from moeferry.ops.sampler import SamplingBatch, draws_on_host, logprobs_of, sample
 from moeferry.scheduler.grammar import advance_grammars, grammar_banned
 from moeferry.scheduler.request import Request, TokenLogprob
 
@@ -33,7 +33,7 @@ def build_sampling_batch(reqs: list[Request], vocab: int, eos_ids: set[int], dev
         banned |= grammar.to(device)
     sampling = [p for p in ps if p.temperature > 0]
     top_k_max = max(p.top_k for p in sampling) if sampling and all(p.top_k > 0 for p in sampling) else 0
-    on_host = 0 < top_k_max < vocab  # the short path draws on the host (SamplingBatch.draws_on_host)
+    on_host = draws_on_host(top_k_max, vocab)
     rows = torch.tensor([[p.temperature, max(p.top_k, 0), p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
                           p.repetition_penalty] for p in ps], dtype=torch.float32).T
     if not on_host or adjusts:  # penalties (and the general path's filter) read them on the device
