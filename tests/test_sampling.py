@@ -85,6 +85,19 @@ def test_greedy_rows_take_argmax_in_mixed_batch():
     assert (got[:, 3] == logits[3].argmax()).all()
 
 
+def test_greedy_rows_take_argmax_beside_rows_drawn_on_the_host():
+    """Every sampling row has a top-k: the draw runs on the host (`draws_on_host`), the greedy
+    rows still take the argmax, and the top-k rows stay within their k best."""
+    logits = torch.randn(3, V)
+    rs = reqs(SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=4, seed=2),
+              SamplingParams(temperature=0.0))
+    assert build_sampling_batch(rs, V, {0}, "cpu").draws_on_host(V)
+    got = draw(logits, rs, 30)
+    assert (got[:, 0] == logits[0].argmax()).all() and (got[:, 2] == logits[2].argmax()).all()
+    assert set(got[:, 1].tolist()) <= set(logits[1].topk(4).indices.tolist())
+    assert len(set(got[:, 1].tolist())) > 1  # drawn, not the argmax each time
+
+
 def test_filter_keeps_best_token():
     logits = torch.randn(1, V)
     b = build_sampling_batch(reqs(SamplingParams(top_p=1e-6, min_p=1.0)), V, {0}, "cpu")

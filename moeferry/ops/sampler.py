@@ -117,25 +117,26 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     logits = logits.float()
     if b.adjusts:
         logits = apply_penalties(logits, b)
-    greedy = logits.argmax(-1)
     if all(g is None for g in b.generators):  # every row greedy
-        return greedy
+        return logits.argmax(-1)
     if b.draws_on_host(logits.shape[-1]):  # draw among each row's best few, not the vocabulary
-        return _draw_on_host(logits, greedy, b)
+        return _draw_on_host(logits, b)
     drawn = _race(filter_logits(logits, b), b)
-    return torch.where(is_greedy(b.temperature), greedy, drawn)
+    return torch.where(is_greedy(b.temperature), logits.argmax(-1), drawn)
 
 
-def _draw_on_host(logits: torch.Tensor, greedy: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """The short path: each row's top_k_max candidates and the argmax come to the host in one
-    copy (ids are exact in fp32: vocabularies are far below 2^24), where the filter and the
-    race run on [B, k] with the rows' host generators."""
+def _draw_on_host(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """The short path: each row's top_k_max candidates (and, if a row is greedy, the argmax)
+    come to the host in one copy (ids are exact in fp32: vocabularies are far below 2^24),
+    where the filter and the race run on [B, k] with the rows' host generators."""
     best, ids = logits.topk(b.top_k_max, dim=-1)
-    both = torch.cat((best, ids.float(), greedy[:, None].float()), dim=1).cpu()
-    k, host = b.top_k_max, b.row_params_on_host()
-    best, ids, greedy = both[:, :k], both[:, k:2 * k].long(), both[:, 2 * k].long()
+    k, any_greedy = b.top_k_max, any(g is None for g in b.generators)
+    parts = (best, ids.float()) + ((logits.argmax(-1, keepdim=True).float(),) if any_greedy else ())
+    both = torch.cat(parts, dim=1).cpu()
+    host = b.row_params_on_host()
+    best, ids = both[:, :k], both[:, k:2 * k].long()
     drawn = ids.gather(1, _race(_filtered(best, host), host)[:, None])[:, 0]
-    return torch.where(is_greedy(host.temperature), greedy, drawn)
+    return torch.where(is_greedy(host.temperature), both[:, 2 * k].long(), drawn) if any_greedy else drawn
 
 
 def _race(filtered: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
