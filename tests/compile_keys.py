@@ -11,6 +11,7 @@ process where TRITON_INTERPRET=1 was set before triton was imported (interpreter
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 
 import torch
@@ -57,16 +58,13 @@ class CompileKeys:
     def __enter__(self) -> "CompileKeys":
         import triton.runtime.interpreter as interpreter
 
-        import moeferry.ops.triton as ops
-        self.seen: dict[tuple, None] = {}
+        self.seen: dict[tuple, None] = {}  # an ordered set
         self._undo = []
-        cls = interpreter.InterpretedFunction
-        self._patch(cls, "run", lambda fn, *args, grid, warmup, **kw: self.seen.setdefault(launch_key(fn, args, kw)))
+        self._patch(interpreter.InterpretedFunction, "run",
+                    lambda fn, *args, grid, warmup, **kw: self.seen.setdefault(launch_key(fn, args, kw)))
         for name in GPU_CONFIG_MODULES:
-            module = __import__(f"{ops.__name__}.{name}", fromlist=["_"])
-            self._patch(module, "interpreting", lambda: False)
-        quant_linear = __import__(f"{ops.__name__}.quant_linear", fromlist=["_"])
-        self._patch(quant_linear, "_num_sms", lambda index: 132)  # an H100 / H200
+            self._patch(importlib.import_module(f"moeferry.ops.triton.{name}"), "interpreting", lambda: False)
+        self._patch(importlib.import_module("moeferry.ops.triton.quant_linear"), "_num_sms", lambda index: 132)  # H200
         return self
 
     def _patch(self, owner, name: str, value) -> None:
