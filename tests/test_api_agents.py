@@ -152,6 +152,27 @@ def test_n_choices(client, scripted):
     assert chunks[-1].usage.completion_tokens == 2 * (len(tok.encode("abc")) + 1)
 
 
+def test_a_list_of_prompts(client, scripted):
+    """A completions request may list prompts: choice i * n + j is prompt i's j-th, streamed or
+    not; usage counts each prompt once."""
+    tok = scripted[0].frontend.tokenizer
+    prompts = ["REPLY[[one]]END", "REPLY[[two]]END", tok.encode("REPLY[[three]]END")]
+    replies = ["one", "two", "three"]
+    out = client.completions.create(model=NAME, prompt=prompts[:2], n=2)
+    assert [(c.index, c.text) for c in out.choices] == [(0, "one"), (1, "one"), (2, "two"), (3, "two")]
+    assert out.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts[:2])
+    assert out.usage.completion_tokens == 2 * sum(len(tok.encode(r)) + 1 for r in replies[:2])
+    ids = [tok.encode(p) for p in prompts[:2]] + [prompts[2]]
+    chunks = list(client.completions.create(model=NAME, prompt=ids, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts = {i: "" for i in range(3)}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+    assert texts == dict(enumerate(replies))
+    assert chunks[-1].usage.prompt_tokens == sum(len(p) for p in ids)
+
+
 def test_odd_tool_requests_are_4xx_never_500(scripted):
     import httpx
 

@@ -66,7 +66,8 @@ BAD_REQUESTS = [
      "prompt"),
     ("/v1/completions", {"model": NAME, "prompt": [5, 10**9]}, 400, None, "prompt"),
     ("/v1/completions", {"model": NAME, "prompt": []}, 400, None, "prompt"),
-    ("/v1/completions", {"model": NAME, "prompt": ["a", "b"]}, 400, None, "prompt"),
+    ("/v1/completions", {"model": NAME, "prompt": ["a"] * 33, "n": 2}, 400, "invalid_value", "prompt"),
+    ("/v1/completions", {"model": NAME, "prompt": ["a", ""]}, 400, None, "prompt"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "echo": True}, 400, None, "echo"),
     ("/v1/completions", {"model": NAME, "prompt": {"nested": [1]}}, 400, "invalid_type", "prompt"),
     ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None, None),  # nesting deeper than json allows

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from moeferry.server.generation import Frontend, model_sampling_defaults
-from moeferry.server.openai_api import chat_messages, completion_prompt
+from moeferry.server.openai_api import chat_messages, completion_prompts
 from moeferry.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from moeferry.server.stats import ServerStats
 from moeferry.server.supervisor import describe_exit
@@ -82,13 +82,13 @@ def test_completion_prompt_forms():
             assert max_tokens in (None, 64)  # the context bound is passed on to the tokenizer
             return [ord(c) for c in text]
 
-    assert completion_prompt(Tok(), "ab") == [97, 98]
-    assert completion_prompt(Tok(), ["ab"], max_tokens=64) == [97, 98]
-    assert completion_prompt(Tok(), [5, 6]) == [5, 6]
-    assert completion_prompt(Tok(), [[5, 6]]) == [5, 6]
-    assert completion_prompt(Tok(), ["ab"]) == [97, 98]
-    with pytest.raises(ApiError):
-        completion_prompt(Tok(), [[1], [2]])
+    assert completion_prompts(Tok(), "ab") == [[97, 98]]
+    assert completion_prompts(Tok(), ["ab"], max_tokens=64) == [[97, 98]]
+    assert completion_prompts(Tok(), [5, 6]) == [[5, 6]]
+    assert completion_prompts(Tok(), [[5, 6]]) == [[5, 6]]
+    assert completion_prompts(Tok(), ["ab", "c"]) == [[97, 98], [99]]
+    assert completion_prompts(Tok(), [[1], [2, 3]]) == [[1], [2, 3]]
+    assert completion_prompts(Tok(), []) == [[]]  # an empty prompt: check_prompt refuses it
 
 
 def test_describe_exit():

@@ -85,8 +85,9 @@ class Frontend:
 
     # ------------------------------------------------------------ prompts
 
-    async def tokenize(self, param: str, render, *args) -> list[int]:
-        """render(tokenizer, *args, max_tokens=...) -> token ids, run off the event loop (bounded).
+    async def tokenize(self, param: str, render, *args):
+        """render(tokenizer, *args, max_tokens=...) -> token ids (or lists of them), run off the
+        event loop (bounded).
         Text that is not valid Unicode, or that is provably longer than the context from its byte
         length alone (checked before tokenizing), is a 400."""
         async with self._tokenizing:

@@ -99,10 +99,12 @@ def chat_plan(server, body: ChatCompletionRequest) -> ChatPlan:
     return plan
 
 
-def _usage(gens: list[Generation], cache_report: bool) -> Usage:
-    """The prompt counts once however many choices were generated from it."""
-    prompt, completion = gens[0].prompt_tokens, sum(g.completion_tokens for g in gens)
-    cached = max(g.cached_tokens for g in gens)
+def _usage(gens: list[Generation], cache_report: bool, n: int | None = None) -> Usage:
+    """A prompt counts once however many choices were generated from it (`n` choices a prompt,
+    in runs: a completions request may list several prompts; default: one prompt)."""
+    runs = [gens[i:i + (n or len(gens))] for i in range(0, len(gens), n or len(gens))]
+    prompt, completion = sum(run[0].prompt_tokens for run in runs), sum(g.completion_tokens for g in gens)
+    cached = sum(max(g.cached_tokens for g in run) for run in runs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if cache_report else None)
 
@@ -136,7 +138,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     params = forced_tool_params(params, plan, front.tokenizer, server.cfg.model_dir)
     ids, prompt_text = await front.tokenize("messages", plan.render, chat_messages(body))
     front.check_prompt(ids, "messages")
-    gens = await start_choices(front, ids, params, "chatcmpl", 1 if body.n is None else body.n)
+    gens = await start_choices(front, [ids], params, "chatcmpl", 1 if body.n is None else body.n)
     cache_report = server.cfg.enable_cache_report
     model = server.cfg.served_model_name
     if body.stream:
@@ -199,15 +201,14 @@ async def _chat_chunks(gen: Generation, index: int, model: str, output: ChatOutp
 # ---------------------------------------------------------------- completions
 
 
-def completion_prompt(tokenizer, prompt, max_tokens: int | None = None) -> list[int]:
+def completion_prompts(tokenizer, prompt, max_tokens: int | None = None) -> list[list[int]]:
+    """A completions request's prompts as token ids: a text or a list of token ids is one
+    prompt, a list of texts or of token-id lists is one prompt each."""
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt, max_tokens)
+        return [tokenizer.encode(prompt, max_tokens)]
     if prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request(f"a list of {len(prompt)} prompts is not supported yet: send one request per prompt",
-                              param="prompt")
-        return completion_prompt(tokenizer, prompt[0], max_tokens)
-    return list(prompt)
+        return [completion_prompts(tokenizer, p, max_tokens)[0] for p in prompt]
+    return [list(prompt)]
 
 
 class _Offsets:
@@ -236,21 +237,23 @@ async def completions(body: CompletionRequest, request: Request):
     _check_request(server, body)
     front = server.frontend
     params = front.sampling_params(body, body.max_tokens, body.logprobs)
-    ids = await front.tokenize("prompt", completion_prompt, body.prompt)
-    front.check_prompt(ids, "prompt")
-    gens = await start_choices(front, ids, params, "cmpl", 1 if body.n is None else body.n)
+    prompts = await front.tokenize("prompt", completion_prompts, body.prompt)
+    for ids in prompts:
+        front.check_prompt(ids, "prompt")
+    n = 1 if body.n is None else body.n
+    gens = await start_choices(front, prompts, params, "cmpl", n)
     cache_report = server.cfg.enable_cache_report
     model = server.cfg.served_model_name
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = merge([_completion_chunks(g, i, model) for i, g in enumerate(gens)])
-        return _sse(_with_usage(chunks, gens, model, include_usage, cache_report, Completion), gens)
+        return _sse(_with_usage(chunks, gens, model, include_usage, cache_report, Completion, n), gens)
     results = await asyncio.gather(*[_collect(g, request) for g in gens])
     if any(pieces is None for pieces in results):
         return Response(status_code=499)
     choices = [_completion_choice(g, i, pieces, params.logprobs is not None)
                for i, (g, pieces) in enumerate(zip(gens, results))]
-    return Completion(id=gens[0].request_id, model=model, usage=_usage(gens, cache_report), choices=choices)
+    return Completion(id=gens[0].request_id, model=model, usage=_usage(gens, cache_report, n), choices=choices)
 
 
 def _completion_choice(gen: Generation, index: int, pieces: list[Piece], logprobs: bool) -> CompletionChoice:
@@ -287,12 +290,12 @@ def _event(model) -> str:
 
 
 async def _with_usage(chunks: AsyncIterator[str], gens: list[Generation], model: str, include_usage: bool,
-                      cache_report: bool, chunk_type) -> AsyncIterator[str]:
+                      cache_report: bool, chunk_type, n: int | None = None) -> AsyncIterator[str]:
     """The choices' chunks, then (stream_options.include_usage) one chunk with the usage of all."""
     async for text in chunks:
         yield text
     if include_usage:
-        yield _event(chunk_type(id=gens[0].request_id, model=model, choices=[], usage=_usage(gens, cache_report)))
+        yield _event(chunk_type(id=gens[0].request_id, model=model, choices=[], usage=_usage(gens, cache_report, n)))
 
 
 def _sse(chunks: AsyncIterator[str], gens: list[Generation]) -> StreamingResponse:
