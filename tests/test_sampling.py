@@ -98,6 +98,25 @@ def test_greedy_rows_take_argmax_beside_rows_drawn_on_the_host():
     assert len(set(got[:, 1].tolist())) > 1  # drawn, not the argmax each time
 
 
+def test_logit_bias_moves_the_logits_it_names():
+    """OpenAI's logit_bias: added to those tokens' logits before sampling (greedy rows too);
+    +100 forces a token, -100 bans it."""
+    logits = torch.randn(2, V)
+    top = int(logits[0].argmax())
+    forced = reqs(SamplingParams(temperature=0.0, logit_bias=((7, 100.0),)),
+                  SamplingParams(temperature=0.0, logit_bias=((top, -100.0),)))
+    got = draw(logits, forced, 3)
+    assert (got[:, 0] == 7).all() and (got[:, 1] != top).all()
+    b = build_sampling_batch(forced, V, {0}, "cpu")
+    assert b.adjusts and b.bias[0, 7] == 100.0 and b.bias[1, top] == -100.0 and b.bias.count_nonzero() == 2
+    sampled = reqs(SamplingParams(temperature=1.0, top_k=5, seed=1, logit_bias=((3, 100.0),)))
+    assert (draw(logits[:1], sampled, 20) == 3).all()  # the short path sees the biased logits
+    with pytest.raises(SamplingParamError, match="logit_bias"):
+        SamplingParams(logit_bias=((1, 101.0),)).validate()
+    with pytest.raises(SamplingParamError, match="logit_bias"):
+        SamplingParams(logit_bias=((-1, 1.0),)).validate()
+
+
 def test_filter_keeps_best_token():
     logits = torch.randn(1, V)
     b = build_sampling_batch(reqs(SamplingParams(top_p=1e-6, min_p=1.0)), V, {0}, "cpu")

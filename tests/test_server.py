@@ -180,6 +180,20 @@ def test_completions_string_and_token_ids(client, tokenizer):
     assert "".join(c.choices[0].text for c in stream) == by_ids.choices[0].text
 
 
+def test_logit_bias_forces_and_bans_tokens(client, tokenizer):
+    """logit_bias through the API: +100 on a token makes greedy decoding emit only it; -100 on
+    what greedy chose bans it (the model's own logits lose)."""
+    word = tokenizer.encode(" river")[0]
+    forced = client.completions.create(model=NAME, prompt="Name a", max_tokens=4, logit_bias={str(word): 100},
+                                       **GREEDY)
+    assert forced.choices[0].text == tokenizer.decode([word] * 4)
+    plain = client.completions.create(model=NAME, prompt="Name a", max_tokens=1, logprobs=1, **GREEDY)
+    first = tokenizer.encode(plain.choices[0].text)[0]
+    banned = client.completions.create(model=NAME, prompt="Name a", max_tokens=1, logit_bias={str(first): -100},
+                                       logprobs=1, **GREEDY)
+    assert banned.choices[0].text != plain.choices[0].text
+
+
 def test_completion_text_is_the_decoded_tokens(client, tokenizer):
     """logprobs: the chosen tokens decode to the text; the chosen token is the top-1 under greedy."""
     out = client.completions.create(model=NAME, prompt="The quick brown fox", max_tokens=6, logprobs=3, **GREEDY)

@@ -173,7 +173,7 @@ def _sample(batch: int, vocab: int, device: torch.device) -> None:
         presence=torch.zeros(batch, device=device), frequency=torch.zeros(batch, device=device),
         repetition=torch.full((batch,), 1.1, device=device), output_counts=torch.zeros(batch, vocab, device=device),
         seen=torch.zeros(batch, vocab, dtype=torch.bool, device=device),
-        banned=torch.zeros(batch, vocab, dtype=torch.bool, device=device),
+        banned=torch.zeros(batch, vocab, dtype=torch.bool, device=device), bias=torch.zeros(batch, vocab, device=device),
         generators=[torch.Generator(device).manual_seed(i) for i in range(batch)])
     tokens = sample(logits, b)
     logprobs_of(logits, tokens, 20)

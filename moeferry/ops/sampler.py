@@ -1,6 +1,6 @@
 """Batched sampling: every row uses its own parameters in one vectorised pass.
 
-Order: penalties (repetition on prompt+output, presence/frequency on output), min_tokens
+Order: penalties (repetition on prompt+output, presence/frequency on output), logit_bias, min_tokens
 (EOS/stop ids masked), temperature, top-k, top-p, min-p, then a draw with each row's own
 generator (exponential race, reproducible per seed). Greedy rows take argmax of the penalised
 logits. Logprobs are of the raw model distribution. Where every sampling row has a top-k (a
@@ -37,9 +37,10 @@ class SamplingBatch:
     output_counts: torch.Tensor  # [B, V] counts of generated tokens ([B, 0] where no row `adjusts`)
     seen: torch.Tensor  # [B, V] bool: token in prompt or output (the same)
     banned: torch.Tensor  # [B, V] bool: masked this step (min_tokens, grammar; the same)
+    bias: torch.Tensor  # [B, V] added to the logits (logit_bias; the same)
     generators: list[torch.Generator | None]  # on the device that draws (`draws_on_host`); None for greedy rows
     # known on the host when the batch is built (the defaults take the general path):
-    adjusts: bool = True  # some row has a penalty or banned tokens (else `apply_penalties` changes nothing)
+    adjusts: bool = True  # some row has a penalty, a logit bias or banned tokens (else `apply_penalties` changes nothing)
     top_k_max: int = 0  # every sampling row has a top-k, the largest (0: some row has none)
 
     def draws_on_host(self, vocab: int) -> bool:
@@ -63,7 +64,7 @@ def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     rep = b.repetition[:, None]
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(b.seen, penalised, logits)
-    logits = logits - b.frequency[:, None] * b.output_counts - b.presence[:, None] * (b.output_counts > 0)
+    logits = logits - b.frequency[:, None] * b.output_counts - b.presence[:, None] * (b.output_counts > 0) + b.bias
     return logits.clamp(-LOGIT_LIMIT, LOGIT_LIMIT).masked_fill(b.banned, float("-inf"))
 
 

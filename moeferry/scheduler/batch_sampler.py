@@ -15,13 +15,18 @@ def build_sampling_batch(reqs: list[Request], vocab: int, eos_ids: set[int], dev
     ps = [r.params for r in reqs]
     grammar = grammar_banned(reqs, vocab, eos_ids)
     adjusts = (grammar is not None or any(len(r.output_ids) < r.params.min_tokens for r in reqs)
-               or any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in ps))
+               or any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias
+                      for p in ps))
     width = vocab if adjusts else 0  # no row adjusts its logits: the [B, V] tensors stay empty
     counts = torch.zeros(len(reqs), width, device=device)
+    bias = torch.zeros(len(reqs), width, device=device)
     seen = torch.zeros(len(reqs), width, dtype=torch.bool, device=device)
     banned = torch.zeros(len(reqs), width, dtype=torch.bool, device=device)
     for i, r in enumerate(reqs if adjusts else ()):
         p = r.params
+        if p.logit_bias:
+            tokens, values = zip(*p.logit_bias)
+            bias[i, vec(tokens, torch.long)] = vec(values)
         if r.output_ids:
             counts[i].index_add_(0, vec(r.output_ids, torch.long), torch.ones(len(r.output_ids), device=device))
         if p.repetition_penalty != 1.0:
@@ -41,7 +46,7 @@ def build_sampling_batch(reqs: list[Request], vocab: int, eos_ids: set[int], dev
     draws = "cpu" if on_host else device
     return SamplingBatch(
         temperature=rows[0], top_k=rows[1].long(), top_p=rows[2], min_p=rows[3], presence=rows[4],
-        frequency=rows[5], repetition=rows[6], output_counts=counts, seen=seen, banned=banned,
+        frequency=rows[5], repetition=rows[6], output_counts=counts, seen=seen, banned=banned, bias=bias,
         generators=[r.generator(draws) if r.params.temperature > 0 else None for r in reqs],
         adjusts=adjusts, top_k_max=top_k_max)
 

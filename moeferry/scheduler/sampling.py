@@ -16,6 +16,9 @@ class SamplingParamError(ValueError):
         self.param = param
 
 
+MAX_LOGIT_BIAS = 1024  # tokens a request may bias
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 (or below ops.sampler.GREEDY_BELOW) = greedy
@@ -34,12 +37,14 @@ class SamplingParams:
     logprobs: int | None = None  # None = off, 0 = chosen token only, n = chosen + top-n
     n: int = 1
     structured: "StructuredOutput | None" = None  # a grammar the output must follow (scheduler/grammar.py)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit before sampling)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple(tuple(kv) for kv in self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -83,6 +88,13 @@ class SamplingParams:
             bad("stop", f"at most 16 stop strings, got {len(self.stop)}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            if not isinstance(token, int) or token < 0:
+                bad("logit_bias", f"keys must be token ids (non-negative integers), got {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                bad("logit_bias", f"token {token}: the bias must be in [-100, 100], got {bias}")
         return self
 
     @classmethod

@@ -123,6 +123,8 @@ class Frontend:
         if req.stop_token_ids:
             fields["stop_token_ids"] = tuple(req.stop_token_ids)
         fields["logprobs"] = logprobs
+        if req.logit_bias:
+            fields["logit_bias"] = self._logit_bias(req.logit_bias)
         try:
             params = SamplingParams(**fields)
             params.validate()
@@ -131,6 +133,21 @@ class Frontend:
         except (TypeError, ValueError) as e:
             raise bad_request(f"invalid sampling parameters: {e}", code="invalid_value") from None
         return params
+
+    def _logit_bias(self, bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+        """OpenAI's {"token id": bias} as (id, bias) pairs; a key that is not a token id is a 400."""
+        out = []
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise bad_request(f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias",
+                                  code="invalid_value") from None
+            if not 0 <= token < self.vocab_size:
+                raise bad_request(f"logit_bias: token id {token} is outside the vocabulary [0, {self.vocab_size})",
+                                  param="logit_bias", code="invalid_value")
+            out.append((token, float(value)))
+        return tuple(out)
 
     def check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:

@@ -63,14 +63,11 @@ class SamplingFields(_Request):
     stream: StrictBool = False  # strict: "yes", "1" or 1 is a 400, not true
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # an end-user id for the caller's own bookkeeping; logged, nothing else
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, float]] = None  # {"token id": bias in [-100, 100]}, added to the logits
 
     def unsupported(self) -> list[tuple[str, str]]:
-        """(param, why) for set parameters this server does not implement."""
-        out = []
-        if self.logit_bias:
-            out.append(("logit_bias", "logit_bias is not supported yet"))
-        return out
+        """(param, why) for set parameters this server does not implement (a request type adds them)."""
+        return []
 
 
 # ---------------------------------------------------------------- chat
@@ -136,8 +133,6 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: Optional[bool] = None
     reasoning_effort: Optional[str] = None
 
-    def unsupported(self) -> list[tuple[str, str]]:
-        return super().unsupported()
 
 
 # ---------------------------------------------------------------- completions
