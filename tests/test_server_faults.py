@@ -71,6 +71,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": NAME, "prompt": "x", "echo": True}, 400, None, "echo"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "logit_bias": {"abc": 1}}, 400, "invalid_value", "logit_bias"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "logit_bias": {"5": 500}}, 400, "invalid_value", "logit_bias"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "logit_bias": {str(i): 1 for i in range(2000)}}, 400,
+     "invalid_value", "logit_bias"),
     ("/v1/chat/completions", chat(logit_bias={str(10**9): 1}), 400, "invalid_value", "logit_bias"),
     ("/v1/completions", {"model": NAME, "prompt": {"nested": [1]}}, 400, "invalid_type", "prompt"),
     ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None, None),  # nesting deeper than json allows

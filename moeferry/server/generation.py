@@ -20,7 +20,7 @@ from pathlib import Path
 from starlette.concurrency import run_in_threadpool
 
 from moeferry.scheduler.request import Request, TokenEvent, TokenLogprob
-from moeferry.scheduler.sampling import SamplingParamError, SamplingParams
+from moeferry.scheduler.sampling import MAX_LOGIT_BIAS, SamplingParamError, SamplingParams
 from moeferry.server.messages import Accepted, Rejected
 from moeferry.server.protocol import ApiError, SamplingFields, bad_request
 from moeferry.server.stats import ServerStats
@@ -136,6 +136,9 @@ class Frontend:
 
     def _logit_bias(self, bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
         """OpenAI's {"token id": bias} as (id, bias) pairs; a key that is not a token id is a 400."""
+        if len(bias) > MAX_LOGIT_BIAS:  # before the loop: a 32 MiB body can hold millions of keys
+            raise bad_request(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", param="logit_bias",
+                              code="invalid_value")
         out = []
         for key, value in bias.items():
             try:
