@@ -194,6 +194,24 @@ def test_logit_bias_forces_and_bans_tokens(client, tokenizer):
     assert banned.choices[0].text != plain.choices[0].text
 
 
+def test_best_of_returns_the_most_likely_per_token(client):
+    """best_of: best_of generations (seeds seed + j, as n choices get), the n with the highest log
+    probability per token returned; usage counts every generated token."""
+    kw = dict(model=NAME, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=11, logprobs=1,
+              extra_body={"top_k": 0})  # the served model's default top_k is 1
+    every = client.completions.create(n=3, **kw)
+
+    def per_token(choice):
+        return sum(choice.logprobs.token_logprobs) / len(choice.logprobs.token_logprobs)
+    best = max(every.choices, key=per_token)
+    assert best.index != 0  # (this seed's first choice is not the best: the ranking is tested)
+    one = client.completions.create(n=1, best_of=3, **kw)
+    assert [(c.index, c.text) for c in one.choices] == [(0, best.text)]
+    assert one.usage.completion_tokens == every.usage.completion_tokens
+    plain = client.completions.create(n=1, best_of=3, **{**kw, "logprobs": None})
+    assert plain.choices[0].text == best.text and plain.choices[0].logprobs is None
+
+
 def test_completion_text_is_the_decoded_tokens(client, tokenizer):
     """logprobs: the chosen tokens decode to the text; the chosen token is the top-1 under greedy."""
     out = client.completions.create(model=NAME, prompt="The quick brown fox", max_tokens=6, logprobs=3, **GREEDY)

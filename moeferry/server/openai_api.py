@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from moeferry.server.chat_plan import ChatPlan, finish_reason, plan_chat
-from moeferry.server.choices import merge, start_choices
+from moeferry.server.choices import MAX_CHOICES, merge, start_choices
 from moeferry.server.generation import Generation, Piece
 from moeferry.server.protocol import (ApiError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                       ChatCompletionChunk, ChatCompletionRequest, ChoiceLogprobs, Completion,
@@ -241,7 +241,9 @@ async def completions(body: CompletionRequest, request: Request):
     for ids in prompts:
         front.check_prompt(ids, "prompt")
     n = 1 if body.n is None else body.n
-    gens = await start_choices(front, prompts, params, "cmpl", n)
+    best_of = _best_of(body, n)
+    run = params if best_of == n or params.logprobs is not None else params.replace(logprobs=0)  # to rank them
+    gens = await start_choices(front, prompts, run, "cmpl", best_of)
     cache_report = server.cfg.enable_cache_report
     model = server.cfg.served_model_name
     if body.stream:
@@ -251,9 +253,31 @@ async def completions(body: CompletionRequest, request: Request):
     results = await asyncio.gather(*[_collect(g, request) for g in gens])
     if any(pieces is None for pieces in results):
         return Response(status_code=499)
-    choices = [_completion_choice(g, i, pieces, params.logprobs is not None)
-               for i, (g, pieces) in enumerate(zip(gens, results))]
-    return Completion(id=gens[0].request_id, model=model, usage=_usage(gens, cache_report, n), choices=choices)
+    kept = [pair for i in range(0, len(gens), best_of) for pair in _best(list(zip(gens, results))[i:i + best_of], n)]
+    choices = [_completion_choice(g, i, pieces, params.logprobs is not None) for i, (g, pieces) in enumerate(kept)]
+    return Completion(id=gens[0].request_id, model=model, usage=_usage(gens, cache_report, best_of), choices=choices)
+
+
+def _best_of(body: CompletionRequest, n: int) -> int:
+    """Generations a prompt gets: best_of (at least n, at most MAX_CHOICES; not streamed when
+    above n, as the n returned are known only at the end), default n."""
+    if body.best_of is None or body.best_of == n:
+        return n
+    if not n <= body.best_of <= MAX_CHOICES:
+        raise bad_request(f"best_of must be at least n ({n}) and at most {MAX_CHOICES}, got {body.best_of}",
+                          param="best_of", code="invalid_value")
+    if body.stream:
+        raise bad_request("best_of > n cannot be streamed: the choices returned are known only at the end",
+                          param="best_of", code="invalid_value")
+    return body.best_of
+
+
+def _best(runs: list[tuple[Generation, list[Piece]]], n: int) -> list[tuple[Generation, list[Piece]]]:
+    """The n generations of one prompt with the highest log probability per token (OpenAI's best_of)."""
+    def per_token(run) -> float:
+        lps = [lp.logprob for piece in run[1] for lp in piece.logprobs or ()]
+        return sum(lps) / len(lps) if lps else float("-inf")
+    return sorted(runs, key=per_token, reverse=True)[:n] if len(runs) > n else runs
 
 
 def _completion_choice(gen: Generation, index: int, pieces: list[Piece], logprobs: bool) -> CompletionChoice:

@@ -151,8 +151,6 @@ class CompletionRequest(SamplingFields):
             out.append(("echo", "echo is not supported yet"))
         if self.suffix:
             out.append(("suffix", "suffix (fill-in-the-middle) is not supported yet"))
-        if self.best_of not in (None, 1):
-            out.append(("best_of", "best_of > 1 is not supported yet"))
         return out
 
 
