@@ -77,6 +77,24 @@ def test_prefix_cache_reuse(name, checkpoint, hf_greedy):
     assert third.token_ids == hf_greedy(name, turn)
 
 
+def test_prefix_cache_keeps_saving_new_prompts_once_its_state_slots_are_full(checkpoint):
+    """A Gated DeltaNet model resumes only at saved state checkpoints: once cached checkpoints
+    held every spare state slot, new prompts were no longer saved and nothing more was reused
+    (the HTTP suite's cached-tokens test failed after a few more requests). The least recently
+    used checkpoints now make room."""
+    llm = LLM(str(checkpoint("qwen3_5_moe")), dtype="float32", max_running_requests=2, max_extend_tokens=16,
+              num_tokens=2000)
+    slots = llm.engine.sizes.num_state_slots
+    for seed in range(slots + 2):  # more distinct prompts than state slots
+        llm.generate([prompt(40, 100 + seed)], GREEDY)
+    assert llm.scheduler.stats()["state_slots_used"] >= slots - 1  # the cache holds (nearly) all
+    shared = prompt(40, 7)
+    llm.generate([shared + [11, 12]], GREEDY)
+    again = llm.generate([shared + [21, 22]], GREEDY)[0]
+    assert again.cached_tokens >= 32
+    llm.engine.cache.check()
+
+
 def test_prefix_cache_with_preemption_and_eviction(checkpoint, hf_greedy):
     name = "qwen3_5_moe"
     llm = LLM(str(checkpoint(name)), dtype="float32", max_running_requests=3, max_extend_tokens=16, num_tokens=110)

@@ -98,14 +98,16 @@ class CacheManager:
         return True
 
     def checkpoint(self, blocks: SeqBlocks, position: int, keep_free: int) -> None:
-        """Save the GDN state at `position` so later requests can resume there, if more than
-        `keep_free` state slots are free (and the position is page aligned)."""
+        """Save the GDN state at `position` so later requests can resume there (the position page
+        aligned), keeping `keep_free` state slots free: the least recently used cached checkpoints
+        make room (else, once the cache held every spare slot, no new prompt would be saved)."""
         if self.prefix is None or not self.needs_state or position == 0 or position % self.page_size:
             return
         if blocks.snapshots and blocks.snapshots[-1][0] == position:
             return  # already saved here (e.g. a request finishing right after its prompt)
-        if self.states.slots.num_free <= keep_free:
-            return
+        while self.states.slots.num_free <= keep_free:
+            if not self.prefix.evict_state():
+                return
         slot = self.states.slots.alloc(1)[0]
         self.states.copy(blocks.state_slot, slot)
         blocks.snapshots.append((position, slot))
