@@ -253,7 +253,8 @@ async def completions(body: CompletionRequest, request: Request):
     results = await asyncio.gather(*[_collect(g, request) for g in gens])
     if any(pieces is None for pieces in results):
         return Response(status_code=499)
-    kept = [pair for i in range(0, len(gens), best_of) for pair in _best(list(zip(gens, results))[i:i + best_of], n)]
+    pairs = list(zip(gens, results))
+    kept = [pair for i in range(0, len(pairs), best_of) for pair in _best(pairs[i:i + best_of], n)]  # per prompt
     choices = [_completion_choice(g, i, pieces, params.logprobs is not None) for i, (g, pieces) in enumerate(kept)]
     return Completion(id=gens[0].request_id, model=model, usage=_usage(gens, cache_report, best_of), choices=choices)
 
