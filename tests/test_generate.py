@@ -95,6 +95,32 @@ def test_prefix_cache_keeps_saving_new_prompts_once_its_state_slots_are_full(che
     llm.engine.cache.check()
 
 
+@pytest.mark.parametrize("name,page_size", [("qwen3_5_moe", 1), ("qwen3_5_moe", 4), ("qwen3_moe", 2)])
+def test_prefix_cache_never_changes_outputs(name, page_size, checkpoint):
+    """Random batches of prompts sharing prefixes, through pools small enough to preempt and
+    evict: greedy outputs equal those of an engine without the prefix cache, the pools stay
+    consistent, and the cache is used."""
+    import random
+    rng = random.Random(page_size)
+    bases = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 60))] for _ in range(6)]
+
+    def make_prompt():
+        base = rng.choice(bases)
+        return base[:rng.randrange(1, len(base) + 1)] + [rng.randrange(3, 500) for _ in range(rng.randrange(12))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    plain = LLM(str(checkpoint(name)), dtype="float32", prefix_cache=False, max_extend_tokens=16, num_tokens=4000)
+    cached = LLM(str(checkpoint(name)), dtype="float32", max_running_requests=4, max_extend_tokens=16,
+                 num_tokens=120, page_size=page_size)
+    reused = 0
+    for _ in range(15):
+        batch = [make_prompt() for _ in range(rng.randrange(1, 6))]
+        outs = cached.generate(batch, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(batch, params)]
+        reused += sum(o.cached_tokens for o in outs)
+        cached.engine.cache.check()
+    assert reused > 0 and cached.scheduler.num_preemptions > 0
+
+
 def test_prefix_cache_with_preemption_and_eviction(checkpoint, hf_greedy):
     name = "qwen3_5_moe"
     llm = LLM(str(checkpoint(name)), dtype="float32", max_running_requests=3, max_extend_tokens=16, num_tokens=110)
