@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeferry.ops.sampler import apply_penalties, filter_logits, sample
+from moeferry.ops.sampler import apply_penalties, draws_on_host, filter_candidates, filter_logits, sample
 from moeferry.scheduler.batch_sampler import build_sampling_batch
 from moeferry.scheduler.request import Request
 from moeferry.scheduler.sampling import SamplingParamError, SamplingParams
@@ -91,7 +91,7 @@ def test_greedy_rows_take_argmax_beside_rows_drawn_on_the_host():
     logits = torch.randn(3, V)
     rs = reqs(SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=4, seed=2),
               SamplingParams(temperature=0.0))
-    assert build_sampling_batch(rs, V, {0}, "cpu").draws_on_host(V)
+    assert draws_on_host(build_sampling_batch(rs, V, {0}, "cpu").top_k_max, V)
     got = draw(logits, rs, 30)
     assert (got[:, 0] == logits[0].argmax()).all() and (got[:, 2] == logits[2].argmax()).all()
     assert set(got[:, 1].tolist()) <= set(logits[1].topk(4).indices.tolist())
@@ -167,10 +167,9 @@ def test_sampling_is_finite_over_the_accepted_range_edges():
     assert torch.isfinite(apply_penalties(logits[:1], b)).all()
 
 
-def test_top_candidates_keep_the_filtered_distribution():
+def test_filtered_candidates_keep_the_filtered_distribution():
     """Where every sampling row has a top-k, sampling draws among each row's top-k_max tokens
     (no sort of the vocabulary): the same probabilities as the full filter, row by row."""
-    from moeferry.ops.sampler import top_candidates
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(4, V, generator=g) * 3
     rs = reqs(SamplingParams(top_k=7, top_p=0.6, temperature=0.7), SamplingParams(top_k=3),
@@ -178,8 +177,8 @@ def test_top_candidates_keep_the_filtered_distribution():
     b = build_sampling_batch(rs, V, {0}, "cpu")
     assert b.top_k_max == 12 and not b.adjusts
     full = filter_logits(logits, b).softmax(-1)
-    best, ids = top_candidates(logits, b, b.top_k_max)
-    mine = torch.zeros_like(full).scatter_(1, ids, best.softmax(-1))
+    best, ids = logits.topk(b.top_k_max, dim=-1)
+    mine = torch.zeros_like(full).scatter_(1, ids, filter_candidates(best, b).softmax(-1))
     assert torch.allclose(mine[:3], full[:3], atol=1e-6)
 
 

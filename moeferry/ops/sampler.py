@@ -4,7 +4,7 @@ Order: penalties (repetition on prompt+output, presence/frequency on output), lo
 (EOS/stop ids masked), temperature, top-k, top-p, min-p, then a draw with each row's own
 generator (exponential race, reproducible per seed). Greedy rows take argmax of the penalised
 logits. Logprobs are of the raw model distribution. Where every sampling row has a top-k (a
-model's usual defaults), the draw is among each row's top-k_max tokens (`top_candidates`: one
+model's usual defaults), the draw is among each row's top-k_max tokens (`filter_candidates` after one
 `topk`, no sort of the vocabulary; the same distribution), and that draw runs on the host: the
 [B, k] candidates come over in one copy (the step reads its tokens on the host anyway), where
 filtering and the race are a few microseconds instead of ~40 tiny device launches; a batch of
@@ -38,13 +38,10 @@ class SamplingBatch:
     seen: torch.Tensor  # [B, V] bool: token in prompt or output (the same)
     banned: torch.Tensor  # [B, V] bool: masked this step (min_tokens, grammar; the same)
     bias: torch.Tensor  # [B, V] added to the logits (logit_bias; the same)
-    generators: list[torch.Generator | None]  # on the device that draws (`draws_on_host`); None for greedy rows
+    generators: list[torch.Generator | None]  # on the device that draws (draws_on_host); None for greedy rows
     # known on the host when the batch is built (the defaults take the general path):
     adjusts: bool = True  # some row has a penalty, a logit bias or banned tokens (else `apply_penalties` changes nothing)
     top_k_max: int = 0  # every sampling row has a top-k, the largest (0: some row has none)
-
-    def draws_on_host(self, vocab: int) -> bool:
-        return draws_on_host(self.top_k_max, vocab)
 
     def row_params_on_host(self) -> "SamplingBatch":
         """The per-row parameters the draw reads, on the host (no copy where they are already)."""
@@ -100,15 +97,10 @@ def filter_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return logits.masked_fill(mask, float("-inf"))
 
 
-def top_candidates(logits: torch.Tensor, b: SamplingBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every row has a top-k of at most `k`: (its `k` best tokens' filtered logits, best first,
-    excluded ones -inf; their ids), both [B, k]. The same distribution as `filter_logits`
-    without sorting the vocabulary (a temperature keeps the order)."""
-    best, ids = logits.topk(k, dim=-1)
-    return _filtered(best, b), ids
-
-
-def _filtered(best: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+def filter_candidates(best: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Every row has a top-k of at most k: its k best logits [B, k] (best first, from `topk`)
+    filtered, excluded ones -inf. The same distribution as `filter_logits` without sorting the
+    vocabulary (a temperature keeps the order)."""
     best = _scaled(best, b)
     return best.masked_fill(_drop_sorted(best, b), float("-inf"))
 
@@ -120,7 +112,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         logits = apply_penalties(logits, b)
     if all(g is None for g in b.generators):  # every row greedy
         return logits.argmax(-1)
-    if b.draws_on_host(logits.shape[-1]):  # draw among each row's best few, not the vocabulary
+    if draws_on_host(b.top_k_max, logits.shape[-1]):  # draw among each row's best few, not the vocabulary
         return _draw_on_host(logits, b)
     drawn = _race(filter_logits(logits, b), b)
     return torch.where(is_greedy(b.temperature), logits.argmax(-1), drawn)
@@ -136,7 +128,7 @@ def _draw_on_host(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     both = torch.cat(parts, dim=1).cpu()
     host = b.row_params_on_host()
     best, ids = both[:, :k], both[:, k:2 * k].long()
-    drawn = ids.gather(1, _race(_filtered(best, host), host)[:, None])[:, 0]
+    drawn = ids.gather(1, _race(filter_candidates(best, host), host)[:, None])[:, 0]
     return torch.where(is_greedy(host.temperature), both[:, 2 * k].long(), drawn) if any_greedy else drawn
 
 
