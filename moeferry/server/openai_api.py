@@ -99,10 +99,15 @@ def chat_plan(server, body: ChatCompletionRequest) -> ChatPlan:
     return plan
 
 
+def _per_prompt(items: list, size: int) -> list[list]:
+    """Items in runs of `size`, one run per prompt (`start_choices` starts a prompt's choices together)."""
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
 def _usage(gens: list[Generation], cache_report: bool, n: int | None = None) -> Usage:
     """A prompt counts once however many choices were generated from it (`n` choices a prompt,
     in runs: a completions request may list several prompts; default: one prompt)."""
-    runs = [gens[i:i + (n or len(gens))] for i in range(0, len(gens), n or len(gens))]
+    runs = _per_prompt(gens, n or len(gens))
     prompt, completion = sum(run[0].prompt_tokens for run in runs), sum(g.completion_tokens for g in gens)
     cached = sum(max(g.cached_tokens for g in run) for run in runs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
@@ -253,8 +258,7 @@ async def completions(body: CompletionRequest, request: Request):
     results = await asyncio.gather(*[_collect(g, request) for g in gens])
     if any(pieces is None for pieces in results):
         return Response(status_code=499)
-    pairs = list(zip(gens, results))
-    kept = [pair for i in range(0, len(pairs), best_of) for pair in _best(pairs[i:i + best_of], n)]  # per prompt
+    kept = [pair for run in _per_prompt(list(zip(gens, results)), best_of) for pair in _best(run, n)]
     choices = [_completion_choice(g, i, pieces, params.logprobs is not None) for i, (g, pieces) in enumerate(kept)]
     return Completion(id=gens[0].request_id, model=model, usage=_usage(gens, cache_report, best_of), choices=choices)
 
