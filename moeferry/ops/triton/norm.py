@@ -14,6 +14,16 @@ import triton.language as tl
 from moeferry.ops.triton import next_pow2
 
 
+@triton.jit
+def weighted(normed, w, dt, ZERO_CENTERED: tl.constexpr):
+    """RMSNorm's weight on fp32 normalised rows (w fp32, broadcastable): times (1 + w) when
+    zero-centered, else the rows rounded to the activation dtype `dt` first, as the reference
+    rounds; fp32."""
+    if ZERO_CENTERED:
+        return normed * (1.0 + w)
+    return normed.to(dt).to(tl.float32) * w
+
+
 @triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(x_ptr, stride_x, res_ptr, stride_r, sum_ptr, w_ptr, out_ptr, n_rows, N, eps,
                      HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
@@ -30,10 +40,7 @@ def _rms_norm_kernel(x_ptr, stride_x, res_ptr, stride_r, sum_ptr, w_ptr, out_ptr
     var = tl.sum(xf * xf, axis=1) / N
     normed = xf * (1.0 / tl.sqrt(var + eps))[:, None]
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        y = normed * (1.0 + w[None, :])
-    else:
-        y = normed.to(x.dtype).to(tl.float32) * w[None, :]
+    y = weighted(normed, w[None, :], x.dtype, ZERO_CENTERED)
     tl.store(out_ptr + rows64[:, None] * N + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

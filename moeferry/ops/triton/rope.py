@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from moeferry.ops.triton import next_pow2
+from moeferry.ops.triton.norm import weighted
 
 
 @triton.jit
@@ -78,10 +79,7 @@ def _normed(base, w_ptr, cols, cmask, hmask, inv, dt, ZERO_CENTERED: tl.constexp
     activation dtype `dt` where `norm._rms_norm_kernel` rounds; as fp32."""
     x = tl.load(base + cols[None, :], mask=hmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    normed = x * inv[:, None]
-    if ZERO_CENTERED:
-        return (normed * (1.0 + w)).to(dt).to(tl.float32)
-    return (normed.to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+    return weighted(x * inv[:, None], w, dt, ZERO_CENTERED).to(dt).to(tl.float32)
 
 
 @triton.jit(do_not_specialize=["stride_qt", "stride_qh", "stride_kt", "stride_kh", "HQ", "HK", "q_blocks"])
