@@ -411,7 +411,7 @@ def decode(server: Server, prompts: Prompts, batch: int, out_tokens: int, seed: 
     stays small); rate = batch x the extra tokens / the extra time to the last stream's end, the
     faster long batch over the faster short one (the first may compile; a one-off stall in one
     run would otherwise move the rate: FreeToken's b4 once read 229 tok/s from a stalled short
-    run, its window rate 105; our b1 240 from a long run 0.12 s slower than its window rate said).
+    run, its window rate 105).
     Prefill, first-token and detokenizer hold-back cancel out: a stream whose text is held back
     (random weights emit byte tokens that are not whole UTF-8 characters, for a while) or sent
     in a burst cannot look faster or slower than the engine decodes. The window rate of
