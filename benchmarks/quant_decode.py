@@ -67,6 +67,8 @@ def hbm_bandwidth():
 # -- dense ----------------------------------------------------------------------------------
 SHAPES = {"qkv 8192x2048": (8192, 2048), "o_proj 2048x4096": (2048, 4096), "shared 512x2048": (512, 2048)}
 FORMS = ("fp8_row", "fp4", "int4", "fp8_block", "dense")  # most used first (a time limit may cut the run)
+# M = 1: the one-row GEMV's (BN, BK, warps) swept (quant_linear.ROW_TILES takes the winners)
+ROW_GRID = [(bn, bk, w) for bn in (2, 4, 8, 16) for bk in (512, 1024, 2048) for w in (4, 8)]
 
 
 def random_packed(form, n, k, g):
@@ -99,10 +101,11 @@ def dense_candidates(form, m):
         bm, bn, bk, swap = Q.PREFILL_TILES[form]
         return [Q.DenseConfig(128, 64, bk, 1, swap, 4, 3)]
     from moeferry.ops.triton.gemv_formats import GEMV_STEPS
+    rows = [Q.DenseConfig(1, bn, bk, num_warps=w, row=True) for bn, bk, w in ROW_GRID] if m == 1 else []
     dot = [(bn, Q.DECODE_TILES[form][1], waves, False) for bn in (32, 64) for waves in (0, 4)]
     if form not in GEMV_STEPS or m > Q.GEMV_MAX_M:
-        return dot if m == 1 else dot[-1:]
-    return dot[-1:] + [(bn, bk, waves, True) for bn, bk in ((16, 512), (32, 256), (32, 512), (64, 512), (32, 1024))
+        return rows + (dot if m == 1 else dot[-1:])
+    return rows + dot[-1:] + [(bn, bk, waves, True) for bn, bk in ((16, 512), (32, 256), (32, 512), (64, 512), (32, 1024))
                        for waves in (0, 2, 4)][:None if m == 1 else 3]
 
 
@@ -111,6 +114,9 @@ def resolve(cand, op, m):
     import triton
 
     from moeferry.ops.triton import quant_linear as Q
+    if isinstance(cand, Q.DenseConfig) and cand.row:
+        from moeferry.ops.triton.moe_decode import gemv_bk
+        return replace(cand, bk=gemv_bk(cand.bk, op.kernel, op.group, op.k)[0])
     if isinstance(cand, Q.DenseConfig):
         return Q.DenseConfig(min(cand.bm, max(16, triton.next_power_of_2(m))), cand.bn, Q._fit_bk(cand.bk, op),
                              1, cand.swap, cand.num_warps, cand.num_stages)
@@ -132,7 +138,7 @@ def bench_dense(args, log):
     g = torch.Generator(device=DEV).manual_seed(0)
     rows = []
     shapes = {"smoke 48x256": (48, 256)} if SMOKE else dict(SHAPES)
-    for form in (("fp4",) if SMOKE else FORMS):
+    for form in (("fp4",) if SMOKE else args.forms.split(",") if args.forms else FORMS):
         fshapes = dict(shapes, **({"lm_head 248320x2048": (248320, 2048)} if form == "fp4" and not SMOKE else {}))
         for label, (n, k) in fshapes.items():
             one = random_packed(form, n, k, g)
@@ -142,7 +148,7 @@ def bench_dense(args, log):
                                                   for _ in range(copies - 1)]
             ref_w = one.dequantize(torch.float32)
             bf16_ws = [torch.randn(n, k, generator=g, device=DEV).bfloat16() for _ in range(max(1, min(24, math.ceil(300e6 / (2 * n * k)))))]
-            for m in (1, 4, 16, 4096):
+            for m in map(int, args.rows.split(",")):
                 if (m == 4096 and n > 8192) or (SMOKE and m == 4096):
                     continue
                 x = torch.randn(m, k, generator=g, device=DEV).bfloat16()
@@ -173,7 +179,7 @@ def bench_dense(args, log):
                 extra = f" scaled_mm {row['t_scaled_mm'] * 1e6:.1f} us err {row['err_scaled_mm']:.1e}" if "t_scaled_mm" in row else ""
                 if m <= 16:
                     log(f"  {form:9s} {label:20s} M={m:4d}: default {t_def * 1e6:7.1f} us ({100 * row['frac_default']:3.0f}% HBM)"
-                        f" best {t_best * 1e6:7.1f} us ({100 * row['frac_best']:3.0f}%) {c_best}  err {err_def:.1e}"
+                        f" best {t_best * 1e6:7.1f} us ({100 * row['frac_best']:3.0f}%) {c_best}  err {err_def:.1e} / best {err_best:.1e}"
                         f"  cuBLAS-bf16 {t_cublas * 1e6:.1f} us{extra}")
                 else:
                     fl = 2 * m * n * k
@@ -583,6 +589,8 @@ def main():
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--offload", type=int, default=0, metavar="SLOTS",
                     help="e2e: the offload backend with this many cache slots (device-managed graphs, piecewise, eager; breakdown)")
+    ap.add_argument("--forms", default="", help="dense: device forms to run (default all)")
+    ap.add_argument("--rows", default="1,4,16,4096", help="dense: values of M")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (set MOEFERRY_TRITON_INTERPRET=1)")
     args = ap.parse_args()
     global DEV, SMOKE

@@ -66,15 +66,39 @@ CASES["fp8_block-edges"] = ("fp8_block", 3, 200, 320, {"block_size": (128, 128)}
 CASES["int4_ct-asym-g64"] = ("int4_ct", 2, 64, 256, {"group_size": 64, "symmetric": False})
 CASES["int4_awq-g32-prefill"] = ("int4_awq", 20, 40, 128, {"group_size": 32, "symmetric": False})
 CASES["nvfp4-k32"] = ("nvfp4", 3, 24, 32, None)
+# the one-row GEMV (DenseConfig(row=True)): name -> (format, n, k, params, bn, bk)
+ROWS = {f"{_fmt}-row": (_fmt, 72, 256, None, 16, 64) for _fmt in FORMATS}
+ROWS["nvfp4-row-k-edge"] = ("nvfp4", 40, 96, None, 8, 64)
+ROWS["int4_awq-row-g32"] = ("int4_awq", 24, 128, {"group_size": 32, "symmetric": False}, 4, 64)
+ROWS["fp8_block-row-edges"] = ("fp8_block", 200, 320, {"block_size": (128, 128)}, 32, 256)
 STACKED = {f"{_fmt}-stacked-{kind}": (_fmt, m, 96, 128, None)
            for _fmt in ("fp8_tensor", "nvfp4", "int4_awq") for kind, m in (("decode", 1), ("prefill", 40))}
 
 
+def check_row(fmt, n, k, params, bn, bk, device="cpu", seed=0, tol=1e-2):
+    """quant_linear with the one-row GEMV config (M = 1) vs x @ dequantize(W)^T in fp32."""
+    from moeferry.ops.triton.quant_linear import DenseConfig, dense_operands, quant_linear
+    gen = torch.Generator().manual_seed(seed)
+    f = FORMATS[fmt]
+    params = QuantParams(**params) if params else None
+    w = torch.randn(n, k, generator=gen) * 0.05
+    packed = f.packed(f.quantize(w.bfloat16() if fmt == "bf16" else w, params), params)
+    x = torch.randn(1, k, generator=gen).bfloat16()
+    ref = x.float() @ packed.dequantize(torch.float32).t()
+    out = quant_linear(x.to(device), dense_operands(packed.to(device), f.device_form),
+                       DenseConfig(1, bn, bk, row=True))
+    err = _rel(out.cpu(), ref)
+    assert err < tol, f"{fmt} row GEMV n={n} k={k} bn={bn} bk={bk}: rel err {err:.3g} >= {tol}"
+    return err
+
+
 def _worker(shard: int, nshards: int) -> None:
     def run(name):
+        if name in ROWS:
+            return check_row(*ROWS[name], seed=hash(name) % 1000)
         fmt, m, n, k, params = CASES.get(name) or STACKED[name]
         return check_linear(fmt, m, n, k, params=params, seed=hash(name) % 1000, parts=3 if name in STACKED else 1)
-    report_cases(list(CASES) + list(STACKED), run, shard, nshards)
+    report_cases(list(CASES) + list(STACKED) + list(ROWS), run, shard, nshards)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +106,7 @@ def interpreted():
     return run_workers(__file__, WORKERS, MOEFERRY_TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
 
 
-@pytest.mark.parametrize("case", sorted(CASES) + sorted(STACKED))
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(STACKED) + sorted(ROWS))
 def test_interpreted(interpreted, case):
     assert_case_passed(interpreted, case)
 
@@ -127,6 +151,16 @@ def test_gpu_real_shapes(fmt, n, k):
         err = _rel(out.cpu(), x.float() @ ref_w.t())
         assert err < 1e-2, f"{fmt} m={m} n={n} k={k}: rel err {err:.3g}"
         assert not lin._operands.counters.any(), "split-K counters left armed"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_gpu_row_gemv(fmt):
+    """The one-row GEMV compiled at Qwen3.6 shapes (o_proj; N not a multiple of BN) for a few tiles."""
+    for n, k in ((2048, 4096), (1000, 2048)):
+        for bn, bk in ((4, 2048), (16, 512), (2, 1024)):
+            check_row(fmt, n, k, None, bn, bk, device="cuda", seed=n + bk)
 
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--worker":

@@ -35,8 +35,14 @@ class DecodeConfig:
     gate_up_bk: int = 256  # k per step of gate_up (over H)
     down_bn: int = 8       # rows of down per program
     down_bk: int = 512     # k per step of down (over I)
-    num_warps: int = 4
+    num_warps: int = 4     # gate_up's warps per program
     unroll: bool = False   # gate_up's k loop unrolled (every step's loads issued up front)
+    down_warps: int = 4
+
+
+# Per slot form (MoEKernel.name): the block sizes `benchmarks/quant_decode.py moe_sweep` found
+# fastest on an H200 at T = 1 and 4 (benchmarks/README.md); other forms take DecodeConfig().
+DECODE_CONFIGS: dict[str, DecodeConfig] = {}
 
 
 @triton.jit
@@ -127,17 +133,20 @@ def _decode_down_kernel(inter_ptr, out_ptr, stride_out, ids_ptr, rw_ptr, shw_ptr
     tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
-def _bk(bk: int, m: SlotMatrix) -> tuple[int, int]:
-    """(BK, GB) for matrix m: BK a power of two no wider than K needs, at least 32 (16 scales
-    of packed formats per row need BK >= 16; nibble pairs need even); GB the values per
-    scaled partial sum (a power-of-two group, else the whole BK)."""
-    bk = max(32, min(bk, triton.next_power_of_2(m.k)))
-    if m.kernel.group_scaled:
-        g = m.group
-        if g & (g - 1):
-            raise ValueError(f"decode path: group {g} is not a power of two")
-        return bk, min(g, bk)
+def gemv_bk(bk: int, kernel, group: int, k: int) -> tuple[int, int]:
+    """(BK, GB) of a GEMV step over K: BK a power of two no wider than K needs, at least 32
+    (16 scales of packed formats per row need BK >= 16; nibble pairs need even); GB the values
+    per scaled partial sum (a power-of-two group, else the whole BK)."""
+    bk = max(32, min(bk, triton.next_power_of_2(k)))
+    if kernel.group_scaled:
+        if group & (group - 1):
+            raise ValueError(f"GEMV step: group {group} is not a power of two")
+        return bk, min(group, bk)
     return bk, bk
+
+
+def _bk(bk: int, m: SlotMatrix) -> tuple[int, int]:
+    return gemv_bk(bk, m.kernel, m.group, m.k)
 
 
 def supports(gate_up: SlotMatrix) -> bool:
@@ -145,32 +154,54 @@ def supports(gate_up: SlotMatrix) -> bool:
     return gate_up.kernel.gemv is not None and not (gate_up.kernel.group_scaled and gate_up.group & (gate_up.group - 1))
 
 
+def _route_args(ids, weights, table_row, shared_slot, shared_gate):
+    ids, weights = ids.contiguous(), weights.contiguous()
+    shw = shared_gate.reshape(-1).contiguous() if shared_gate is not None else weights
+    return ids, weights, shw, table_row, shared_slot
+
+
+def _common(m: SlotMatrix, k_in: int, has_shared: bool) -> dict:
+    return dict(GEMV=m.kernel.gemv, ROW_SCALE=m.kernel.has_row_scale, G=m.group, GN=m.group_n,
+                HAS_Z=m.z is not None, K_IN=k_in, TOPK=k_in + int(has_shared), HAS_SHARED=has_shared)
+
+
+def decode_gate_up(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: SlotMatrix,
+                   table_row: torch.Tensor, shared_slot: int, shared_gate: torch.Tensor | None,
+                   cfg: DecodeConfig) -> torch.Tensor:
+    """inter [T * topk, I] = SiLU(gate) * up of every (token, choice) pair (launch 1)."""
+    t, k_in = ids.shape
+    common = _common(gate_up, k_in, shared_gate is not None)
+    i = gate_up.part
+    inter = torch.empty(t * common["TOPK"], i, dtype=x.dtype, device=x.device)
+    bk, gb = _bk(cfg.gate_up_bk, gate_up)
+    bn = min(cfg.gate_up_bn, triton.next_power_of_2(i))
+    _decode_gate_up_kernel[(t * common["TOPK"], triton.cdiv(i, bn))](
+        x, x.stride(0), inter, *_route_args(ids, weights, table_row, shared_slot, shared_gate),
+        *gate_up.kernel_args(), i, H=gate_up.k, GB=gb, UNROLL=cfg.unroll, BN=bn, BK=bk,
+        num_warps=cfg.num_warps, **common)
+    return inter
+
+
+def decode_down(inter: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: SlotMatrix,
+                table_row: torch.Tensor, shared_slot: int, shared_gate: torch.Tensor | None,
+                cfg: DecodeConfig) -> torch.Tensor:
+    """out [T, H] = sum over each token's pairs of down @ inter, times the routing weight (launch 2)."""
+    t, k_in = ids.shape
+    common = _common(down, k_in, shared_gate is not None)
+    h = down.n
+    bk, gb = _bk(cfg.down_bk, down)
+    bn = min(cfg.down_bn, triton.next_power_of_2(h))
+    _decode_down_kernel[(t, triton.cdiv(h, bn))](
+        inter, out, out.stride(0), *_route_args(ids, weights, table_row, shared_slot, shared_gate),
+        *down.kernel_args(), h, I=down.k, GB=gb, TP=triton.next_power_of_2(common["TOPK"]), BN=bn, BK=bk,
+        num_warps=cfg.down_warps, **common)
+    return out
+
+
 def decode_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: SlotMatrix, down: SlotMatrix,
                table_row: torch.Tensor, shared_slot: int, shared_gate: torch.Tensor | None,
                cfg: DecodeConfig) -> torch.Tensor:
     """`fused_moe`'s contract (x [T, H] contiguous rows, ids/weights [T, k], table_row [E])."""
-    t, k_in = ids.shape
-    has_shared = shared_gate is not None
-    topk = k_in + int(has_shared)
-    h, i = down.n, down.k
-    ids, weights = ids.contiguous(), weights.contiguous()
-    shw = shared_gate.reshape(-1).contiguous() if has_shared else weights
-    inter = torch.empty(t * topk, i, dtype=x.dtype, device=x.device)
-    out = torch.empty_like(x)
-    route = (ids, weights, shw, table_row, shared_slot)
-    kern = gate_up.kernel
-    common = dict(GEMV=kern.gemv, ROW_SCALE=kern.has_row_scale, K_IN=k_in, TOPK=topk, HAS_SHARED=has_shared,
-                  num_warps=cfg.num_warps)
-
-    bk, gb = _bk(cfg.gate_up_bk, gate_up)
-    bn = min(cfg.gate_up_bn, triton.next_power_of_2(i))
-    _decode_gate_up_kernel[(t * topk, triton.cdiv(i, bn))](
-        x, x.stride(0), inter, *route, *gate_up.kernel_args(), i, H=h, G=gate_up.group, GN=gate_up.group_n, GB=gb,
-        HAS_Z=gate_up.z is not None, UNROLL=cfg.unroll, BN=bn, BK=bk, **common)
-
-    bk, gb = _bk(cfg.down_bk, down)
-    bn = min(cfg.down_bn, triton.next_power_of_2(h))
-    _decode_down_kernel[(t, triton.cdiv(h, bn))](
-        inter, out, out.stride(0), *route, *down.kernel_args(), h, I=i, G=down.group, GN=down.group_n, GB=gb,
-        HAS_Z=down.z is not None, TP=triton.next_power_of_2(topk), BN=bn, BK=bk, **common)
-    return out
+    route = (table_row, shared_slot, shared_gate)
+    inter = decode_gate_up(x, ids, weights, gate_up, *route, cfg)
+    return decode_down(inter, torch.empty_like(x), ids, weights, down, *route, cfg)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .moe_decode import DecodeConfig, decode_moe, supports as decode_supports
+from .moe_decode import DECODE_CONFIGS, DecodeConfig, decode_moe, supports as decode_supports
 from .moe_formats import SlotMatrix
 from .moe_prep import Routing, RoutingScratch, prepare_routing
 
@@ -222,7 +222,9 @@ def decode_config(gate_up: SlotMatrix) -> DecodeConfig | None:
     """The decode path's config for this slot form, or None where its kernels do not handle it."""
     if not decode_supports(gate_up):
         return None
-    return INTERPRET_DECODE_CONFIG if interpreting() else DecodeConfig()
+    if interpreting():
+        return INTERPRET_DECODE_CONFIG
+    return DECODE_CONFIGS.get(gate_up.kernel.name, DecodeConfig())
 
 
 def _fit(g: GemmConfig, m: SlotMatrix) -> GemmConfig:

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from . import interpreting
 from .gemv_formats import GEMV_STEPS
+from .moe_decode import gemv_bk
 from .moe_formats import DENSE, FP4, FP8_BLOCK, FP8_ROW, INT4, MoEKernel
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -86,6 +87,23 @@ def _quant_gemv_kernel(x_ptr, stride_x, out_ptr, ws_ptr, cnt_ptr, w_ptr, s_ptr, 
     offs_m = tl.arange(0, BM)
     _finish(tl.trans(acc), out_ptr, ws_ptr, cnt_ptr, rs_ptr, offs_m, offs_m < M, n0, pid_k, pid_n,
             M, N, SPLIT, ROW_SCALE, BM, BN)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _row_gemv_kernel(x_ptr, out_ptr, w_ptr, s_ptr, z_ptr, rs_ptr, N, K: tl.constexpr,
+                     STEP: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
+                     GB: tl.constexpr, HAS_Z: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One row (M = 1): BN weight rows over all of K per program, by the form's MoE decode GEMV
+    step (moe_formats.py, "decode GEMV steps"; one slot, one part), unrolled over K."""
+    n0 = tl.program_id(0) * BN
+    acc = tl.zeros((BN,), tl.float32)
+    for k0 in tl.static_range(0, K, BK):
+        acc = STEP(acc, x_ptr, w_ptr, s_ptr, z_ptr, 0, n0, k0, N, K, N, BN, BK, G, GN, GB, HAS_Z)
+    offs_n = n0 + tl.arange(0, BN)
+    mask_n = offs_n < N
+    if ROW_SCALE:
+        acc *= tl.load(rs_ptr + offs_n, mask=mask_n, other=0.0)
+    tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
@@ -179,6 +197,7 @@ class DenseConfig:
     num_warps: int = 4
     num_stages: int = 4
     gemv: bool = False  # CUDA-core kernel (M <= bm), else the tl.dot kernel
+    row: bool = False   # M = 1: the one-row GEMV kernel (the MoE decode GEMV step), no split
 
 
 DECODE_MAX_M = 16  # split-K only here: one row of tiles, so the counters cover every tile
@@ -186,6 +205,8 @@ GEMV_MAX_M = 4     # up to this many rows: the CUDA-core GEMV kernel (forms in G
 MIN_BN = 16
 # GEMV: (bn, bk) per form, split-K to DECODE_WAVES x SMs programs
 GEMV_TILES = {"fp8_row": (16, 512)}
+# M = 1: (bn, bk, warps) of the one-row GEMV per form, where it beat the kernels above
+ROW_TILES: dict[str, tuple[int, int, int]] = {}
 # decode: (bn, bk) per form; split-K fills DECODE_WAVES x SMs programs. Prefill: (bm, bn, bk, swap).
 # Picked on an H200 by `benchmarks/quant_decode.py dense` (benchmarks/README.md).
 DECODE_TILES = {"dense": (64, 128), "fp8_row": (64, 256), "fp8_block": (64, 128), "fp4": (64, 128), "int4": (64, 128)}
@@ -210,6 +231,11 @@ def _fit_bk(bk: int, op: DenseOperands) -> int:
     return op.kernel.fit_bk(min(bk, max(32, triton.next_power_of_2(op.k))), op.group, op.k)
 
 
+def row_supported(op: DenseOperands) -> bool:
+    """The one-row GEMV's steps need power-of-two scale groups (moe_decode.supports)."""
+    return op.kernel.gemv is not None and not (op.kernel.group_scaled and op.group & (op.group - 1))
+
+
 def choose_config(m: int, op: DenseOperands, device: torch.device) -> DenseConfig:
     form = op.kernel.name
     if interpreting():  # small tiles; split-K, the GEMV and both orientations of the dot are exercised
@@ -219,6 +245,9 @@ def choose_config(m: int, op: DenseOperands, device: torch.device) -> DenseConfi
         if m <= DECODE_MAX_M:
             return DenseConfig(16, 32, bk, min(3, triton.cdiv(op.k, bk)), True)
         return DenseConfig(32, 32, bk, 1, False)
+    if m == 1 and form in ROW_TILES and row_supported(op):
+        bn, bk, warps = ROW_TILES[form]
+        return DenseConfig(1, bn, gemv_bk(bk, op.kernel, op.group, op.k)[0], 1, num_warps=warps, row=True)
     if m <= DECODE_MAX_M:
         gemv = m <= GEMV_MAX_M and form in GEMV_TILES
         bn, bk = (GEMV_TILES if gemv else DECODE_TILES)[form]
@@ -254,6 +283,14 @@ def quant_linear(x: torch.Tensor, op: DenseOperands, config: DenseConfig | None 
         raise ValueError(f"split-K needs one row of tiles (M <= BM) and BN >= {MIN_BN}: {cfg}, M={m}")
     ws = torch.empty(split, m, op.n, dtype=torch.float32, device=x.device) if split > 1 else out
     w, s, z, rs = op.args()
+    if cfg.row:
+        if m != 1 or not row_supported(op):
+            raise ValueError(f"one-row GEMV config for M = 1 and power-of-two groups, got M={m}, {op.kernel.name}")
+        _row_gemv_kernel[(triton.cdiv(op.n, cfg.bn),)](
+            x2, out, w, s, z, rs, op.n, K=op.k, STEP=op.kernel.gemv, ROW_SCALE=op.kernel.has_row_scale, G=op.group,
+            GN=op.group_n, GB=gemv_bk(cfg.bk, op.kernel, op.group, op.k)[1], HAS_Z=op.z is not None,
+            BN=cfg.bn, BK=cfg.bk, num_warps=cfg.num_warps)
+        return out.reshape(*lead, op.n)
     if cfg.gemv:
         if m > cfg.bm:
             raise ValueError(f"GEMV config for at most {cfg.bm} rows, got {m}")

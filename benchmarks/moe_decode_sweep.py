@@ -1,0 +1,245 @@
+"""The MoE decode path's block sizes, swept kernel by kernel on the GPU (issue 13, item 3).
+
+    python benchmarks/moe_decode_sweep.py [--out DIR] [--forms fp4,int4,...] [--jobs N]
+
+`moe_decode.py` runs two launches per MoE call: gate_up (grid pairs x I/BN, a k-loop of BK
+over H) and down (grid T x H/BN, every pair and all of I unrolled). Their block sizes decide
+how many bytes each program has in flight, which is what a GEMV at T = 1 lives on. This
+script times every (BN, BK, warps) of GATE_UP_GRID and DOWN_GRID for each kernel alone, at
+T = 1 and 4, on Qwen3.6-35B-A3B's MoE layer (E=256, top-8 plus a shared expert in a slot,
+H=2048, I=512; random weights in each format's slot form, `moe_kernels.Case`): each time is
+the median replay of a CUDA graph of 16 calls over 16 routings (the touched experts change
+call to call, so L2 serves little). The pair of winners (fewest summed time relative to the
+best at T = 1 and at T = 4) is then checked against the fp32 reference
+(`SlotBuffer.run_reference`) and timed as a whole call against `DecodeConfig()` and against
+the form's current entry in `DECODE_CONFIGS`, at T = 1, 2, 4, 8. % HBM = bytes of the
+distinct touched slots / time / the measured device-to-device copy bandwidth.
+
+Compiling a few hundred kernel variants dominates the run, so first `--jobs` processes (one
+per form) compile every variant into Triton's on-disk cache; the timing process then loads
+them. Prints a table and the `DECODE_CONFIGS` entries to paste; writes moe_decode_sweep.md /
+.json under --out. `--smoke`: tiny shapes on the CPU (MOEFERRY_TRITON_INTERPRET=1), a check
+of the script only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import moe_kernels as MK  # noqa: E402
+from moeferry.ops.triton import moe_decode as D  # noqa: E402
+
+FORMS = {"fp4": "nvfp4", "int4": "int4_awq", "fp8_row": "fp8_tensor", "fp8_block": "fp8_block", "dense": "bf16"}
+GATE_UP_GRID = [(bn, bk, w) for bn in (2, 4, 8, 16, 32) for bk in (256, 512, 1024, 2048) for w in (4, 8)]
+DOWN_GRID = [(bn, bk, w) for bn in (2, 4, 8, 16, 32) for bk in (128, 256, 512) for w in (2, 4, 8)]
+TOKENS = (1, 4)         # the kernels alone
+WHOLE_TOKENS = (1, 2, 4, 8)  # the whole call
+CALLS = 16
+
+
+def _bytes_per_weight(buf) -> float:
+    m = buf.gate_up
+    return m.bytes_per_slot / (m.n * m.k)
+
+
+def gate_up_configs(buf, smoke=False):
+    """Grid points whose weight tile per k-step is 1-16 KiB (gate and up each)."""
+    b = _bytes_per_weight(buf)
+    if smoke:
+        return [D.DecodeConfig(gate_up_bn=bn, gate_up_bk=bk, num_warps=w) for bn, bk, w in ((32, 64, 4), (64, 128, 2))]
+    return [D.DecodeConfig(gate_up_bn=bn, gate_up_bk=bk, num_warps=w) for bn, bk, w in GATE_UP_GRID
+            if bk <= buf.gate_up.k and 1024 <= bn * bk * b <= 16384]
+
+
+def down_configs(buf, smoke=False):
+    """Grid points whose tile per pair is 256 B - 8 KiB (all pairs are in flight together)."""
+    b = _bytes_per_weight(buf)
+    if smoke:
+        return [D.DecodeConfig(down_bn=bn, down_bk=bk, down_warps=w) for bn, bk, w in ((64, 32, 4), (128, 64, 2))]
+    return [D.DecodeConfig(down_bn=bn, down_bk=bk, down_warps=w) for bn, bk, w in DOWN_GRID
+            if bk <= buf.down.k and 256 <= bn * bk * b <= 8192]
+
+
+class Layer:
+    """One MoE layer's slots, a shared expert in the last slot, inputs for T tokens."""
+
+    def __init__(self, fmt: str):
+        self.case = MK.Case(fmt)
+        self.buf, self.table = self.case.buf, self.case.table
+        self.shared = MK.E - 1
+
+    def inputs(self, t: int, n: int, seed: int):
+        x = torch.randn(t, MK.H, device=MK.DEV).bfloat16()
+        gate = torch.randn(t, device=MK.DEV).bfloat16()
+        return x, gate, MK.routings(t, n, seed=seed)
+
+    def touched_bytes(self, rts) -> float:
+        per = [len(torch.unique(torch.cat([ids.reshape(-1), ids.new_tensor([self.shared])]))) for _, ids in rts]
+        return sum(per) / len(per) * self.buf.bytes_per_slot
+
+    def gate_up_fns(self, x, gate, rts, cfg):
+        return [lambda w=w, ids=ids: D.decode_gate_up(x, ids, w, self.buf.gate_up, self.table, self.shared, gate, cfg)
+                for w, ids in rts]
+
+    def down_fns(self, inters, gate, rts, cfg):
+        out = torch.empty(inters[0].shape[0] // (MK.K + 1), MK.H, device=MK.DEV, dtype=torch.bfloat16)
+        return [lambda w=w, ids=ids, a=a: D.decode_down(a, out, ids, w, self.buf.down, self.table, self.shared, gate,
+                                                         cfg) for (w, ids), a in zip(rts, inters)]
+
+    def whole_fns(self, x, gate, rts, cfg):
+        return [lambda w=w, ids=ids: D.decode_moe(x, ids, w, self.buf.gate_up, self.buf.down, self.table, self.shared,
+                                                  gate, cfg) for w, ids in rts]
+
+    def rel_error(self, cfg, t: int = 4) -> float:
+        x, gate, rts = self.inputs(t, 1, seed=99)
+        w, ids = rts[0]
+        ref = self.buf.run_reference(x.float(), ids, w.float(), self.table, self.shared, gate.float()).float()
+        out = D.decode_moe(x, ids, w, self.buf.gate_up, self.buf.down, self.table, self.shared, gate, cfg).float()
+        return ((out - ref).norm() / ref.norm()).item()
+
+
+def _timed(fns, log, what):
+    try:
+        return MK.graph_time(fns)
+    except Exception as e:  # a variant that does not build (registers, shared memory): skipped
+        log(f"    {what}: failed: {type(e).__name__}: {str(e)[:160]}")
+        return float("inf")
+
+
+def _pick(times: dict) -> D.DecodeConfig:
+    """The config with the least summed time relative to the best at each T."""
+    best = {t: min(v[t] for v in times.values()) for t in TOKENS}
+    return min(times, key=lambda c: sum(times[c][t] / best[t] for t in TOKENS))
+
+
+def compile_only(fmt: str, smoke: bool) -> None:
+    """Run every variant once (Triton compiles it into its on-disk cache)."""
+    layer = Layer(fmt)
+    x, gate, rts = layer.inputs(1, 1, seed=0)
+    w, ids = rts[0]
+    inter = D.decode_gate_up(x, ids, w, layer.buf.gate_up, layer.table, layer.shared, gate, D.DecodeConfig())
+    for cfg in gate_up_configs(layer.buf, smoke):
+        try:
+            layer.gate_up_fns(x, gate, rts, cfg)[0]()
+        except Exception:  # noqa: BLE001 (reported by the timing pass)
+            pass
+    for cfg in down_configs(layer.buf, smoke):
+        try:
+            layer.down_fns([inter], gate, rts, cfg)[0]()
+        except Exception:  # noqa: BLE001
+            pass
+    if MK.DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def sweep_form(label: str, fmt: str, bw: float, smoke: bool, log) -> dict:
+    layer = Layer(fmt)
+    log(f"{label}: {layer.buf.bytes_per_slot / 2**20:.2f} MiB per slot")
+    gu_times, dn_times, data = {}, {}, {}
+    for t in TOKENS:
+        x, gate, rts = layer.inputs(t, CALLS, seed=t)
+        inters = [D.decode_gate_up(x, ids, w, layer.buf.gate_up, layer.table, layer.shared, gate, D.DecodeConfig())
+                  for w, ids in rts]
+        data[t] = (x, gate, rts, layer.touched_bytes(rts))
+        for cfg in gate_up_configs(layer.buf, smoke):
+            gu_times.setdefault(cfg, {})[t] = _timed(layer.gate_up_fns(x, gate, rts, cfg), log, f"gate_up {cfg}")
+        for cfg in down_configs(layer.buf, smoke):
+            dn_times.setdefault(cfg, {})[t] = _timed(layer.down_fns(inters, gate, rts, cfg), log, f"down {cfg}")
+    gu, dn = _pick(gu_times), _pick(dn_times)
+    for name, times in (("gate_up", gu_times), ("down", dn_times)):
+        ranked = sorted(times.items(), key=lambda kv: kv[1][TOKENS[0]])[:5]
+        log(f"  {name} fastest at T=1: " + "; ".join(
+            f"{_short(c, name)} {v[TOKENS[0]] * 1e6:.1f}/{v[TOKENS[1]] * 1e6:.1f} us" for c, v in ranked))
+    best = D.DecodeConfig(gu.gate_up_bn, gu.gate_up_bk, dn.down_bn, dn.down_bk, gu.num_warps, False, dn.down_warps)
+    current = D.DECODE_CONFIGS.get(layer.buf.gate_up.kernel.name, D.DecodeConfig())
+    rows = []
+    for t in WHOLE_TOKENS:
+        x, gate, rts, nbytes = data[t] if t in data else (*layer.inputs(t, CALLS, seed=t), None)
+        nbytes = nbytes or layer.touched_bytes(rts)
+        times = {name: MK.graph_time(layer.whole_fns(x, gate, rts, cfg))
+                 for name, cfg in (("default", D.DecodeConfig()), ("current", current), ("swept", best))}
+        rows.append(dict(format=label, T=t, bytes=nbytes, **{f"t_{k}": v for k, v in times.items()},
+                         **{f"hbm_{k}": nbytes / v / bw for k, v in times.items()}))
+        log(f"  T={t}: {nbytes / 2**20:5.1f} MiB  default {times['default'] * 1e6:6.1f} us "
+            f"({100 * nbytes / times['default'] / bw:3.0f}%)  current {times['current'] * 1e6:6.1f} us  "
+            f"swept {times['swept'] * 1e6:6.1f} us ({100 * nbytes / times['swept'] / bw:3.0f}%)")
+    err = layer.rel_error(best)
+    log(f"  swept config {best}: rel error vs fp32 reference {err:.1e}")
+    return dict(form=layer.buf.gate_up.kernel.name, config=asdict(best), rel_error=err, rows=rows,
+                gate_up={repr(c): v for c, v in gu_times.items()}, down={repr(c): v for c, v in dn_times.items()})
+
+
+def _short(c: D.DecodeConfig, kernel: str) -> str:
+    if kernel == "gate_up":
+        return f"(bn {c.gate_up_bn}, bk {c.gate_up_bk}, w {c.num_warps})"
+    return f"(bn {c.down_bn}, bk {c.down_bk}, w {c.down_warps})"
+
+
+def _host_time(fns, reps=1):
+    """--smoke: seconds per fn, host-timed once (checks the script, times nothing real)."""
+    t0 = time.perf_counter()
+    for f in fns:
+        f()
+    return (time.perf_counter() - t0) / len(fns)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--forms", default=",".join(FORMS))
+    ap.add_argument("--jobs", type=int, default=4, help="processes compiling the variants first (0: none)")
+    ap.add_argument("--compile-only", metavar="FORM")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    if args.smoke:
+        MK.DEV, MK.E, MK.K, MK.H, MK.I = torch.device("cpu"), 16, 4, 256, 128
+        MK.graph_time = _host_time
+        global CALLS, TOKENS, WHOLE_TOKENS
+        CALLS, TOKENS, WHOLE_TOKENS = 2, (1, 2), (1, 2)
+    forms = [f for f in args.forms.split(",") if f]
+    if args.compile_only:
+        compile_only(FORMS[args.compile_only], args.smoke)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logf = open(out / "moe_decode_sweep.log", "w")
+
+    def log(s):
+        print(s, flush=True)
+        logf.write(s + "\n")
+        logf.flush()
+
+    if args.jobs:
+        cmd = [sys.executable, __file__] + (["--smoke"] if args.smoke else [])
+        for i in range(0, len(forms), args.jobs):
+            procs = [subprocess.Popen(cmd + ["--compile-only", f]) for f in forms[i:i + args.jobs]]
+            log(f"compiled {forms[i:i + args.jobs]}: exit codes {[p.wait() for p in procs]}")
+    torch.manual_seed(0)
+    bw = 1e10 if args.smoke else MK.hbm_bandwidth()
+    log(f"{'cpu' if args.smoke else torch.cuda.get_device_name()}: HBM copy {bw / 1e12:.2f} TB/s; E={MK.E} "
+        f"top-{MK.K} + shared, H={MK.H} I={MK.I}")
+    results = [sweep_form(f, FORMS[f], bw, args.smoke, log) for f in forms]
+    (out / "moe_decode_sweep.json").write_text(json.dumps(dict(hbm_Bps=bw, forms=results), indent=1))
+    md = ["| form | T | bytes | DecodeConfig() | % HBM | swept | % HBM |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        md += [f"| {r['form']} | {w['T']} | {w['bytes'] / 2**20:.1f} MiB | {w['t_default'] * 1e6:.1f} us | "
+               f"{100 * w['hbm_default']:.0f}% | {w['t_swept'] * 1e6:.1f} us | {100 * w['hbm_swept']:.0f}% |"
+               for w in r["rows"]]
+    md += ["", "DECODE_CONFIGS entries (rel error vs the fp32 reference):"]
+    md += [f"    {r['form']!r}: DecodeConfig(**{r['config']}),  # {r['rel_error']:.1e}" for r in results]
+    (out / "moe_decode_sweep.md").write_text("\n".join(md) + "\n")
+    log("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
