@@ -157,10 +157,12 @@ export T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFFLOAD_
     python3 -c 'import fastapi, uvicorn, pydantic, freetoken, flashlib, tvm_ffi, zmq
 print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__)' || exit 4
   fi
-  case " $RUNS " in
-    *" prep13 "*) ;;  # it makes the checkpoint itself, alongside other work
-    *) step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; } ;;
-  esac
+  needs_ckpt=0  # prep13 makes the checkpoint itself, alongside other work; some runs do not read it
+  for run in $RUNS; do case $run in prep13) needs_ckpt=0; break ;; bf16_12|gputests|moe|sampling|inputs) ;;
+    *) needs_ckpt=1 ;; esac; done
+  if [ "$needs_ckpt" = 1 ]; then
+    step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; }
+  fi
   for run in $RUNS; do
     case $run in
       seed)     step seed ${SEED_EST_S:-150} ${SEED_MAX_S:-360} seed seed ;;

@@ -99,11 +99,32 @@ def test_moe_decode_kernels_compile(fmt, shared, monkeypatch):
         monkeypatch.setattr(moe_decode, name, _Recorder(getattr(moe_decode, name), launches))
     x, ids = torch.randn(1, h).bfloat16(), torch.tensor([[0, 2]])
     table = torch.arange(e, dtype=torch.int32)
+    cfg = moe_decode.DECODE_CONFIGS.get(buf.gate_up.kernel.name, moe_decode.DecodeConfig())  # the GPU's
     moe_decode.decode_moe(x, ids, torch.full((1, k), 0.5), buf.gate_up, buf.down, table, e - 1 if shared else -1,
-                          torch.ones(1) if shared else None, moe_decode.DecodeConfig())
+                          torch.ones(1) if shared else None, cfg)
     assert len(launches) == 2
     for fn, args, kw in launches:
         assert "cubin" in _compile_launch(fn, args, kw).asm
+
+
+@pytest.mark.parametrize("form,n", [("fp4", 4096), ("fp4", 248320), ("fp8_row", 2048), ("fp8_row", 8192)])
+def test_row_gemv_compiles(form, n, monkeypatch):
+    """The one-row dense GEMV compiles for sm_90 with each ROW_TILES entry the GPU uses, as
+    `quant_linear` launches it at M = 1 (K = 2048)."""
+    from moeferry.checkpoint.formats import FORMATS
+    from moeferry.ops.triton import quant_linear as Q
+    fmt = {"fp4": "nvfp4", "fp8_row": "fp8_tensor"}[form]
+    f = FORMATS[fmt]
+    op = Q.dense_operands(f.packed(f.quantize(torch.randn(64, 2048) * 0.05)), form)
+    op = Q.DenseOperands(op.kernel, n, op.k, op.w, op.s, op.z, op.rs, op.group, op.group_n, op.counters)
+    monkeypatch.setattr(Q, "_num_sms", lambda index: 132)
+    cfg = Q.choose_config(1, op, torch.device("cuda", 0))
+    assert cfg.row
+    launches = []
+    monkeypatch.setattr(Q, "_row_gemv_kernel", _Recorder(Q._row_gemv_kernel, launches))
+    Q.quant_linear(torch.randn(1, 2048).bfloat16(), op, cfg)
+    (fn, args, kw), = launches
+    assert "cubin" in _compile_launch(fn, args, kw).asm
 
 
 @pytest.mark.parametrize("zero_centered", [True, False])

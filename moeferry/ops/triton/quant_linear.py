@@ -205,8 +205,13 @@ GEMV_MAX_M = 4     # up to this many rows: the CUDA-core GEMV kernel (forms in G
 MIN_BN = 16
 # GEMV: (bn, bk) per form, split-K to DECODE_WAVES x SMs programs
 GEMV_TILES = {"fp8_row": (16, 512)}
-# M = 1: (bn, bk, warps) of the one-row GEMV per form, where it beat the kernels above
-ROW_TILES: dict[str, tuple[int, int, int]] = {}
+# M = 1: the one-row GEMV per form where it beat the kernels above, as (up to N rows, (bn, bk,
+# warps)) in order. H200, `benchmarks/quant_decode.py dense --rows 1` (benchmarks/README.md):
+# fp4 lm_head 248320x2048 170.5 us (was 240.6), fp8_row 8192x2048 6.5 us (8.6), 2048x4096 5.0 (6.9).
+ROW_TILES: dict[str, list[tuple[int, tuple[int, int, int]]]] = {
+    "fp4": [(65536, (8, 2048, 4)), (1 << 62, (16, 1024, 4))],
+    "fp8_row": [(4096, (2, 2048, 4)), (1 << 62, (16, 512, 8))],
+}
 # decode: (bn, bk) per form; split-K fills DECODE_WAVES x SMs programs. Prefill: (bm, bn, bk, swap).
 # Picked on an H200 by `benchmarks/quant_decode.py dense` (benchmarks/README.md).
 DECODE_TILES = {"dense": (64, 128), "fp8_row": (64, 256), "fp8_block": (64, 128), "fp4": (64, 128), "int4": (64, 128)}
@@ -246,7 +251,7 @@ def choose_config(m: int, op: DenseOperands, device: torch.device) -> DenseConfi
             return DenseConfig(16, 32, bk, min(3, triton.cdiv(op.k, bk)), True)
         return DenseConfig(32, 32, bk, 1, False)
     if m == 1 and form in ROW_TILES and row_supported(op):
-        bn, bk, warps = ROW_TILES[form]
+        bn, bk, warps = next(tile for upto, tile in ROW_TILES[form] if op.n <= upto)
         return DenseConfig(1, bn, gemv_bk(bk, op.kernel, op.group, op.k)[0], 1, num_warps=warps, row=True)
     if m <= DECODE_MAX_M:
         gemv = m <= GEMV_MAX_M and form in GEMV_TILES
