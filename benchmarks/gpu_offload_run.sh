@@ -101,13 +101,15 @@ step() {
 
 make_ckpt() {  # make_ckpt DIR SKEW [QUANT (bf16: none) [LAYERS]]; a checkpoint a warm machine already holds is kept
   local logf="$WORK/make_$(basename "$1").log" rc quant=${3:-mixed_nvfp4} layers=${4:-$LAYERS}
-  [ -f "$1/.made-$2-$quant" ] && { echo "kept $1 (made by an earlier call)"; return 0; }
+  # bf16 as released (HF's fused experts, which FreeToken's fused backend requires); quantized ones per expert
+  local layout; layout=$([ "$quant" = bf16 ] && echo fused || echo per-expert)
+  [ -f "$1/.made-$2-$quant-$layout" ] && { echo "kept $1 (made by an earlier call)"; return 0; }
   rm -rf "$1"
   MOEFERRY_QUANT_DEVICE=$QUANT_DEVICE python3 -m moeferry.cli make-model --arch qwen3_5_moe --size "$SIZE" \
     ${layers:+--num-layers $layers} --multimodal --dtype bfloat16 $([ "$quant" = bf16 ] || echo "--quant $quant") \
-    --router-skew "$2" --out "$1" > "$logf" 2>&1
+    --expert-layout "$layout" --router-skew "$2" --out "$1" > "$logf" 2>&1
   rc=$?; tail -n 3 "$logf"; du -sh "$1"
-  [ $rc = 0 ] && touch "$1/.made-$2-$quant"; return $rc
+  [ $rc = 0 ] && touch "$1/.made-$2-$quant-$layout"; return $rc
 }
 
 seed() {  # seed NAME [seed_scenario.py args...]
