@@ -1,13 +1,14 @@
 """Quantized checkpoints on the GPU (issue 13): dense-layer kernels, MoE decode split-K, and
 whole-model decode.
 
-    python benchmarks/quant_decode.py dense [--out DIR]      # QuantLinear kernels per device form
+    python benchmarks/quant_decode.py dense [--out DIR] [--forms fp4,fp8_row] [--rows 1,4]  # QuantLinear kernels
     python benchmarks/quant_decode.py moe [--out DIR]        # MoE decode: grouped GEMM vs decode GEMV path
     python benchmarks/quant_decode.py e2e CKPT [--out DIR]   # decode tok/s b1/b4, graphs on/off
 
 dense: Qwen3.6-35B-A3B dense shapes [N, K] (in_proj_qkv / q_proj 8192x2048, o_proj / out_proj
 2048x4096, shared expert 512x2048, NVFP4 lm_head 248320x2048) at M = 1, 4, 16 (decode) and
-M = 4096 (prefill); at M = 1 a sweep of tiles and split-K (GEMV tiles for forms that have one). Random device-form weights, rotated over enough copies that L2 (50 MB)
+M = 4096 (prefill); at M = 1 a sweep of tiles and split-K (GEMV tiles for forms that have one,
+and the one-row GEMV's ROW_GRID). Random device-form weights, rotated over enough copies that L2 (50 MB)
 serves none of them; each time is the median replay of a CUDA graph calling every copy once.
 Bytes = the packed weight and its scales; the bound is bytes over the measured HBM copy
 bandwidth. Baselines in the same run: bf16 cuBLAS (F.linear) on a bf16 weight of the same

@@ -43,8 +43,9 @@ class DecodeConfig:
 # Per slot form (MoEKernel.name): the block sizes `benchmarks/moe_decode_sweep.py` found fastest
 # on an H200 over T = 1 and 4 (benchmarks/README.md); other forms take DecodeConfig(). Whole call
 # at T = 1 (top-8 + shared): fp4 20.9 us (DecodeConfig() 27.4), int4 22.9 (29.2), fp8_row 15.5
-# (25.4), fp8_block 15.6 (19.2).
+# (25.4), fp8_block 15.6 (19.2), dense (bf16) 22.1 (30.7).
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
+    "dense": DecodeConfig(gate_up_bn=2, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
     "fp4": DecodeConfig(gate_up_bn=8, gate_up_bk=2048, down_bn=16, down_bk=512, num_warps=4, down_warps=8),
     "int4": DecodeConfig(gate_up_bn=8, gate_up_bk=2048, down_bn=16, down_bk=512, num_warps=4, down_warps=8),
     "fp8_row": DecodeConfig(gate_up_bn=4, gate_up_bk=512, down_bn=4, down_bk=512, num_warps=4, down_warps=2),
