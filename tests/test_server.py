@@ -180,6 +180,25 @@ def test_completions_string_and_token_ids(client, tokenizer):
     assert "".join(c.choices[0].text for c in stream) == by_ids.choices[0].text
 
 
+def test_completions_echo_prepends_each_prompt(client, tokenizer):
+    """echo: a choice's text is its prompt (as sent, or token ids decoded) then the completion,
+    streamed as a first chunk of its own; lists of prompts echo each their own."""
+    prompt = "def fibonacci(n):"
+    plain = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, **GREEDY).choices[0].text
+    by_text = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, echo=True, **GREEDY)
+    assert by_text.choices[0].text == prompt + plain
+    ids = tokenizer.encode(prompt)
+    by_ids = client.completions.create(model=NAME, prompt=ids, max_tokens=6, echo=True, **GREEDY)
+    assert by_ids.choices[0].text == tokenizer.decode(ids, skip_special_tokens=False) + plain
+    stream = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=6, echo=True, stream=True,
+                                            **GREEDY))
+    assert stream[0].choices[0].text == prompt and stream[0].choices[0].finish_reason is None
+    assert "".join(c.choices[0].text for c in stream if c.choices) == prompt + plain
+    two = client.completions.create(model=NAME, prompt=["Once upon", prompt], max_tokens=3, n=2, echo=True, **GREEDY)
+    assert [c.text.startswith(p) for c, p in zip(two.choices, ["Once upon"] * 2 + [prompt] * 2)] == [True] * 4
+    assert two.usage.prompt_tokens == len(tokenizer.encode("Once upon")) + len(ids)
+
+
 def test_logit_bias_forces_and_bans_tokens(client, tokenizer):
     """logit_bias through the API: +100 on a token makes greedy decoding emit only it; -100 on
     what greedy chose bans it (the model's own logits lose)."""

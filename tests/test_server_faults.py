@@ -68,7 +68,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": NAME, "prompt": []}, 400, None, "prompt"),
     ("/v1/completions", {"model": NAME, "prompt": ["a"] * 33, "n": 2}, 400, "invalid_value", "prompt"),
     ("/v1/completions", {"model": NAME, "prompt": ["a", ""]}, 400, None, "prompt"),
-    ("/v1/completions", {"model": NAME, "prompt": "x", "echo": True}, 400, None, "echo"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "echo": True, "logprobs": 1}, 400, None, "echo"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "n": 3, "best_of": 2}, 400, "invalid_value", "best_of"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "best_of": 17}, 400, "invalid_value", "best_of"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "best_of": 2, "stream": True}, 400, "invalid_value",

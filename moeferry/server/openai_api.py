@@ -251,15 +251,17 @@ async def completions(body: CompletionRequest, request: Request):
     gens = await start_choices(front, prompts, run, "cmpl", best_of)
     cache_report = server.cfg.enable_cache_report
     model = server.cfg.served_model_name
+    echoes = _echoes(front.tokenizer, body.prompt, prompts) if body.echo else [""] * len(prompts)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = merge([_completion_chunks(g, i, model) for i, g in enumerate(gens)])
+        chunks = merge([_completion_chunks(g, i, model, echoes[i // n]) for i, g in enumerate(gens)])
         return _sse(_with_usage(chunks, gens, model, include_usage, cache_report, Completion, n), gens)
     results = await asyncio.gather(*[_collect(g, request) for g in gens])
     if any(pieces is None for pieces in results):
         return Response(status_code=499)
     kept = [pair for run in _per_prompt(list(zip(gens, results)), best_of) for pair in _best(run, n)]
-    choices = [_completion_choice(g, i, pieces, params.logprobs is not None) for i, (g, pieces) in enumerate(kept)]
+    choices = [_completion_choice(g, i, pieces, params.logprobs is not None, echoes[i // n])
+               for i, (g, pieces) in enumerate(kept)]
     return Completion(id=gens[0].request_id, model=model, usage=_usage(gens, cache_report, best_of), choices=choices)
 
 
@@ -285,7 +287,17 @@ def _best(runs: list[tuple[Generation, list[Piece]]], n: int) -> list[tuple[Gene
     return sorted(runs, key=per_token, reverse=True)[:n] if len(runs) > n else runs
 
 
-def _completion_choice(gen: Generation, index: int, pieces: list[Piece], logprobs: bool) -> CompletionChoice:
+def _echoes(tokenizer, prompt, prompts: list[list[int]]) -> list[str]:
+    """`echo`: each prompt as text (a text prompt as sent, token ids decoded, special tokens kept)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], str):
+        return list(prompt)
+    return [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
+
+
+def _completion_choice(gen: Generation, index: int, pieces: list[Piece], logprobs: bool,
+                       echo: str = "") -> CompletionChoice:
     out = None
     if logprobs:
         offsets, out = _Offsets(), CompletionLogprobs()
@@ -293,12 +305,14 @@ def _completion_choice(gen: Generation, index: int, pieces: list[Piece], logprob
             part = offsets.convert(gen, p) or CompletionLogprobs()
             for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                 getattr(out, name).extend(getattr(part, name))
-    return CompletionChoice(index=index, text="".join(p.text for p in pieces), logprobs=out,
+    return CompletionChoice(index=index, text=echo + "".join(p.text for p in pieces), logprobs=out,
                             finish_reason=pieces[-1].finish_reason)
 
 
-async def _completion_chunks(gen: Generation, index: int, model: str) -> AsyncIterator[str]:
+async def _completion_chunks(gen: Generation, index: int, model: str, echo: str = "") -> AsyncIterator[str]:
     offsets = _Offsets()
+    if echo:  # the prompt first, as its own chunk
+        yield _event(Completion(id=gen.request_id, model=model, choices=[CompletionChoice(index=index, text=echo)]))
     async for piece in gen.pieces():
         yield _event(Completion(id=gen.request_id, model=model, choices=[
             CompletionChoice(index=index, text=piece.text, logprobs=offsets.convert(gen, piece),

@@ -147,8 +147,8 @@ class CompletionRequest(SamplingFields):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.echo:
-            out.append(("echo", "echo is not supported yet"))
+        if self.echo and self.logprobs is not None:
+            out.append(("echo", "echo with logprobs (the log probabilities of the prompt's tokens) is not supported yet"))
         if self.suffix:
             out.append(("suffix", "suffix (fill-in-the-middle) is not supported yet"))
         return out
