@@ -52,22 +52,18 @@ def _bytes_per_weight(buf) -> float:
     return m.bytes_per_slot / (m.n * m.k)
 
 
-def gate_up_configs(buf, smoke=False):
-    """Grid points whose weight tile per k-step is 1-16 KiB (gate and up each)."""
-    b = _bytes_per_weight(buf)
-    if smoke:
-        return [D.DecodeConfig(gate_up_bn=bn, gate_up_bk=bk, num_warps=w) for bn, bk, w in ((32, 64, 4), (64, 128, 2))]
-    return [D.DecodeConfig(gate_up_bn=bn, gate_up_bk=bk, num_warps=w) for bn, bk, w in GATE_UP_GRID
-            if bk <= buf.gate_up.k and 1024 <= bn * bk * b <= 16384]
+# kernel -> (its grid, the --smoke points, weight bytes per k-step (gate_up: gate and up each) or per
+# pair (down: all pairs are in flight together) kept, the DecodeConfig fields of (BN, BK, warps))
+GRIDS = {"gate_up": (GATE_UP_GRID, ((32, 64, 4), (64, 128, 2)), (1024, 16384), ("gate_up_bn", "gate_up_bk", "num_warps")),
+         "down": (DOWN_GRID, ((64, 32, 4), (128, 64, 2)), (256, 8192), ("down_bn", "down_bk", "down_warps"))}
 
 
-def down_configs(buf, smoke=False):
-    """Grid points whose tile per pair is 256 B - 8 KiB (all pairs are in flight together)."""
-    b = _bytes_per_weight(buf)
-    if smoke:
-        return [D.DecodeConfig(down_bn=bn, down_bk=bk, down_warps=w) for bn, bk, w in ((64, 32, 4), (128, 64, 2))]
-    return [D.DecodeConfig(down_bn=bn, down_bk=bk, down_warps=w) for bn, bk, w in DOWN_GRID
-            if bk <= buf.down.k and 256 <= bn * bk * b <= 8192]
+def configs(kernel: str, buf, smoke=False) -> list[D.DecodeConfig]:
+    """The grid points of one kernel, as DecodeConfigs (the other kernel's fields at their defaults)."""
+    grid, smoke_points, (lo, hi), fields = GRIDS[kernel]
+    b, k = _bytes_per_weight(buf), getattr(buf, kernel).k
+    points = smoke_points if smoke else [(bn, bk, w) for bn, bk, w in grid if bk <= k and lo <= bn * bk * b <= hi]
+    return [D.DecodeConfig(**dict(zip(fields, p))) for p in points]
 
 
 class Layer:
@@ -128,12 +124,12 @@ def compile_only(fmt: str, smoke: bool) -> None:
     x, gate, rts = layer.inputs(1, 1, seed=0)
     w, ids = rts[0]
     inter = D.decode_gate_up(x, ids, w, layer.buf.gate_up, layer.table, layer.shared, gate, D.DecodeConfig())
-    for cfg in gate_up_configs(layer.buf, smoke):
+    for cfg in configs("gate_up", layer.buf, smoke):
         try:
             layer.gate_up_fns(x, gate, rts, cfg)[0]()
         except Exception:  # noqa: BLE001 (reported by the timing pass)
             pass
-    for cfg in down_configs(layer.buf, smoke):
+    for cfg in configs("down", layer.buf, smoke):
         try:
             layer.down_fns([inter], gate, rts, cfg)[0]()
         except Exception:  # noqa: BLE001
@@ -151,9 +147,9 @@ def sweep_form(label: str, fmt: str, bw: float, smoke: bool, log) -> dict:
         inters = [D.decode_gate_up(x, ids, w, layer.buf.gate_up, layer.table, layer.shared, gate, D.DecodeConfig())
                   for w, ids in rts]
         data[t] = (x, gate, rts, layer.touched_bytes(rts))
-        for cfg in gate_up_configs(layer.buf, smoke):
+        for cfg in configs("gate_up", layer.buf, smoke):
             gu_times.setdefault(cfg, {})[t] = _timed(layer.gate_up_fns(x, gate, rts, cfg), log, f"gate_up {cfg}")
-        for cfg in down_configs(layer.buf, smoke):
+        for cfg in configs("down", layer.buf, smoke):
             dn_times.setdefault(cfg, {})[t] = _timed(layer.down_fns(inters, gate, rts, cfg), log, f"down {cfg}")
     gu, dn = _pick(gu_times), _pick(dn_times)
     for name, times in (("gate_up", gu_times), ("down", dn_times)):
@@ -180,9 +176,7 @@ def sweep_form(label: str, fmt: str, bw: float, smoke: bool, log) -> dict:
 
 
 def _short(c: D.DecodeConfig, kernel: str) -> str:
-    if kernel == "gate_up":
-        return f"(bn {c.gate_up_bn}, bk {c.gate_up_bk}, w {c.num_warps})"
-    return f"(bn {c.down_bn}, bk {c.down_bk}, w {c.down_warps})"
+    return "(bn {}, bk {}, w {})".format(*(getattr(c, f) for f in GRIDS[kernel][3]))
 
 
 def _host_time(fns, reps=1):
@@ -212,12 +206,7 @@ def main():
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    logf = open(out / "moe_decode_sweep.log", "w")
-
-    def log(s):
-        print(s, flush=True)
-        logf.write(s + "\n")
-        logf.flush()
+    log = MK.logger(out / "moe_decode_sweep.log")
 
     if args.jobs:
         cmd = [sys.executable, __file__] + (["--smoke"] if args.smoke else [])

@@ -44,6 +44,17 @@ FORMS = {"bf16": "bf16", "fp8_tensor": "fp8_tensor", "fp8_block": "fp8_block",
 DEV = torch.device("cuda")
 
 
+def logger(path: Path):
+    """log(line): printed and appended to `path` (flushed: a cut-off run keeps what it logged)."""
+    f = open(path, "w")
+
+    def log(s: str) -> None:
+        print(s, flush=True)
+        f.write(s + "\n")
+        f.flush()
+    return log
+
+
 def random_experts(fmt, n, seed=0):
     g = torch.Generator(device=DEV).manual_seed(seed)
 
@@ -236,12 +247,7 @@ def main():
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    logf = open(out / "moe_kernels.log", "w")
-
-    def log(s):
-        print(s, flush=True)
-        logf.write(s + "\n")
-        logf.flush()
+    log = logger(out / "moe_kernels.log")
 
     torch.manual_seed(0)
     bw, mm = hbm_bandwidth(), bf16_matmul_rate()

@@ -600,12 +600,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"quant_{args.what}{args.tag}"
-    logf = open(out / f"{name}.log", "w")
-
-    def log(s):
-        print(s, flush=True)
-        logf.write(s + "\n")
-        logf.flush()
+    log = MK.logger(out / f"{name}.log")
 
     res = {"dense": bench_dense, "moe": bench_moe, "e2e": bench_e2e}[args.what](args, log)
     (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
