@@ -157,9 +157,14 @@ def _bk(bk: int, m: SlotMatrix) -> tuple[int, int]:
     return gemv_bk(bk, m.kernel, m.group, m.k)
 
 
+def gemv_handles(kernel, group: int) -> bool:
+    """Whether a form's GEMV step runs this layout: the form has one, its scale group is a power of two."""
+    return kernel.gemv is not None and not (kernel.group_scaled and group & (group - 1))
+
+
 def supports(gate_up: SlotMatrix) -> bool:
-    """Whether the decode kernels handle this slot layout (a GEMV step; power-of-two groups)."""
-    return gate_up.kernel.gemv is not None and not (gate_up.kernel.group_scaled and gate_up.group & (gate_up.group - 1))
+    """Whether the decode kernels handle this slot layout (`gemv_handles`)."""
+    return gemv_handles(gate_up.kernel, gate_up.group)
 
 
 def _route_args(ids, weights, table_row, shared_slot, shared_gate):

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from . import interpreting
 from .gemv_formats import GEMV_STEPS
-from .moe_decode import gemv_bk
+from .moe_decode import gemv_bk, gemv_handles
 from .moe_formats import DENSE, FP4, FP8_BLOCK, FP8_ROW, INT4, MoEKernel
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -237,8 +237,8 @@ def _fit_bk(bk: int, op: DenseOperands) -> int:
 
 
 def row_supported(op: DenseOperands) -> bool:
-    """The one-row GEMV's steps need power-of-two scale groups (moe_decode.supports)."""
-    return op.kernel.gemv is not None and not (op.kernel.group_scaled and op.group & (op.group - 1))
+    """Whether the one-row GEMV runs this weight (its form's GEMV step handles the layout)."""
+    return gemv_handles(op.kernel, op.group)
 
 
 def choose_config(m: int, op: DenseOperands, device: torch.device) -> DenseConfig:
