@@ -105,14 +105,14 @@ class Scheduler:
                 events.append(self._event(r, [], None, error=step_failure(e)))
             return events
         ready = []
-        for (r, n), row in zip(plan, logits):
+        for i, (r, n) in enumerate(plan):
             r.num_computed += n
             if r.pending > 0 or r.num_computed == len(r.prompt_ids):
                 self._checkpoint(r)  # chunk boundary or prompt end
             if r.pending == 0:
-                ready.append((r, row))
+                ready.append((r, i))
         if ready:
-            events += self._sample(ready)
+            events += self._sample(ready, logits)
         return events
 
     def stats(self) -> dict:
@@ -214,9 +214,13 @@ class Scheduler:
         req.blocks, req.num_computed = None, 0
 
     # --- sampling and finishing -----------------------------------------------------------
-    def _sample(self, ready: list[tuple[Request, torch.Tensor]]) -> list[TokenEvent]:
+    def _sample(self, ready: list[tuple[Request, int]], logits: torch.Tensor) -> list[TokenEvent]:
+        """Sample the ready requests from their rows of the step's logits (all of them, in
+        order, as a decode step has it: no copy)."""
         reqs = [r for r, _ in ready]
-        logits = torch.stack([row for _, row in ready])
+        rows = [i for _, i in ready]
+        if rows != list(range(len(logits))):
+            logits = torch.stack([logits[i] for i in rows])
         tokens, logprobs = sample_requests(reqs, logits, self.eos_ids)
         events = []
         for req, tok, lp in zip(reqs, tokens, logprobs):
