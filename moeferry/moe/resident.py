@@ -66,6 +66,7 @@ class ResidentBackend:
         self.layers: dict[int, object] = {}
         self.expert_slots = 0  # every expert has a slot
         self.load_threads = 1
+        self.staging = None  # moe.slots.HostStaging while layers are placed through the kernels
 
     def prepare(self, bank_bytes: int, layer_bytes: int) -> None:
         """Before the first layer: reader threads for the experts (no host banks are kept)."""
@@ -105,11 +106,14 @@ class ResidentBackend:
         if shared is not None and not self.takes_shared:
             raise ValueError("the reference executors take no shared expert (takes_shared is False)")
         if use_kernels(self.device):
-            from moeferry.moe.slots import SlotBuffer
+            from moeferry.moe.slots import HostStaging, SlotBuffer
             from moeferry.moe.triton_experts import TritonExperts
 
+            if self.staging is None:  # one page-locked host buffer per slot layout, reused by every layer
+                self.staging = HostStaging(pin=self.device.type == "cuda")
             slots = experts.experts + ([shared] if shared is not None else [])
-            buf = SlotBuffer.from_experts(experts.format, slots, self.device, threads=self.load_threads)
+            buf = SlotBuffer.from_experts(experts.format, slots, self.device, threads=self.load_threads,
+                                          staging=self.staging)
             ex = TritonExperts(buf, torch.arange(experts.num_experts, dtype=torch.int32, device=self.device),
                                shared_slot=experts.num_experts if shared is not None else -1)
         elif experts.stacked is not None:
@@ -122,7 +126,10 @@ class ResidentBackend:
         return ex
 
     def finish(self, expert_slots: int | None = None) -> None:
-        """All layers are added (resident needs nothing more)."""
+        """All layers are added: the host staging buffers are freed."""
+        if self.staging is not None:
+            self.staging.release()
+            self.staging = None
 
     def requested_slots(self) -> int:
         return self.expert_slots

@@ -72,11 +72,13 @@ class SlotBuffer:
 
     @classmethod
     def from_experts(cls, fmt, experts: Sequence[ExpertWeights], device, num_slots: int | None = None,
-                     threads: int = 1) -> "SlotBuffer":
+                     threads: int = 1, staging: "HostStaging | None" = None) -> "SlotBuffer":
         """Slots 0..len(experts)-1 filled with `experts` (one slot each), `num_slots` in all. Off
-        the CPU the slots are filled on the host first and copied over in one copy per tensor."""
+        the CPU the slots are filled on the host first (in `staging`'s reused buffer, else a new
+        one) and copied over in one copy per tensor."""
         if torch.device(device).type != "cpu":
-            return cls.from_experts(fmt, experts, "cpu", threads=threads).to(device, num_slots)
+            host = (staging or HostStaging(pin=False)).filled(fmt, experts, threads)
+            return host.to(device, num_slots)
         buf = cls.allocate(fmt, num_slots or len(experts), experts[0], device)
         buf.write_experts(experts, threads)
         return buf
@@ -243,3 +245,40 @@ class SlotTable:
 
     def evict(self, layer: int, expert: int) -> None:
         self.table[layer, expert] = -1
+
+
+class HostStaging:
+    """Host slot buffers reused from layer to layer while experts are placed on a device: each
+    layer's experts are packed into the buffer of their layout (page-locked with `pin`, so the
+    copy to the device is a DMA and no layer allocates and faults in fresh host memory), then
+    copied over synchronously, so the buffer is free again when `SlotBuffer.from_experts`
+    returns. One buffer per layout (format, slot count, tensor shapes): mixed checkpoints
+    alternate formats. `release()` frees them after loading."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self._buffers: dict[tuple, SlotBuffer] = {}
+
+    def filled(self, fmt, experts: Sequence[ExpertWeights], threads: int = 1) -> SlotBuffer:
+        """This layout's buffer (made on first use) with expert s in slot s."""
+        key = (kernel_for(fmt).name, len(experts), _layout(fmt, experts[0]))
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = SlotBuffer.allocate(fmt, len(experts), experts[0], "cpu", pin=self.pin)
+        buf.write_experts(experts, threads)
+        return buf
+
+    def release(self) -> None:
+        self._buffers.clear()
+
+
+def _layout(fmt, example: ExpertWeights) -> tuple:
+    """The slot layout of one expert: each matrix's tensor shapes and dtypes and its meta (group sizes)."""
+    kern = kernel_for(fmt)
+    gate, up, down = example
+    out = []
+    for ws in ([gate, up], [down]):
+        tensors, meta = kern.pack(ws)
+        out.append((tuple((k, tuple(t.shape), t.dtype) for k, t in tensors.items()), tuple(sorted(meta.items()))))
+    return tuple(out)
+
