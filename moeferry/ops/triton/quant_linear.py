@@ -276,9 +276,26 @@ def quant_linear(x: torch.Tensor, op: DenseOperands, config: DenseConfig | None 
         x2 = x2.contiguous()
     m = x2.shape[0]
     out = torch.empty(m, op.n, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out.reshape(*lead, op.n)
-    cfg = config or choose_config(m, op, x.device)
+    if m:
+        cfg = config or choose_config(m, op, x.device)
+        (_run_row if cfg.row else _run_tiles)(x2, out, op, cfg)
+    return out.reshape(*lead, op.n)
+
+
+def _run_row(x2: torch.Tensor, out: torch.Tensor, op: DenseOperands, cfg: DenseConfig) -> None:
+    """The one-row GEMV: BN weight rows over all of K per program."""
+    if x2.shape[0] != 1 or not row_supported(op):
+        raise ValueError(f"one-row GEMV config for M = 1 and power-of-two groups, got M={x2.shape[0]}, "
+                         f"{op.kernel.name}")
+    _row_gemv_kernel[(triton.cdiv(op.n, cfg.bn),)](
+        x2, out, *op.args(), op.n, K=op.k, STEP=op.kernel.gemv, ROW_SCALE=op.kernel.has_row_scale, G=op.group,
+        GN=op.group_n, GB=gemv_bk(cfg.bk, op.kernel, op.group, op.k)[1], HAS_Z=op.z is not None,
+        BN=cfg.bn, BK=cfg.bk, num_warps=cfg.num_warps)
+
+
+def _run_tiles(x2: torch.Tensor, out: torch.Tensor, op: DenseOperands, cfg: DenseConfig) -> None:
+    """The multi-row GEMV or the tl.dot kernel over (N tiles) x (M tiles) x (K splits)."""
+    m = x2.shape[0]
     # K per split: whole k-steps, so every program's tiles stay inside one scale group
     steps = triton.cdiv(op.k, cfg.bk)
     k_split = triton.cdiv(steps, cfg.split) * cfg.bk
@@ -286,27 +303,14 @@ def quant_linear(x: torch.Tensor, op: DenseOperands, config: DenseConfig | None 
     grid = (triton.cdiv(op.n, cfg.bn), 1 if cfg.gemv else triton.cdiv(m, cfg.bm), split)
     if split > 1 and (grid[1] > 1 or cfg.bn < MIN_BN):
         raise ValueError(f"split-K needs one row of tiles (M <= BM) and BN >= {MIN_BN}: {cfg}, M={m}")
-    ws = torch.empty(split, m, op.n, dtype=torch.float32, device=x.device) if split > 1 else out
-    w, s, z, rs = op.args()
-    if cfg.row:
-        if m != 1 or not row_supported(op):
-            raise ValueError(f"one-row GEMV config for M = 1 and power-of-two groups, got M={m}, {op.kernel.name}")
-        _row_gemv_kernel[(triton.cdiv(op.n, cfg.bn),)](
-            x2, out, w, s, z, rs, op.n, K=op.k, STEP=op.kernel.gemv, ROW_SCALE=op.kernel.has_row_scale, G=op.group,
-            GN=op.group_n, GB=gemv_bk(cfg.bk, op.kernel, op.group, op.k)[1], HAS_Z=op.z is not None,
-            BN=cfg.bn, BK=cfg.bk, num_warps=cfg.num_warps)
-        return out.reshape(*lead, op.n)
+    ws = torch.empty(split, m, op.n, dtype=torch.float32, device=x2.device) if split > 1 else out
+    args = (x2, x2.stride(0), out, ws, op.counters, *op.args(), m, op.n, op.k, k_split, split)
+    form = dict(ROW_SCALE=op.kernel.has_row_scale, G=op.group, GN=op.group_n, HAS_Z=op.z is not None,
+                BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.gemv:
         if m > cfg.bm:
             raise ValueError(f"GEMV config for at most {cfg.bm} rows, got {m}")
-        _quant_gemv_kernel[(grid[0], split)](
-            x2, x2.stride(0), out, ws, op.counters, w, s, z, rs, m, op.n, op.k, k_split, split,
-            STEP=GEMV_STEPS[op.kernel.name], ROW_SCALE=op.kernel.has_row_scale, G=op.group, GN=op.group_n,
-            HAS_Z=op.z is not None, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        return out.reshape(*lead, op.n)
-    _quant_gemm_kernel[grid](
-        x2, x2.stride(0), out, ws, op.counters, w, s, z, rs, m, op.n, op.k, k_split, split,
-        STEP=op.kernel.step, ROW_SCALE=op.kernel.has_row_scale, G=op.group, GN=op.group_n, HAS_Z=op.z is not None,
-        DT=tl.float32 if interpreting() else _TL_DTYPES[x.dtype], SWAP=cfg.swap,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out.reshape(*lead, op.n)
+        _quant_gemv_kernel[(grid[0], split)](*args, STEP=GEMV_STEPS[op.kernel.name], **form)
+    else:
+        _quant_gemm_kernel[grid](*args, STEP=op.kernel.step, SWAP=cfg.swap,
+                                 DT=tl.float32 if interpreting() else _TL_DTYPES[x2.dtype], **form)
