@@ -15,6 +15,10 @@ best at T = 1 and at T = 4) is then checked against the fp32 reference
 the form's current entry in `DECODE_CONFIGS`, at T = 1, 2, 4, 8. % HBM = bytes of the
 distinct touched slots / time / the measured device-to-device copy bandwidth.
 
+`--forms fp4:scaled_3d` sweeps the fp4 form with a candidate GEMV step of
+`benchmarks/gemv_candidates.py` in place of the engine's (its rows against the plain `fp4` rows
+of the same run say whether it should replace the step).
+
 Compiling a few hundred kernel variants dominates the run, so first `--jobs` processes (one
 per form) compile every variant into Triton's on-disk cache; the timing process then loads
 them. Prints a table and the `DECODE_CONFIGS` entries to paste; writes moe_decode_sweep.md /
@@ -24,6 +28,7 @@ of the script only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -37,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import moe_kernels as MK  # noqa: E402
+from gemv_candidates import CANDIDATES  # noqa: E402
 from moeferry.ops.triton import moe_decode as D  # noqa: E402
 
 FORMS = {"fp4": "nvfp4", "int4": "int4_awq", "fp8_row": "fp8_tensor", "fp8_block": "fp8_block", "dense": "bf16"}
@@ -67,12 +73,20 @@ def configs(kernel: str, buf, smoke=False) -> list[D.DecodeConfig]:
 
 
 class Layer:
-    """One MoE layer's slots, a shared expert in the last slot, inputs for T tokens."""
+    """One MoE layer's slots, a shared expert in the last slot, inputs for T tokens. `label`: a
+    key of FORMS, or "form:candidate" (that form with a `gemv_candidates` step in its kernels)."""
 
-    def __init__(self, fmt: str):
-        self.case = MK.Case(fmt)
+    def __init__(self, label: str):
+        form, _, candidate = label.partition(":")
+        self.case = MK.Case(FORMS[form])
         self.buf, self.table = self.case.buf, self.case.table
         self.shared = MK.E - 1
+        if candidate:
+            target, step = CANDIDATES[candidate]
+            kernel = self.buf.gate_up.kernel
+            if kernel.name != target:
+                raise SystemExit(f"{candidate} replaces the {target} step, not {kernel.name}'s")
+            self.buf.gate_up.kernel = self.buf.down.kernel = dataclasses.replace(kernel, gemv=step)
 
     def inputs(self, t: int, n: int, seed: int):
         x = torch.randn(t, MK.H, device=MK.DEV).bfloat16()
@@ -118,9 +132,9 @@ def _pick(times: dict) -> D.DecodeConfig:
     return min(times, key=lambda c: sum(times[c][t] / best[t] for t in TOKENS))
 
 
-def compile_only(fmt: str, smoke: bool) -> None:
+def compile_only(label: str, smoke: bool) -> None:
     """Run every variant once (Triton compiles it into its on-disk cache)."""
-    layer = Layer(fmt)
+    layer = Layer(label)
     x, gate, rts = layer.inputs(1, 1, seed=0)
     w, ids = rts[0]
     inter = D.decode_gate_up(x, ids, w, layer.buf.gate_up, layer.table, layer.shared, gate, D.DecodeConfig())
@@ -138,8 +152,8 @@ def compile_only(fmt: str, smoke: bool) -> None:
         torch.cuda.synchronize()
 
 
-def sweep_form(label: str, fmt: str, bw: float, smoke: bool, log) -> dict:
-    layer = Layer(fmt)
+def sweep_form(label: str, bw: float, smoke: bool, log) -> dict:
+    layer = Layer(label)
     log(f"{label}: {layer.buf.bytes_per_slot / 2**20:.2f} MiB per slot")
     gu_times, dn_times, data = {}, {}, {}
     for t in TOKENS:
@@ -171,7 +185,7 @@ def sweep_form(label: str, fmt: str, bw: float, smoke: bool, log) -> dict:
             f"swept {times['swept'] * 1e6:6.1f} us ({100 * nbytes / times['swept'] / bw:3.0f}%)")
     err = layer.rel_error(best)
     log(f"  swept config {best}: rel error vs fp32 reference {err:.1e}")
-    return dict(form=layer.buf.gate_up.kernel.name, config=asdict(best), rel_error=err, rows=rows,
+    return dict(label=label, form=layer.buf.gate_up.kernel.name, config=asdict(best), rel_error=err, rows=rows,
                 gate_up={repr(c): v for c, v in gu_times.items()}, down={repr(c): v for c, v in dn_times.items()})
 
 
@@ -202,7 +216,7 @@ def main():
         CALLS, TOKENS, WHOLE_TOKENS = 2, (1, 2), (1, 2)
     forms = [f for f in args.forms.split(",") if f]
     if args.compile_only:
-        compile_only(FORMS[args.compile_only], args.smoke)
+        compile_only(args.compile_only, args.smoke)
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -217,15 +231,15 @@ def main():
     bw = 1e10 if args.smoke else MK.hbm_bandwidth()
     log(f"{'cpu' if args.smoke else torch.cuda.get_device_name()}: HBM copy {bw / 1e12:.2f} TB/s; E={MK.E} "
         f"top-{MK.K} + shared, H={MK.H} I={MK.I}")
-    results = [sweep_form(f, FORMS[f], bw, args.smoke, log) for f in forms]
+    results = [sweep_form(f, bw, args.smoke, log) for f in forms]
     (out / "moe_decode_sweep.json").write_text(json.dumps(dict(hbm_Bps=bw, forms=results), indent=1))
     md = ["| form | T | bytes | DecodeConfig() | % HBM | swept | % HBM |", "|---|---|---|---|---|---|---|"]
     for r in results:
-        md += [f"| {r['form']} | {w['T']} | {w['bytes'] / 2**20:.1f} MiB | {w['t_default'] * 1e6:.1f} us | "
+        md += [f"| {r['label']} | {w['T']} | {w['bytes'] / 2**20:.1f} MiB | {w['t_default'] * 1e6:.1f} us | "
                f"{100 * w['hbm_default']:.0f}% | {w['t_swept'] * 1e6:.1f} us | {100 * w['hbm_swept']:.0f}% |"
                for w in r["rows"]]
     md += ["", "DECODE_CONFIGS entries (rel error vs the fp32 reference):"]
-    md += [f"    {r['form']!r}: DecodeConfig(**{r['config']}),  # {r['rel_error']:.1e}" for r in results]
+    md += [f"    {r['form']!r}: DecodeConfig(**{r['config']}),  # {r['label']}: {r['rel_error']:.1e}" for r in results]
     (out / "moe_decode_sweep.md").write_text("\n".join(md) + "\n")
     log("\n".join(md))
 
