@@ -1,15 +1,16 @@
 """Instructions of the MoE decode kernels in sm_90 SASS, counted without a GPU.
 
-    python benchmarks/kernel_sass.py [--form fp4] [--candidate scaled_3d] [--kernel gate_up|down]
-                                     [--config BN,BK,WARPS]
+    python benchmarks/kernel_sass.py [--form fp4] [--kernel gate_up|down] [--config BN,BK,WARPS]
 
 Records one launch of `moe_decode.decode_gate_up` / `decode_down` at Qwen3.6's H and I (as
-`tests/test_triton_compile.py` does), compiles it for sm_90 with `triton.compile` and
+`tests/test_triton_compile.py` does), compiles it for sm_90 with `triton.compile` (with the
+alignment the JIT specializes on: without it the fp4 tile is loaded a byte at a time) and
 disassembles it with the nvdisasm Triton ships. Prints the instructions one thread issues for the
 launch (all of it when the k-loop is unrolled, as at BK = K; one k-step's body otherwise), per
 weight byte it reads in that code, and the most frequent opcodes. A kernel that is issue-bound (the fp4 and
 int4 steps at T = 1) takes about (instructions x warps resident) / 4 issues a cycle per SM, so
-this compares GEMV steps offline; `moe_decode_sweep.py` times them on the GPU.
+this compares GEMV steps offline (a variant's count is evidence, not a timing); `moe_decode_sweep.py`
+times them on the GPU.
 """
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gemv_candidates import CANDIDATES  # noqa: E402
 from moeferry.checkpoint.formats import FORMATS  # noqa: E402
 from moeferry.moe.slots import SlotBuffer  # noqa: E402
 from moeferry.ops.triton import moe_decode  # noqa: E402
@@ -45,11 +45,9 @@ def slots(form: str) -> SlotBuffer:
     return SlotBuffer.from_experts(FORMS[form], [(packed(I, H), packed(I, H), packed(H, I)) for _ in range(4)], "cpu")
 
 
-def count(form: str, kernel: str, cfg: moe_decode.DecodeConfig, candidate: str | None) -> tuple[int, float, list]:
+def count(form: str, kernel: str, cfg: moe_decode.DecodeConfig) -> tuple[int, float, list]:
     """(instructions a thread, per weight byte, the 12 most frequent opcodes)."""
     buf = slots(form)
-    if candidate:
-        buf.gate_up.kernel = buf.down.kernel = dataclasses.replace(buf.gate_up.kernel, gemv=CANDIDATES[candidate][1])
     launches = []
     name = f"_decode_{kernel}_kernel"
     real = getattr(moe_decode, name)
@@ -80,7 +78,6 @@ def count(form: str, kernel: str, cfg: moe_decode.DecodeConfig, candidate: str |
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--form", default="fp4", choices=FORMS)
-    ap.add_argument("--candidate", choices=CANDIDATES)
     ap.add_argument("--kernel", default="gate_up", choices=("gate_up", "down"))
     ap.add_argument("--config", help="BN,BK,WARPS of that kernel (default: the form's DECODE_CONFIGS entry)")
     args = ap.parse_args()
@@ -91,8 +88,8 @@ def main():
         fields = ("gate_up_bn", "gate_up_bk", "num_warps") if args.kernel == "gate_up" else ("down_bn", "down_bk",
                                                                                                "down_warps")
         cfg = dataclasses.replace(cfg, **dict(zip(fields, (bn, bk, w))))
-    total, per_byte, top = count(args.form, args.kernel, cfg, args.candidate)
-    print(f"{kern} {args.kernel}{' + ' + args.candidate if args.candidate else ''} {cfg}: {total} instructions a "
+    total, per_byte, top = count(args.form, args.kernel, cfg)
+    print(f"{kern} {args.kernel} {cfg}: {total} instructions a "
           f"thread, {per_byte:.1f} per weight byte a thread reads")
     print("  " + " ".join(f"{op}:{n}" for op, n in top))
 

@@ -15,10 +15,6 @@ best at T = 1 and at T = 4) is then checked against the fp32 reference
 the form's current entry in `DECODE_CONFIGS`, at T = 1, 2, 4, 8. % HBM = bytes of the
 distinct touched slots / time / the measured device-to-device copy bandwidth.
 
-`--forms fp4:scaled_3d` sweeps the fp4 form with a candidate GEMV step of
-`benchmarks/gemv_candidates.py` in place of the engine's (its rows against the plain `fp4` rows
-of the same run say whether it should replace the step).
-
 Compiling a few hundred kernel variants dominates the run, so first `--jobs` processes (one
 per form) compile every variant into Triton's on-disk cache; the timing process then loads
 them. Prints a table and the `DECODE_CONFIGS` entries to paste; writes moe_decode_sweep.md /
@@ -28,7 +24,6 @@ of the script only.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import subprocess
 import sys
@@ -42,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import moe_kernels as MK  # noqa: E402
-from gemv_candidates import CANDIDATES  # noqa: E402
 from moeferry.ops.triton import moe_decode as D  # noqa: E402
 
 FORMS = {"fp4": "nvfp4", "int4": "int4_awq", "fp8_row": "fp8_tensor", "fp8_block": "fp8_block", "dense": "bf16"}
@@ -73,20 +67,12 @@ def configs(kernel: str, buf, smoke=False) -> list[D.DecodeConfig]:
 
 
 class Layer:
-    """One MoE layer's slots, a shared expert in the last slot, inputs for T tokens. `label`: a
-    key of FORMS, or "form:candidate" (that form with a `gemv_candidates` step in its kernels)."""
+    """One MoE layer's slots (a FORMS key), a shared expert in the last slot, inputs for T tokens."""
 
     def __init__(self, label: str):
-        form, _, candidate = label.partition(":")
-        self.case = MK.Case(FORMS[form])
+        self.case = MK.Case(FORMS[label])
         self.buf, self.table = self.case.buf, self.case.table
         self.shared = MK.E - 1
-        if candidate:
-            target, step = CANDIDATES[candidate]
-            kernel = self.buf.gate_up.kernel
-            if kernel.name != target:
-                raise SystemExit(f"{candidate} replaces the {target} step, not {kernel.name}'s")
-            self.buf.gate_up.kernel = self.buf.down.kernel = dataclasses.replace(kernel, gemv=step)
 
     def inputs(self, t: int, n: int, seed: int):
         x = torch.randn(t, MK.H, device=MK.DEV).bfloat16()

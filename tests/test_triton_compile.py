@@ -69,12 +69,18 @@ class _Recorder:
 
 def _compile_launch(fn, args, kw):
     """Compile a recorded launch for sm_90: pointers typed by their tensors, floats as fp32, ints
-    as i32, the constexprs as launched."""
+    as i32, the constexprs as launched; 16-byte aligned pointers and ints divisible by 16 carry
+    the divisibility the JIT would specialize them on (not the ints named in do_not_specialize)."""
     constants = {p.name: kw[p.name] for p in fn.params if p.is_constexpr}
+    values = list(args) + [constants.get(n) for n in fn.arg_names[len(args):]]
     sig = {name: ("constexpr" if name in constants else _POINTERS[a.dtype] if isinstance(a, torch.Tensor)
                   else "fp32" if isinstance(a, float) else "i32")
-           for name, a in zip(fn.arg_names, list(args) + [constants.get(n) for n in fn.arg_names[len(args):]])}
-    return _compile(fn, sig, constants)
+           for name, a in zip(fn.arg_names, values)}
+    loose = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
+    attrs = {(i,): ALIGNED for i, (name, a) in enumerate(zip(fn.arg_names, values)) if name not in constants and (
+        (isinstance(a, torch.Tensor) and a.data_ptr() % 16 == 0)
+        or (isinstance(a, int) and not isinstance(a, bool) and a % 16 == 0 and name not in loose))}
+    return _compile(fn, sig, constants, attrs)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_tensor", "fp8_block", "nvfp4", "int4_awq"])
