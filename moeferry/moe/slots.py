@@ -281,4 +281,3 @@ def _layout(fmt, example: ExpertWeights) -> tuple:
         tensors, meta = kern.pack(ws)
         out.append((tuple((k, tuple(t.shape), t.dtype) for k, t in tensors.items()), tuple(sorted(meta.items()))))
     return tuple(out)
-
