@@ -26,12 +26,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from moe_decode_sweep import FORMS, bytes_per_weight  # noqa: E402
 from moeferry.checkpoint.formats import FORMATS  # noqa: E402
 from moeferry.moe.slots import SlotBuffer  # noqa: E402
 from moeferry.ops.triton import moe_decode  # noqa: E402
 from tests.test_triton_compile import _compile_launch, _Recorder  # noqa: E402
 
-FORMS = {"fp4": "nvfp4", "int4": "int4_awq", "fp8_row": "fp8_tensor", "fp8_block": "fp8_block", "dense": "bf16"}
 H, I = 2048, 512
 OPCODE = re.compile(r"^[-0-9:A-Z]+\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", re.M)
 
@@ -70,7 +70,7 @@ def count(form: str, kernel: str, cfg: moe_decode.DecodeConfig) -> tuple[int, fl
     # over all of I (unrolled)
     looped = kernel == "gate_up" and not cfg.unroll and kw["BK"] < m.k
     rows = 2 * kw["BN"] if kernel == "gate_up" else kw["BN"] * kw["TOPK"]
-    weight_bytes = rows * (kw["BK"] if looped else m.k) * m.bytes_per_slot / (m.n * m.k)
+    weight_bytes = rows * (kw["BK"] if looped else m.k) * bytes_per_weight(m)
     total = sum(ops.values())
     return total, total / (weight_bytes / (32 * kw["num_warps"])), ops.most_common(12)
 

@@ -47,8 +47,8 @@ WHOLE_TOKENS = (1, 2, 4, 8)  # the whole call
 CALLS = 16
 
 
-def _bytes_per_weight(buf) -> float:
-    m = buf.gate_up
+def bytes_per_weight(m) -> float:
+    """Bytes a slot matrix holds per weight (packed values and their scales)."""
     return m.bytes_per_slot / (m.n * m.k)
 
 
@@ -61,7 +61,7 @@ GRIDS = {"gate_up": (GATE_UP_GRID, ((32, 64, 4), (64, 128, 2)), (1024, 16384), (
 def configs(kernel: str, buf, smoke=False) -> list[D.DecodeConfig]:
     """The grid points of one kernel, as DecodeConfigs (the other kernel's fields at their defaults)."""
     grid, smoke_points, (lo, hi), fields = GRIDS[kernel]
-    b, k = _bytes_per_weight(buf), getattr(buf, kernel).k
+    b, k = bytes_per_weight(buf.gate_up), getattr(buf, kernel).k
     points = smoke_points if smoke else [(bn, bk, w) for bn, bk, w in grid if bk <= k and lo <= bn * bk * b <= hi]
     return [D.DecodeConfig(**dict(zip(fields, p))) for p in points]
 
