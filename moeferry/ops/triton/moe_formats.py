@@ -41,6 +41,8 @@ import triton.language as tl
 
 from moeferry.checkpoint.formats.fp4 import E2M1_VALUES, unpack_nibbles
 
+from .nibble_gemv import fp4_gemv, int4_gemv
+
 
 # -- steps ----------------------------------------------------------------------------------
 # SWAP (constexpr): the weight tile is the dot's first operand, acc is [BN, BM] and the tile
@@ -230,57 +232,7 @@ def fp8_block_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
     return acc + tl.sum(part * sc, axis=1)
 
 
-@triton.jit
-def _nibble_tile(w_ptr, x_ptr, slot, offs_n, mn, k0, N, K, BK: tl.constexpr):
-    """(packed bytes [BN, BK/2], x at even k [BK/2], x at odd k [BK/2])."""
-    kp = K // 2
-    offs_b = k0 // 2 + tl.arange(0, BK // 2)
-    mb = offs_b < kp
-    p = tl.load(w_ptr + slot * N * kp + offs_n[:, None] * kp + offs_b[None, :], mask=mn[:, None] & mb[None, :],
-                other=0)
-    xe = tl.load(x_ptr + 2 * offs_b, mask=mb, other=0.0).to(tl.float32)
-    xo = tl.load(x_ptr + 2 * offs_b + 1, mask=mb, other=0.0).to(tl.float32)
-    return p, xe, xo
-
-
-@triton.jit
-def fp4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
-             BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
-             HAS_Z: tl.constexpr):
-    offs_n, mn = _gemv_rows(n0, N, BN)
-    p, xe, xo = _nibble_tile(w_ptr, x_ptr, slot, offs_n, mn, k0, N, K, BK)
-    # E2M1 -> fp16 bits (value / 2**14, exact), as in fp4_step
-    v = p.to(tl.uint16)
-    lo = (((v & 8) << 12) | ((v & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (((v & 128) << 8) | ((v & 112) << 5)).to(tl.float16, bitcast=True).to(tl.float32)
-    part = tl.sum(tl.reshape(lo * xe[None, :] + hi * xo[None, :], (BN, BK // 16, 8)), axis=2)  # per 16 k
-    ks = K // 16
-    offs_s = k0 // 16 + tl.arange(0, BK // 16)
-    sc = tl.load(s_ptr + slot * N * ks + offs_n[:, None] * ks + offs_s[None, :],
-                 mask=mn[:, None] & (offs_s < ks)[None, :], other=0)
-    sc = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return acc + tl.sum(part * sc, axis=1) * 16384.0
-
-
-@triton.jit
-def int4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
-              BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
-              HAS_Z: tl.constexpr):
-    offs_n, mn = _gemv_rows(n0, N, BN)
-    p, xe, xo = _nibble_tile(w_ptr, x_ptr, slot, offs_n, mn, k0, N, K, BK)
-    q = (p & 0xF).to(tl.float32) * xe[None, :] + (p >> 4).to(tl.float32) * xo[None, :]
-    part = tl.sum(tl.reshape(q, (BN, BK // GB, GB // 2)), axis=2)          # sum q x per group
-    xs = tl.sum(tl.reshape(xe + xo, (BK // GB, GB // 2)), axis=1)           # sum x per group
-    ng = tl.cdiv(K, G)
-    offs_g = (k0 + tl.arange(0, BK // GB) * GB) // G
-    goff = slot * N * ng + offs_n[:, None] * ng + offs_g[None, :]
-    gm = mn[:, None] & (offs_g < ng)[None, :]
-    sc = tl.load(s_ptr + goff, mask=gm, other=0.0).to(tl.float32)
-    if HAS_Z:
-        zp = tl.load(z_ptr + goff, mask=gm, other=8).to(tl.float32)
-    else:
-        zp = 8.0
-    return acc + tl.sum((part - zp * xs[None, :]) * sc, axis=1)
+# fp4_gemv and int4_gemv work on packed fp16x2 halves: nibble_gemv.py.
 
 
 # -- slot tensors ---------------------------------------------------------------------------

@@ -1,0 +1,221 @@
+"""Decode GEMV steps of the 4-bit slot forms (fp4, int4) on packed halves.
+
+A 4-bit GEMV at T = 1 is bound by instructions, not bytes: decoding each nibble to fp32 and
+multiplying it there took ~15 instructions a packed byte. These steps read a row's packed bytes
+as 32-bit words (8 nibbles, k in order: nibble i of a word is k = 8w + i) and work on two
+values at once in fp16x2 registers:
+
+- a nibble pair (i, i + 4) of a word becomes one fp16x2 register by a shift and a mask (both
+  lanes move alike: nibble i sits at bit 4i of the low half, i + 4 at 4i of the high half);
+- fp4 (E2M1): the 3 magnitude bits go to fp16 bits 9-11 (value / 2**14, exact, 0.5 a subnormal)
+  and the sign bit flips the sign of x's lane instead (one LOP3 on x);
+- int4: 0x6400 | q is fp16 1024 + q, minus 1032 is q - 8 exactly; the zero point's difference
+  from 8 is taken off per group in fp32 (sum (q - z) x = sum (q - 8) x - (z - 8) sum x);
+- one fma.rn.f16x2 multiplies and adds two products; 16 values (one fp4 scale group) are summed
+  in fp16 and leave as one fp32.
+
+x is scaled into fp16's range per k-step first (times c = RANGE / max |x|, undone in fp32), so
+no product or 16-term sum overflows and small values keep their precision; the products of a
+decoded weight (2-4 significant bits) and x are exact, only the 8-term sums round (2**-11).
+
+`gemv(acc, x_ptr, w, s, z, slot, n0, k0, N, K, PART, BN, BK, G, GN, GB, HAS_Z)` is the GEMV
+step contract of moe_formats.py ("decode GEMV steps"). Under Triton's interpreter (no inline
+assembly) the 16-value unit runs as plain integer and fp32 operations on the same words and x.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import interpreting
+
+_ASM: tl.constexpr = tl.constexpr(not interpreting())
+
+FP4_RANGE: tl.constexpr = tl.constexpr(16384.0)  # |x'| <= 2**14: products <= 6, 16-term sums <= 96
+INT4_RANGE: tl.constexpr = tl.constexpr(256.0)   # |x'| <= 2**8: products <= 2048, sums <= 32768
+
+
+def _unit_asm(pair: str) -> str:
+    """PTX of one 16-value unit: words $1, $2; x pairs $3-$10 (fp16x2); fp32 sum to $0."""
+    lines = ["{", ".reg .b32 m, t, a, c;", ".reg .b16 l, h;", ".reg .f32 fl, fh;", "mov.b32 a, 0;",
+             "mov.b32 c, 0x64086408;"]
+    for word in (1, 2):
+        for j in range(4):
+            lines.append(pair.format(w=f"${word}", x=f"${2 + 4 * (word - 1) + j + 1}", j=j,
+                                     mshift=("shl.b32" if j < 3 else "shr.b32") + f" m, ${word}, {abs(9 - 4 * j)};",
+                                     sshift=f"shl.b32 t, ${word}, {12 - 4 * j};" if j < 3 else f"mov.b32 t, ${word};",
+                                     rshift=f"shr.b32 m, ${word}, {4 * j};"))
+    lines += ["mov.b32 {l, h}, a;", "cvt.f32.f16 fl, l;", "cvt.f32.f16 fh, h;", "add.f32 $0, fl, fh;", "}"]
+    return "\n".join(lines)
+
+
+# fp4 pair j of a word: magnitudes to bits 9-11 of each half, the sign bits (4j + 3) to x's bit 15
+_FP4_UNIT: tl.constexpr = tl.constexpr(_unit_asm(
+    "{mshift} and.b32 m, m, 0x0E000E00; {sshift} and.b32 t, t, 0x80008000; xor.b32 t, t, {x}; "
+    "fma.rn.f16x2 a, m, t, a;"))
+# int4 pair j: 0x6400 | q = 1024 + q, minus 1032 (c) = q - 8
+_INT4_UNIT: tl.constexpr = tl.constexpr(_unit_asm(
+    "{rshift} and.b32 m, m, 0x000F000F; or.b32 m, m, 0x64006400; sub.rn.f16x2 m, m, c; "
+    "fma.rn.f16x2 a, m, {x}, a;"))
+_UNIT_CONSTRAINTS: tl.constexpr = tl.constexpr("=r" + ",r" * 10)
+
+
+@triton.jit
+def _pack_half2(lo, hi):
+    """fp32 pair -> one int32 holding (lo, hi) as fp16x2 (lo in the low half)."""
+    lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return lo16 | (hi16 << 16)
+
+
+@triton.jit
+def _half(bits, shift: tl.constexpr):
+    """The fp16 at bit `shift` (0 or 16) of int32 words, as fp32 (the interpreter's unit)."""
+    return ((bits >> shift) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _x_pairs(xc, BK: tl.constexpr):
+    """x (scaled, fp32 [BK]) as the 8 fp16x2 operands of each 16-value unit: operand (word a,
+    pair j) of unit u holds k = 16u + 8a + j (low half) and k + 4 (high half); each [BK/16] int32."""
+    x4 = tl.permute(tl.reshape(xc, (BK // 16, 2, 2, 4)), (0, 1, 3, 2))   # [unit, word, j, half]
+    lo, hi = tl.split(x4)
+    p = tl.reshape(_pack_half2(lo, hi), (BK // 16, 2, 2, 2))          # [unit, word, j // 2, j % 2]
+    j_even, j_odd = tl.split(p)
+    j0, j2 = tl.split(j_even)
+    j1, j3 = tl.split(j_odd)
+    a00, a10 = tl.split(j0)
+    a01, a11 = tl.split(j1)
+    a02, a12 = tl.split(j2)
+    a03, a13 = tl.split(j3)
+    return a00, a01, a02, a03, a10, a11, a12, a13
+
+
+@triton.jit
+def _words(w_ptr, slot, offs_n, mn, k0, N, K, BK: tl.constexpr):
+    """The tile's packed bytes as words: (even, odd) word of each 16-value unit, [BN, BK/16] int32."""
+    kw = K // 8
+    offs_w = k0 // 8 + tl.arange(0, BK // 8)
+    wp = w_ptr.to(tl.pointer_type(tl.int32))
+    w = tl.load(wp + slot * N * kw + offs_n[:, None] * kw + offs_w[None, :],
+                mask=mn[:, None] & (offs_w < kw)[None, :], other=0)
+    return tl.split(tl.reshape(w, (offs_n.shape[0], BK // 16, 2)))
+
+
+@triton.jit
+def _fp4_value(q):
+    """E2M1 nibbles (int32 0..15) as fp32 values."""
+    mag = q & 7
+    e = mag >> 1
+    v = tl.where(e == 0, (mag & 1).to(tl.float32) * 0.5, (2.0 + (mag & 1).to(tl.float32)) * tl.exp2((e - 2).to(tl.float32)))
+    return tl.where((q & 8) != 0, -v, v)
+
+
+@triton.jit
+def _word_emulated(acc, w, x0, x1, x2, x3, FP4: tl.constexpr):
+    for j in tl.static_range(4):
+        xp = x0 if j == 0 else (x1 if j == 1 else (x2 if j == 2 else x3))
+        for half in tl.static_range(2):
+            q = (w >> (4 * j + 16 * half)) & 0xF
+            if FP4:
+                v = _fp4_value(q) / 16384.0
+            else:
+                v = (q - 8).to(tl.float32)
+            acc += v * _half(xp, 16 * half)
+    return acc
+
+
+@triton.jit
+def _unit_emulated(w0, w1, x00, x01, x02, x03, x10, x11, x12, x13, FP4: tl.constexpr):
+    """The 16-value unit in plain operations (fp32 sums; fp4 values / 2**14, int4 q - 8)."""
+    acc = _word_emulated(tl.zeros(w0.shape, tl.float32), w0, x00, x01, x02, x03, FP4)
+    return _word_emulated(acc, w1, x10, x11, x12, x13, FP4)
+
+
+@triton.jit
+def _units(w0, w1, xs, FP4: tl.constexpr):
+    """[BN, BK/16] fp32 sums of every 16-value unit of the tile times x."""
+    x00, x01, x02, x03, x10, x11, x12, x13 = xs
+    if _ASM:
+        args = [w0, w1, x00[None, :], x01[None, :], x02[None, :], x03[None, :],
+                x10[None, :], x11[None, :], x12[None, :], x13[None, :]]
+        if FP4:
+            return tl.inline_asm_elementwise(_FP4_UNIT, _UNIT_CONSTRAINTS, args, dtype=tl.float32, is_pure=True,
+                                             pack=1)
+        else:
+            return tl.inline_asm_elementwise(_INT4_UNIT, _UNIT_CONSTRAINTS, args, dtype=tl.float32, is_pure=True,
+                                             pack=1)
+    else:
+        return _unit_emulated(w0, w1, x00[None, :], x01[None, :], x02[None, :], x03[None, :],
+                              x10[None, :], x11[None, :], x12[None, :], x13[None, :], FP4)
+
+
+@triton.jit
+def _byte_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, FP4: tl.constexpr, BK: tl.constexpr):
+    """fp32 activations: each byte's two nibbles decoded to fp32 and summed per 16 values there."""
+    kp = K // 2
+    offs_b = k0 // 2 + tl.arange(0, BK // 2)
+    mb = offs_b < kp
+    p = tl.load(w_ptr + slot * N * kp + offs_n[:, None] * kp + offs_b[None, :], mask=mn[:, None] & mb[None, :],
+                other=0)
+    xe = tl.load(x_ptr + 2 * offs_b, mask=mb, other=0.0).to(tl.float32)
+    xo = tl.load(x_ptr + 2 * offs_b + 1, mask=mb, other=0.0).to(tl.float32)
+    if FP4:  # E2M1 -> fp16 bits: value / 2**14, exact
+        v = p.to(tl.uint16)
+        lo = (((v & 8) << 12) | ((v & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (((v & 128) << 8) | ((v & 112) << 5)).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        lo = (p & 0xF).to(tl.float32) - 8.0
+        hi = (p >> 4).to(tl.float32) - 8.0
+    return tl.sum(tl.reshape(lo * xe[None, :] + hi * xo[None, :], (offs_n.shape[0], BK // 16, 8)), axis=2)
+
+
+@triton.jit
+def _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, RANGE: tl.constexpr, FP4: tl.constexpr,
+                  BK: tl.constexpr):
+    """(sum of v x c over each 16 values [BN, BK/16], c, x[k0:k0+BK] fp32): v the fp4 value / 2**14
+    or the int4 q - 8. 16-bit x runs the packed-half units (c scales x into fp16's range); fp32 x
+    the exact byte decode (c = 1)."""
+    offs = k0 + tl.arange(0, BK)
+    xv = tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
+    if x_ptr.dtype.element_ty == tl.float32:
+        return _byte_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, FP4, BK), 1.0, xv
+    else:
+        c = RANGE / tl.maximum(tl.max(tl.abs(xv)), 1e-30)
+        w0, w1 = _words(w_ptr, slot, offs_n, mn, k0, N, K, BK)
+        return _units(w0, w1, _x_pairs(xv * c, BK), FP4), c, xv
+
+
+@triton.jit
+def fp4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
+             BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
+             HAS_Z: tl.constexpr):
+    offs_n = n0 + tl.arange(0, BN)
+    mn = offs_n < N
+    part, c, xv = _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, FP4_RANGE, True, BK)
+    ks = K // 16
+    offs_s = k0 // 16 + tl.arange(0, BK // 16)
+    sc = tl.load(s_ptr + slot * N * ks + offs_n[:, None] * ks + offs_s[None, :],
+                 mask=mn[:, None] & (offs_s < ks)[None, :], other=0)
+    sc = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return acc + tl.sum(part * sc, axis=1) * (16384.0 / c)
+
+
+@triton.jit
+def int4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
+              BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
+              HAS_Z: tl.constexpr):
+    offs_n = n0 + tl.arange(0, BN)
+    mn = offs_n < N
+    part, c, xv = _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, INT4_RANGE, False, BK)
+    part = tl.sum(tl.reshape(part, (BN, BK // GB, GB // 16)), axis=2) / c   # sum (q - 8) x per group
+    ng = tl.cdiv(K, G)
+    offs_g = (k0 + tl.arange(0, BK // GB) * GB) // G
+    goff = slot * N * ng + offs_n[:, None] * ng + offs_g[None, :]
+    gm = mn[:, None] & (offs_g < ng)[None, :]
+    sc = tl.load(s_ptr + goff, mask=gm, other=0.0).to(tl.float32)
+    if HAS_Z:
+        zp = tl.load(z_ptr + goff, mask=gm, other=8).to(tl.float32)
+        xs = tl.sum(tl.reshape(xv, (BK // GB, GB)), axis=1)                  # sum x per group
+        part -= (zp - 8.0) * xs[None, :]
+    return acc + tl.sum(part * sc, axis=1)
