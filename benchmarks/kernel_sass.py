@@ -55,7 +55,9 @@ def count(form: str, kernel: str, cfg: moe_decode.DecodeConfig) -> tuple[int, fl
     try:
         x, ids, table = torch.randn(1, H).bfloat16(), torch.tensor([[0, 2]]), torch.arange(4, dtype=torch.int32)
         route = (table, 3, torch.ones(1))
-        inter = torch.randn(3, I).bfloat16()
+        cfg_bn = min(cfg.gate_up_bn, I)
+        inter = (torch.zeros(3, I // 2 + I // 8, dtype=torch.int32) if moe_decode.packs_inter(buf.gate_up, x.dtype, cfg_bn)
+                 else torch.randn(3, I).bfloat16())  # what gate_up hands down
         if kernel == "gate_up":
             moe_decode.decode_gate_up(x, ids, torch.full((1, 2), 0.5), buf.gate_up, *route, cfg)
         else:

@@ -41,7 +41,7 @@ from moeferry.ops.triton import moe_decode as D  # noqa: E402
 
 FORMS = {"fp4": "nvfp4", "int4": "int4_awq", "fp8_row": "fp8_tensor", "fp8_block": "fp8_block", "dense": "bf16"}
 GATE_UP_GRID = [(bn, bk, w) for bn in (2, 4, 8, 16, 32) for bk in (256, 512, 1024, 2048) for w in (4, 8)]
-DOWN_GRID = [(bn, bk, w) for bn in (2, 4, 8, 16, 32) for bk in (128, 256, 512) for w in (2, 4, 8)]
+DOWN_GRID = [(bn, bk, w) for bn in (2, 4, 8, 16, 32) for bk in (256, 512) for w in (2, 4, 8)]
 TOKENS = (1, 4)         # the kernels alone
 WHOLE_TOKENS = (1, 2, 4, 8)  # the whole call
 CALLS = 16
@@ -54,8 +54,8 @@ def bytes_per_weight(m) -> float:
 
 # kernel -> (its grid, the --smoke points, weight bytes per k-step (gate_up: gate and up each) or per
 # pair (down: all pairs are in flight together) kept, the DecodeConfig fields of (BN, BK, warps))
-GRIDS = {"gate_up": (GATE_UP_GRID, ((32, 64, 4), (64, 128, 2)), (1024, 16384), ("gate_up_bn", "gate_up_bk", "num_warps")),
-         "down": (DOWN_GRID, ((64, 32, 4), (128, 64, 2)), (256, 8192), ("down_bn", "down_bk", "down_warps"))}
+GRIDS = {"gate_up": (GATE_UP_GRID, ((32, 64, 4), (64, 128, 2)), (1024, 32768), ("gate_up_bn", "gate_up_bk", "num_warps")),
+         "down": (DOWN_GRID, ((64, 32, 4), (128, 64, 2)), (256, 16384), ("down_bn", "down_bk", "down_warps"))}
 
 
 def configs(kernel: str, buf, smoke=False) -> list[D.DecodeConfig]:
@@ -118,38 +118,36 @@ def _pick(times: dict) -> D.DecodeConfig:
     return min(times, key=lambda c: sum(times[c][t] / best[t] for t in TOKENS))
 
 
-def compile_only(label: str, smoke: bool) -> None:
+def compile_only(label: str, smoke: bool, kernels) -> None:
     """Run every variant once (Triton compiles it into its on-disk cache)."""
     layer = Layer(label)
     x, gate, rts = layer.inputs(1, 1, seed=0)
     w, ids = rts[0]
-    inter = D.decode_gate_up(x, ids, w, layer.buf.gate_up, layer.table, layer.shared, gate, D.DecodeConfig())
-    for cfg in configs("gate_up", layer.buf, smoke):
-        try:
-            layer.gate_up_fns(x, gate, rts, cfg)[0]()
-        except Exception:  # noqa: BLE001 (reported by the timing pass)
-            pass
-    for cfg in configs("down", layer.buf, smoke):
-        try:
-            layer.down_fns([inter], gate, rts, cfg)[0]()
-        except Exception:  # noqa: BLE001
-            pass
+    current = D.DECODE_CONFIGS.get(layer.buf.gate_up.kernel.name, D.DecodeConfig())
+    inter = D.decode_gate_up(x, ids, w, layer.buf.gate_up, layer.table, layer.shared, gate, current)
+    for kernel in kernels:
+        for cfg in configs(kernel, layer.buf, smoke):
+            try:
+                (layer.gate_up_fns(x, gate, rts, cfg) if kernel == "gate_up" else layer.down_fns([inter], gate, rts, cfg))[0]()
+            except Exception:  # noqa: BLE001 (reported by the timing pass)
+                pass
     if MK.DEV.type == "cuda":
         torch.cuda.synchronize()
 
 
-def sweep_form(label: str, bw: float, smoke: bool, log) -> dict:
+def sweep_form(label: str, bw: float, smoke: bool, log, kernels=("gate_up", "down")) -> dict:
     layer = Layer(label)
     log(f"{label}: {layer.buf.bytes_per_slot / 2**20:.2f} MiB per slot")
     gu_times, dn_times, data = {}, {}, {}
+    current = D.DECODE_CONFIGS.get(layer.buf.gate_up.kernel.name, D.DecodeConfig())
     for t in TOKENS:
         x, gate, rts = layer.inputs(t, CALLS, seed=t)
-        inters = [D.decode_gate_up(x, ids, w, layer.buf.gate_up, layer.table, layer.shared, gate, D.DecodeConfig())
+        inters = [D.decode_gate_up(x, ids, w, layer.buf.gate_up, layer.table, layer.shared, gate, current)
                   for w, ids in rts]
         data[t] = (x, gate, rts, layer.touched_bytes(rts))
-        for cfg in configs("gate_up", layer.buf, smoke):
+        for cfg in configs("gate_up", layer.buf, smoke) if "gate_up" in kernels else [current]:
             gu_times.setdefault(cfg, {})[t] = _timed(layer.gate_up_fns(x, gate, rts, cfg), log, f"gate_up {cfg}")
-        for cfg in configs("down", layer.buf, smoke):
+        for cfg in configs("down", layer.buf, smoke) if "down" in kernels else [current]:
             dn_times.setdefault(cfg, {})[t] = _timed(layer.down_fns(inters, gate, rts, cfg), log, f"down {cfg}")
     gu, dn = _pick(gu_times), _pick(dn_times)
     for name, times in (("gate_up", gu_times), ("down", dn_times)):
@@ -157,7 +155,6 @@ def sweep_form(label: str, bw: float, smoke: bool, log) -> dict:
         log(f"  {name} fastest at T=1: " + "; ".join(
             f"{_short(c, name)} {v[TOKENS[0]] * 1e6:.1f}/{v[TOKENS[1]] * 1e6:.1f} us" for c, v in ranked))
     best = D.DecodeConfig(gu.gate_up_bn, gu.gate_up_bk, dn.down_bn, dn.down_bk, gu.num_warps, False, dn.down_warps)
-    current = D.DECODE_CONFIGS.get(layer.buf.gate_up.kernel.name, D.DecodeConfig())
     rows = []
     for t in WHOLE_TOKENS:
         x, gate, rts, nbytes = data[t] if t in data else (*layer.inputs(t, CALLS, seed=t), None)
@@ -173,6 +170,21 @@ def sweep_form(label: str, bw: float, smoke: bool, log) -> dict:
     log(f"  swept config {best}: rel error vs fp32 reference {err:.1e}")
     return dict(label=label, form=layer.buf.gate_up.kernel.name, config=asdict(best), rel_error=err, rows=rows,
                 gate_up={repr(c): v for c, v in gu_times.items()}, down={repr(c): v for c, v in dn_times.items()})
+
+
+def whole_form(label: str, bw: float, log) -> dict:
+    """--whole-only: the form's current DECODE_CONFIGS entry as a whole call, no sweep."""
+    layer = Layer(label)
+    cfg = D.DECODE_CONFIGS.get(layer.buf.gate_up.kernel.name, D.DecodeConfig())
+    rows = []
+    for t in WHOLE_TOKENS:
+        x, gate, rts = layer.inputs(t, CALLS, seed=t)
+        nbytes, secs = layer.touched_bytes(rts), MK.graph_time(layer.whole_fns(x, gate, rts, cfg))
+        rows.append(dict(format=label, T=t, bytes=nbytes, t_current=secs, hbm_current=nbytes / secs / bw))
+        log(f"  {label} T={t}: {nbytes / 2**20:5.1f} MiB  {secs * 1e6:6.1f} us ({100 * nbytes / secs / bw:3.0f}%)")
+    err = layer.rel_error(cfg)
+    log(f"  {label} {cfg}: rel error vs fp32 reference {err:.1e}")
+    return dict(label=label, config=asdict(cfg), rel_error=err, rows=rows)
 
 
 def _short(c: D.DecodeConfig, kernel: str) -> str:
@@ -193,6 +205,8 @@ def main():
     ap.add_argument("--forms", default=",".join(FORMS))
     ap.add_argument("--jobs", type=int, default=4, help="processes compiling the variants first (0: none)")
     ap.add_argument("--compile-only", metavar="FORM")
+    ap.add_argument("--kernels", default="gate_up,down", help="the kernels swept (others keep the current entry)")
+    ap.add_argument("--whole-only", action="store_true", help="time the current entries as whole calls, no sweep")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.smoke:
@@ -202,14 +216,19 @@ def main():
         CALLS, TOKENS, WHOLE_TOKENS = 2, (1, 2), (1, 2)
     forms = [f for f in args.forms.split(",") if f]
     if args.compile_only:
-        compile_only(args.compile_only, args.smoke)
+        compile_only(args.compile_only, args.smoke, args.kernels.split(","))
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = MK.logger(out / "moe_decode_sweep.log")
 
+    if args.whole_only:
+        bw = 1e10 if args.smoke else MK.hbm_bandwidth()
+        results = [whole_form(f, bw, log) for f in forms]
+        (out / "moe_decode_whole.json").write_text(json.dumps(dict(hbm_Bps=bw, forms=results), indent=1))
+        return
     if args.jobs:
-        cmd = [sys.executable, __file__] + (["--smoke"] if args.smoke else [])
+        cmd = [sys.executable, __file__, "--kernels", args.kernels] + (["--smoke"] if args.smoke else [])
         for i in range(0, len(forms), args.jobs):
             procs = [subprocess.Popen(cmd + ["--compile-only", f]) for f in forms[i:i + args.jobs]]
             log(f"compiled {forms[i:i + args.jobs]}: exit codes {[p.wait() for p in procs]}")
@@ -217,7 +236,7 @@ def main():
     bw = 1e10 if args.smoke else MK.hbm_bandwidth()
     log(f"{'cpu' if args.smoke else torch.cuda.get_device_name()}: HBM copy {bw / 1e12:.2f} TB/s; E={MK.E} "
         f"top-{MK.K} + shared, H={MK.H} I={MK.I}")
-    results = [sweep_form(f, bw, args.smoke, log) for f in forms]
+    results = [sweep_form(f, bw, args.smoke, log, args.kernels.split(",")) for f in forms]
     (out / "moe_decode_sweep.json").write_text(json.dumps(dict(hbm_Bps=bw, forms=results), indent=1))
     md = ["| form | T | bytes | DecodeConfig() | % HBM | swept | % HBM |", "|---|---|---|---|---|---|---|"]
     for r in results:

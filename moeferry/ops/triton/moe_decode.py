@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .moe_formats import SlotMatrix
+from .nibble_gemv import pack_units
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,8 @@ class DecodeConfig:
 # (25.4), fp8_block 15.6 (19.2), dense (bf16) 22.1 (30.7).
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
     "dense": DecodeConfig(gate_up_bn=2, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
-    "fp4": DecodeConfig(gate_up_bn=8, gate_up_bk=2048, down_bn=16, down_bk=512, num_warps=4, down_warps=8),
-    "int4": DecodeConfig(gate_up_bn=8, gate_up_bk=2048, down_bn=16, down_bk=512, num_warps=4, down_warps=8),
+    "fp4": DecodeConfig(gate_up_bn=16, gate_up_bk=2048, down_bn=16, down_bk=512, num_warps=4, down_warps=8),
+    "int4": DecodeConfig(gate_up_bn=16, gate_up_bk=2048, down_bn=16, down_bk=512, num_warps=4, down_warps=8),
     "fp8_row": DecodeConfig(gate_up_bn=4, gate_up_bk=512, down_bn=4, down_bk=512, num_warps=4, down_warps=2),
     "fp8_block": DecodeConfig(gate_up_bn=4, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
 }
@@ -84,7 +85,7 @@ def _decode_gate_up_kernel(x_ptr, stride_x, inter_ptr, ids_ptr, rw_ptr, shw_ptr,
                            H: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr,
                            GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr,
                            TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr):
+                           PACK_RANGE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     p = tl.program_id(0)
     t = p // TOPK
     s, _ = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, p % TOPK, K_IN, TOPK, HAS_SHARED)
@@ -107,7 +108,10 @@ def _decode_gate_up_kernel(x_ptr, stride_x, inter_ptr, ids_ptr, rw_ptr, shw_ptr,
         g *= tl.load(rs_ptr + slot * n + offs_n, mask=mask_n, other=0.0)
         u *= tl.load(rs_ptr + slot * n + I + offs_n, mask=mask_n, other=0.0)
     h = g / (1.0 + tl.exp(-g)) * u
-    tl.store(inter_ptr + p.to(tl.int64) * I + offs_n, h.to(inter_ptr.dtype.element_ty), mask=mask_n)
+    if PACK_RANGE > 0:  # the down step's x as packed halves (nibble_gemv.pack_units)
+        pack_units(inter_ptr + p.to(tl.int64) * (I // 2 + I // 8), h, n0, I, PACK_RANGE, BN)
+    else:
+        tl.store(inter_ptr + p.to(tl.int64) * I + offs_n, h.to(inter_ptr.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
@@ -115,7 +119,7 @@ def _decode_down_kernel(inter_ptr, out_ptr, stride_out, ids_ptr, rw_ptr, shw_ptr
                         w_ptr, s_ptr, z_ptr, rs_ptr, H,
                         I: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr,
                         GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr,
-                        TOPK: tl.constexpr, TP: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        TOPK: tl.constexpr, TP: tl.constexpr, HAS_SHARED: tl.constexpr, ROW: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr):
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BN
@@ -131,7 +135,7 @@ def _decode_down_kernel(inter_ptr, out_ptr, stride_out, ids_ptr, rw_ptr, shw_ptr
         w = tl.sum(tl.where(jv == j, weights, 0.0))
         slot = tl.maximum(s, 0).to(tl.int64)
         r0 = tl.where(s >= 0, n0, H)
-        a_row = inter_ptr + (t * TOPK + j).to(tl.int64) * I
+        a_row = inter_ptr + (t * TOPK + j).to(tl.int64) * ROW
         acc = tl.zeros((BN,), tl.float32)
         for k0 in tl.static_range(0, I, BK):
             acc = GEMV(acc, a_row, w_ptr, s_ptr, z_ptr, slot, r0, k0, H, I, H, BN, BK, G, GN, GB, HAS_Z)
@@ -185,20 +189,31 @@ def decode_gate_up(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     t, k_in = ids.shape
     common = _common(gate_up, k_in, shared_gate is not None)
     i = gate_up.part
-    inter = torch.empty(t * common["TOPK"], i, dtype=x.dtype, device=x.device)
     bk, gb = _bk(cfg.gate_up_bk, gate_up)
     bn = min(cfg.gate_up_bn, triton.next_power_of_2(i))
+    pack = packs_inter(gate_up, x.dtype, bn)
+    inter = (torch.empty(t * common["TOPK"], i // 2 + i // 8, dtype=torch.int32, device=x.device) if pack
+             else torch.empty(t * common["TOPK"], i, dtype=x.dtype, device=x.device))
     _decode_gate_up_kernel[(t * common["TOPK"], triton.cdiv(i, bn))](
         x, x.stride(0), inter, *_route_args(ids, weights, table_row, shared_slot, shared_gate),
-        *gate_up.kernel_args(), i, H=gate_up.k, GB=gb, UNROLL=cfg.unroll, BN=bn, BK=bk,
+        *gate_up.kernel_args(), i, H=gate_up.k, GB=gb, UNROLL=cfg.unroll,
+        PACK_RANGE=gate_up.kernel.x_range if pack else 0.0, BN=bn, BK=bk,
         num_warps=cfg.num_warps, **common)
     return inter
+
+
+def packs_inter(gate_up: SlotMatrix, dtype: torch.dtype, bn: int) -> bool:
+    """Whether gate_up hands `inter` to down as packed halves: the form's GEMV step reads them
+    (`MoEKernel.x_range`), activations are 16-bit and each program holds whole 16-value units."""
+    i = gate_up.part
+    return bool(gate_up.kernel.x_range) and dtype != torch.float32 and bn % 16 == 0 and i % bn == 0
 
 
 def decode_down(inter: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: SlotMatrix,
                 table_row: torch.Tensor, shared_slot: int, shared_gate: torch.Tensor | None,
                 cfg: DecodeConfig) -> torch.Tensor:
-    """out [T, H] = sum over each token's pairs of down @ inter, times the routing weight (launch 2)."""
+    """out [T, H] = sum over each token's pairs of down @ inter, times the routing weight (launch 2).
+    `inter` is bf16/fp16/fp32 [pairs, I] or, from `packs_inter`, int32 [pairs, I/2 + I/8]."""
     t, k_in = ids.shape
     common = _common(down, k_in, shared_gate is not None)
     h = down.n
@@ -206,7 +221,8 @@ def decode_down(inter: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weigh
     bn = min(cfg.down_bn, triton.next_power_of_2(h))
     _decode_down_kernel[(t, triton.cdiv(h, bn))](
         inter, out, out.stride(0), *_route_args(ids, weights, table_row, shared_slot, shared_gate),
-        *down.kernel_args(), h, I=down.k, GB=gb, TP=triton.next_power_of_2(common["TOPK"]), BN=bn, BK=bk,
+        *down.kernel_args(), h, I=down.k, GB=gb, TP=triton.next_power_of_2(common["TOPK"]), ROW=inter.shape[1],
+        BN=bn, BK=bk,
         num_warps=cfg.down_warps, **common)
     return out
 

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from moeferry.checkpoint.formats.fp4 import E2M1_VALUES, unpack_nibbles
 
-from .nibble_gemv import fp4_gemv, int4_gemv
+from .nibble_gemv import FP4_RANGE, INT4_RANGE, fp4_gemv, int4_gemv
 
 
 # -- steps ----------------------------------------------------------------------------------
@@ -332,6 +332,7 @@ class MoEKernel:
     packed_k: bool = False          # k packed two per byte: K % BK == 0 required
     max_bk: int = 256               # larger k-steps spill registers in the dequantizing steps
     gemv: Any = None                # the decode GEMV step (see "decode GEMV steps")
+    x_range: float = 0.0            # > 0: the GEMV step also reads x as packed halves (nibble_gemv.pack_units)
     meta: Mapping[str, Any] = field(default_factory=dict)
     # the CPU reference of `step`: (matrix, slot index tensor, dtype) -> dense [len, N, K]
     dequant: Callable[[SlotMatrix, torch.Tensor, torch.dtype], torch.Tensor] | None = None
@@ -494,9 +495,9 @@ FP8_ROW = MoEKernel("fp8_row", fp8_row_step, _pack_fp8_row, has_row_scale=True, 
 FP8_BLOCK = MoEKernel("fp8_block", fp8_block_step, _pack_fp8_block, group_scaled=True, max_bk=128,
                       gemv=fp8_block_gemv, dequant=fp8_block_dequant)
 FP4 = MoEKernel("fp4", fp4_step, _pack_fp4, has_row_scale=True, packed_k=True, max_bk=128, gemv=fp4_gemv,
-                dequant=fp4_dequant)
+                x_range=FP4_RANGE.value, dequant=fp4_dequant)
 INT4 = MoEKernel("int4", int4_step, _pack_int4, group_scaled=True, packed_k=True, max_bk=128, gemv=int4_gemv,
-                 dequant=int4_dequant)
+                 x_range=INT4_RANGE.value, dequant=int4_dequant)
 
 # device form (`QuantFormat.device_form`) -> its kernel
 KERNELS: dict[str, MoEKernel] = {k.name: k for k in (DENSE, FP8_ROW, FP8_BLOCK, FP4, INT4)}

@@ -80,7 +80,13 @@ def _x_pairs(xc, BK: tl.constexpr):
     pair j) of unit u holds k = 16u + 8a + j (low half) and k + 4 (high half); each [BK/16] int32."""
     x4 = tl.permute(tl.reshape(xc, (BK // 16, 2, 2, 4)), (0, 1, 3, 2))   # [unit, word, j, half]
     lo, hi = tl.split(x4)
-    p = tl.reshape(_pack_half2(lo, hi), (BK // 16, 2, 2, 2))          # [unit, word, j // 2, j % 2]
+    return _operands(tl.reshape(_pack_half2(lo, hi), (BK // 16, 8)), BK)
+
+
+@triton.jit
+def _operands(p, BK: tl.constexpr):
+    """int32 [BK/16, 8] (unit, 4 * word + j) -> its 8 columns in that order, each [BK/16]."""
+    p = tl.reshape(p, (BK // 16, 2, 2, 2))                              # [unit, word, j // 2, j % 2]
     j_even, j_odd = tl.split(p)
     j0, j2 = tl.split(j_even)
     j1, j3 = tl.split(j_odd)
@@ -171,19 +177,60 @@ def _byte_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, FP4: tl.constexpr, BK:
 
 
 @triton.jit
+def _unit_sums(xv, BK: tl.constexpr):
+    return tl.sum(tl.reshape(xv, (BK // 16, 16)), axis=1)
+
+
+@triton.jit
+def _packed_x(x_ptr, k0, K, BK: tl.constexpr):
+    """A row stored by `pack_units`: (the 8 operands of each unit, 1 / c, sum of x), each [BK/16]."""
+    offs_u = k0 // 16 + tl.arange(0, BK // 16)
+    mu = offs_u < K // 16
+    pairs = tl.load(x_ptr + offs_u[:, None] * 8 + tl.arange(0, 8)[None, :], mask=mu[:, None], other=0)
+    tail = x_ptr.to(tl.pointer_type(tl.float32)) + K // 2
+    inv_c = tl.load(tail + offs_u, mask=mu, other=0.0)
+    sums = tl.load(tail + K // 16 + offs_u, mask=mu, other=0.0)
+    return _operands(pairs, BK), inv_c, sums
+
+
+@triton.jit
 def _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, RANGE: tl.constexpr, FP4: tl.constexpr,
                   BK: tl.constexpr):
-    """(sum of v x c over each 16 values [BN, BK/16], c, x[k0:k0+BK] fp32): v the fp4 value / 2**14
-    or the int4 q - 8. 16-bit x runs the packed-half units (c scales x into fp16's range); fp32 x
-    the exact byte decode (c = 1)."""
-    offs = k0 + tl.arange(0, BK)
-    xv = tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
-    if x_ptr.dtype.element_ty == tl.float32:
-        return _byte_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, FP4, BK), 1.0, xv
-    else:
-        c = RANGE / tl.maximum(tl.max(tl.abs(xv)), 1e-30)
+    """(sum of v x over each 16 values [BN, BK/16] fp32, sum of x over each 16 [BK/16]): v the fp4
+    value / 2**14 or the int4 q - 8. 16-bit x runs the packed-half units (x times c = RANGE /
+    max |x| in fp16, undone in fp32); x as int32 is a row `pack_units` stored (per-unit c); fp32 x
+    the exact byte decode."""
+    if x_ptr.dtype.element_ty == tl.int32:
+        xs, inv_c, sums = _packed_x(x_ptr, k0, K, BK)
         w0, w1 = _words(w_ptr, slot, offs_n, mn, k0, N, K, BK)
-        return _units(w0, w1, _x_pairs(xv * c, BK), FP4), c, xv
+        return _units(w0, w1, xs, FP4) * inv_c[None, :], sums
+    else:
+        offs = k0 + tl.arange(0, BK)
+        xv = tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
+        if x_ptr.dtype.element_ty == tl.float32:
+            return _byte_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, FP4, BK), _unit_sums(xv, BK)
+        else:
+            c = RANGE / tl.maximum(tl.max(tl.abs(xv)), 1e-30)
+            w0, w1 = _words(w_ptr, slot, offs_n, mn, k0, N, K, BK)
+            return _units(w0, w1, _x_pairs(xv * c, BK), FP4) / c, _unit_sums(xv, BK)
+
+
+@triton.jit
+def pack_units(row_ptr, h, n0, K, RANGE: tl.constexpr, BN: tl.constexpr):
+    """Store h (fp32 [BN]: values n0..n0+BN of a K-long row; BN and n0 multiples of 16) into an
+    int32 row of K/2 + K/8 words for a nibble GEMV step to read as x: per 16-value unit its 8 fp16x2
+    operands (scaled by c = RANGE / max |h| of the unit), then 1 / c and sum h of every unit (fp32)."""
+    U: tl.constexpr = BN // 16
+    hu = tl.reshape(h, (U, 16))
+    c = RANGE / tl.maximum(tl.max(tl.abs(hu), axis=1), 1e-30)
+    x4 = tl.permute(tl.reshape(hu * c[:, None], (U, 2, 2, 4)), (0, 1, 3, 2))   # [unit, word, j, half]
+    lo, hi = tl.split(x4)
+    u = n0 // 16 + tl.arange(0, U)
+    tl.store(row_ptr + u[:, None, None] * 8 + tl.arange(0, 2)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :],
+             _pack_half2(lo, hi))
+    tail = row_ptr.to(tl.pointer_type(tl.float32)) + K // 2
+    tl.store(tail + u, 1.0 / c)
+    tl.store(tail + K // 16 + u, tl.sum(hu, axis=1))
 
 
 @triton.jit
@@ -192,13 +239,13 @@ def fp4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
              HAS_Z: tl.constexpr):
     offs_n = n0 + tl.arange(0, BN)
     mn = offs_n < N
-    part, c, xv = _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, FP4_RANGE, True, BK)
+    part, sums = _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, FP4_RANGE, True, BK)
     ks = K // 16
     offs_s = k0 // 16 + tl.arange(0, BK // 16)
     sc = tl.load(s_ptr + slot * N * ks + offs_n[:, None] * ks + offs_s[None, :],
                  mask=mn[:, None] & (offs_s < ks)[None, :], other=0)
     sc = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return acc + tl.sum(part * sc, axis=1) * (16384.0 / c)
+    return acc + tl.sum(part * sc, axis=1) * 16384.0
 
 
 @triton.jit
@@ -207,8 +254,8 @@ def int4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
               HAS_Z: tl.constexpr):
     offs_n = n0 + tl.arange(0, BN)
     mn = offs_n < N
-    part, c, xv = _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, INT4_RANGE, False, BK)
-    part = tl.sum(tl.reshape(part, (BN, BK // GB, GB // 16)), axis=2) / c   # sum (q - 8) x per group
+    part, sums = _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, INT4_RANGE, False, BK)
+    part = tl.sum(tl.reshape(part, (BN, BK // GB, GB // 16)), axis=2)       # sum (q - 8) x per group
     ng = tl.cdiv(K, G)
     offs_g = (k0 + tl.arange(0, BK // GB) * GB) // G
     goff = slot * N * ng + offs_n[:, None] * ng + offs_g[None, :]
@@ -216,6 +263,6 @@ def int4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
     sc = tl.load(s_ptr + goff, mask=gm, other=0.0).to(tl.float32)
     if HAS_Z:
         zp = tl.load(z_ptr + goff, mask=gm, other=8).to(tl.float32)
-        xs = tl.sum(tl.reshape(xv, (BK // GB, GB)), axis=1)                  # sum x per group
+        xs = tl.sum(tl.reshape(sums, (BK // GB, GB // 16)), axis=1)          # sum x per group
         part -= (zp - 8.0) * xs[None, :]
     return acc + tl.sum(part * sc, axis=1)
