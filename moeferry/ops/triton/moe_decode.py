@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
 from .moe_formats import SlotMatrix
 from .nibble_gemv import pack_units
 
@@ -116,42 +115,24 @@ def _decode_gate_up_kernel(x_ptr, stride_x, inter_ptr, ids_ptr, rw_ptr, shw_ptr,
 
 
 @triton.jit
-def _prefetch_rows(ptr, slots, n0, N, ROW_BYTES: tl.constexpr, BN: tl.constexpr):
-    """prefetch.global.L2 of rows n0..n0+BN of each slot in `slots` ([TP]; < 0: none) of a slot
-    tensor [S, N, ROW_BYTES bytes]; ROW_BYTES 0: nothing."""
-    if ROW_BYTES > 0:
-        LINES: tl.constexpr = (BN * ROW_BYTES + 127) // 128
-        lines = tl.arange(0, triton.next_power_of_2(LINES))
-        off = (tl.maximum(slots, 0).to(tl.int64)[:, None] * (N * ROW_BYTES) + n0 * ROW_BYTES
-               + lines[None, :].to(tl.int64) * 128)
-        ok = (slots >= 0)[:, None] & (lines < LINES)[None, :] & (n0 * ROW_BYTES + lines * 128 < N * ROW_BYTES)[None, :]
-        addr = ptr.to(tl.pointer_type(tl.uint8)) + tl.where(ok, off, 0)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [addr], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
 def _decode_down_kernel(inter_ptr, out_ptr, stride_out, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot,
                         w_ptr, s_ptr, z_ptr, rs_ptr, H,
                         I: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr,
                         GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr,
                         TOPK: tl.constexpr, TP: tl.constexpr, HAS_SHARED: tl.constexpr, ROW: tl.constexpr,
-                        PREFETCH: tl.constexpr, W_ROW: tl.constexpr, S_ROW: tl.constexpr, RS_ROW: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr):
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BN
-    if PREFETCH:  # every pair's rows into L2 at once: the pair loop below reads them one pair after another
-        slots, _ = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, tl.arange(0, TP), K_IN, TOPK,
-                          HAS_SHARED)
-        _prefetch_rows(w_ptr, slots, n0, H, W_ROW, BN)
-        _prefetch_rows(s_ptr, slots, n0, H, S_ROW, BN)
-        _prefetch_rows(rs_ptr, slots, n0, H, RS_ROW, BN)
+    jv = tl.arange(0, TP)
+    slots, weights = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, jv, K_IN, TOPK, HAS_SHARED)
     offs_n = n0 + tl.arange(0, BN)
     mask_n = offs_n < H
     out = tl.zeros((BN,), tl.float32)
-    # unrolled over pairs and k (I is a constexpr), branch-free
+    # unrolled over pairs and k (I is a constexpr), branch-free: every pair's weight loads
+    # can be in flight together
     for j in tl.static_range(TOPK):
-        s, w = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, t * 0 + j, K_IN, TOPK, HAS_SHARED)
+        s = tl.sum(tl.where(jv == j, slots, 0))
+        w = tl.sum(tl.where(jv == j, weights, 0.0))
         slot = tl.maximum(s, 0).to(tl.int64)
         r0 = tl.where(s >= 0, n0, H)
         a_row = inter_ptr + (t * TOPK + j).to(tl.int64) * ROW
@@ -228,13 +209,6 @@ def packs_inter(gate_up: SlotMatrix, dtype: torch.dtype, bn: int) -> bool:
     return bool(gate_up.kernel.x_range) and dtype != torch.float32 and bn % 16 == 0 and i % bn == 0
 
 
-def _row_bytes(t: torch.Tensor | None, n: int) -> int:
-    """Bytes of one of the n rows of a slot tensor laid out [S, n, ...] (0: absent or not laid out so)."""
-    if t is None or t.dim() < 2 or t.shape[1] != n:
-        return 0
-    return t[0, 0].numel() * t.element_size()
-
-
 def decode_down(inter: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: SlotMatrix,
                 table_row: torch.Tensor, shared_slot: int, shared_gate: torch.Tensor | None,
                 cfg: DecodeConfig) -> torch.Tensor:
@@ -245,11 +219,10 @@ def decode_down(inter: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weigh
     h = down.n
     bk, gb = _bk(cfg.down_bk, down)
     bn = min(cfg.down_bn, triton.next_power_of_2(h))
-    rows = {name: _row_bytes(getattr(down, name), h) for name in ("w", "s", "rs")}
     _decode_down_kernel[(t, triton.cdiv(h, bn))](
         inter, out, out.stride(0), *_route_args(ids, weights, table_row, shared_slot, shared_gate),
         *down.kernel_args(), h, I=down.k, GB=gb, TP=triton.next_power_of_2(common["TOPK"]), ROW=inter.shape[1],
-        PREFETCH=not interpreting(), W_ROW=rows["w"], S_ROW=rows["s"], RS_ROW=rows["rs"], BN=bn, BK=bk,
+        BN=bn, BK=bk,
         num_warps=cfg.down_warps, **common)
     return out
 
