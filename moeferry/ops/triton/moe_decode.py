@@ -10,7 +10,9 @@ slot straight from the table (j == K_IN: the shared expert) and the weights are 
 the format's GEMV step (moe_formats.py, "decode GEMV steps") on the CUDA cores:
 
 1. `_decode_gate_up_kernel`, grid (pairs, I / BN): gate and up rows n0..n0+BN of the pair's
-   slot times x[t], SiLU(gate) * up written to inter [pairs, I] (x's dtype).
+   slot times x[t], SiLU(gate) * up written to inter [pairs, I] (x's dtype), or, for the
+   4-bit forms (`packs_inter`), as the packed fp16x2 operands their down step reads
+   (nibble_gemv.pack_units: scaled per 16 values once here, not by every down program).
 2. `_decode_down_kernel`, grid (T, H / BN): for each of the token's pairs, in order, down
    rows n0..n0+BN times the pair's inter row, times the routing weight, rounded to x's dtype
    and summed in fp32 into out[t] (deterministic: no atomics, no reduction launch).
@@ -43,12 +45,13 @@ class DecodeConfig:
 
 # Per slot form (MoEKernel.name): the block sizes `benchmarks/moe_decode_sweep.py` found fastest
 # on an H200 over T = 1 and 4 (benchmarks/README.md); other forms take DecodeConfig(). Whole call
-# at T = 1 (top-8 + shared): fp4 20.9 us (DecodeConfig() 27.4), int4 22.9 (29.2), fp8_row 15.5
-# (25.4), fp8_block 15.6 (19.2), dense (bf16) 22.1 (30.7).
+# at T = 1 / 4 (top-8 + shared): fp4 17.6 / 30.3 us (packed-half steps; gate_up BN 16 so that a
+# program holds whole 16-value units to pack), int4 19.2 / 42.3 (before packed inter; its entry
+# follows fp4's, not swept since), fp8_row 15.5 / 34.6, fp8_block 15.6 / 35.4, dense 22.1 / 52.0.
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
     "dense": DecodeConfig(gate_up_bn=2, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
-    "fp4": DecodeConfig(gate_up_bn=16, gate_up_bk=2048, down_bn=16, down_bk=512, num_warps=4, down_warps=8),
-    "int4": DecodeConfig(gate_up_bn=16, gate_up_bk=2048, down_bn=16, down_bk=512, num_warps=4, down_warps=8),
+    "fp4": DecodeConfig(gate_up_bn=16, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
+    "int4": DecodeConfig(gate_up_bn=16, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
     "fp8_row": DecodeConfig(gate_up_bn=4, gate_up_bk=512, down_bn=4, down_bk=512, num_warps=4, down_warps=2),
     "fp8_block": DecodeConfig(gate_up_bn=4, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
 }
