@@ -165,8 +165,11 @@ def _bk(bk: int, m: SlotMatrix) -> tuple[int, int]:
 
 
 def gemv_handles(kernel, group: int) -> bool:
-    """Whether a form's GEMV step runs this layout: the form has one, its scale group is a power of two."""
-    return kernel.gemv is not None and not (kernel.group_scaled and group & (group - 1))
+    """Whether a form's GEMV step runs this layout: the form has one, its scale group is a power of
+    two, and at least the 16 values a packed-half unit sums (nibble_gemv) where the form packs."""
+    if kernel.gemv is None or not kernel.group_scaled:
+        return kernel.gemv is not None
+    return not group & (group - 1) and not (kernel.x_range and group < 16)
 
 
 def supports(gate_up: SlotMatrix) -> bool:
