@@ -75,12 +75,18 @@ def _half(bits, shift: tl.constexpr):
 
 
 @triton.jit
-def _x_pairs(xc, BK: tl.constexpr):
-    """x (scaled, fp32 [BK]) as the 8 fp16x2 operands of each 16-value unit: operand (word a,
-    pair j) of unit u holds k = 16u + 8a + j (low half) and k + 4 (high half); each [BK/16] int32."""
-    x4 = tl.permute(tl.reshape(xc, (BK // 16, 2, 2, 4)), (0, 1, 3, 2))   # [unit, word, j, half]
+def _unit_words(xc, U: tl.constexpr):
+    """U 16-value units of scaled fp32 x as [U, 8] int32: operand (word a, pair j), column 4a + j,
+    holds k = 16u + 8a + j (low half) and k + 4 (high half)."""
+    x4 = tl.permute(tl.reshape(xc, (U, 2, 2, 4)), (0, 1, 3, 2))          # [unit, word, j, half]
     lo, hi = tl.split(x4)
-    return _operands(tl.reshape(_pack_half2(lo, hi), (BK // 16, 8)), BK)
+    return tl.reshape(_pack_half2(lo, hi), (U, 8))
+
+
+@triton.jit
+def _x_pairs(xc, BK: tl.constexpr):
+    """x (scaled, fp32 [BK]) as the 8 fp16x2 operands of each 16-value unit, each [BK/16] int32."""
+    return _operands(_unit_words(xc, BK // 16), BK)
 
 
 @triton.jit
@@ -109,12 +115,11 @@ def _words(w_ptr, slot, offs_n, mn, k0, N, K, BK: tl.constexpr):
 
 
 @triton.jit
-def _fp4_value(q):
-    """E2M1 nibbles (int32 0..15) as fp32 values."""
-    mag = q & 7
-    e = mag >> 1
-    v = tl.where(e == 0, (mag & 1).to(tl.float32) * 0.5, (2.0 + (mag & 1).to(tl.float32)) * tl.exp2((e - 2).to(tl.float32)))
-    return tl.where((q & 8) != 0, -v, v)
+def _e2m1(q):
+    """E2M1 nibbles (0..15, any int type) as fp32 value / 2**14, exact: the sign to fp16 bit 15,
+    the 3 magnitude bits to bits 9-11."""
+    q = q.to(tl.uint16)
+    return (((q & 8) << 12) | ((q & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -124,7 +129,7 @@ def _word_emulated(acc, w, x0, x1, x2, x3, FP4: tl.constexpr):
         for half in tl.static_range(2):
             q = (w >> (4 * j + 16 * half)) & 0xF
             if FP4:
-                v = _fp4_value(q) / 16384.0
+                v = _e2m1(q)
             else:
                 v = (q - 8).to(tl.float32)
             acc += v * _half(xp, 16 * half)
@@ -166,10 +171,9 @@ def _byte_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, FP4: tl.constexpr, BK:
                 other=0)
     xe = tl.load(x_ptr + 2 * offs_b, mask=mb, other=0.0).to(tl.float32)
     xo = tl.load(x_ptr + 2 * offs_b + 1, mask=mb, other=0.0).to(tl.float32)
-    if FP4:  # E2M1 -> fp16 bits: value / 2**14, exact
-        v = p.to(tl.uint16)
-        lo = (((v & 8) << 12) | ((v & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (((v & 128) << 8) | ((v & 112) << 5)).to(tl.float16, bitcast=True).to(tl.float32)
+    if FP4:
+        lo = _e2m1(p & 0xF)
+        hi = _e2m1(p >> 4)
     else:
         lo = (p & 0xF).to(tl.float32) - 8.0
         hi = (p >> 4).to(tl.float32) - 8.0
@@ -223,11 +227,8 @@ def pack_units(row_ptr, h, n0, K, RANGE: tl.constexpr, BN: tl.constexpr):
     U: tl.constexpr = BN // 16
     hu = tl.reshape(h, (U, 16))
     c = RANGE / tl.maximum(tl.max(tl.abs(hu), axis=1), 1e-30)
-    x4 = tl.permute(tl.reshape(hu * c[:, None], (U, 2, 2, 4)), (0, 1, 3, 2))   # [unit, word, j, half]
-    lo, hi = tl.split(x4)
     u = n0 // 16 + tl.arange(0, U)
-    tl.store(row_ptr + u[:, None, None] * 8 + tl.arange(0, 2)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :],
-             _pack_half2(lo, hi))
+    tl.store(row_ptr + u[:, None] * 8 + tl.arange(0, 8)[None, :], _unit_words(tl.reshape(hu * c[:, None], (BN,)), U))
     tail = row_ptr.to(tl.pointer_type(tl.float32)) + K // 2
     tl.store(tail + u, 1.0 / c)
     tl.store(tail + K // 16 + u, tl.sum(hu, axis=1))
