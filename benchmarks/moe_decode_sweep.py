@@ -70,9 +70,11 @@ class Layer:
     """One MoE layer's slots (a FORMS key), a shared expert in the last slot, inputs for T tokens."""
 
     def __init__(self, label: str):
+        self.label = label
         self.case = MK.Case(FORMS[label])
         self.buf, self.table = self.case.buf, self.case.table
         self.shared = MK.E - 1
+        self.current = D.DECODE_CONFIGS.get(self.buf.gate_up.kernel.name, D.DecodeConfig())  # the entry in use
 
     def inputs(self, t: int, n: int, seed: int):
         x = torch.randn(t, MK.H, device=MK.DEV).bfloat16()
@@ -123,8 +125,7 @@ def compile_only(label: str, smoke: bool, kernels) -> None:
     layer = Layer(label)
     x, gate, rts = layer.inputs(1, 1, seed=0)
     w, ids = rts[0]
-    current = D.DECODE_CONFIGS.get(layer.buf.gate_up.kernel.name, D.DecodeConfig())
-    inter = D.decode_gate_up(x, ids, w, layer.buf.gate_up, layer.table, layer.shared, gate, current)
+    inter = D.decode_gate_up(x, ids, w, layer.buf.gate_up, layer.table, layer.shared, gate, layer.current)
     for kernel in kernels:
         for cfg in configs(kernel, layer.buf, smoke):
             try:
@@ -139,7 +140,7 @@ def sweep_form(label: str, bw: float, smoke: bool, log, kernels=("gate_up", "dow
     layer = Layer(label)
     log(f"{label}: {layer.buf.bytes_per_slot / 2**20:.2f} MiB per slot")
     gu_times, dn_times, data = {}, {}, {}
-    current = D.DECODE_CONFIGS.get(layer.buf.gate_up.kernel.name, D.DecodeConfig())
+    current = layer.current
     for t in TOKENS:
         x, gate, rts = layer.inputs(t, CALLS, seed=t)
         inters = [D.decode_gate_up(x, ids, w, layer.buf.gate_up, layer.table, layer.shared, gate, current)
@@ -155,36 +156,35 @@ def sweep_form(label: str, bw: float, smoke: bool, log, kernels=("gate_up", "dow
         log(f"  {name} fastest at T=1: " + "; ".join(
             f"{_short(c, name)} {v[TOKENS[0]] * 1e6:.1f}/{v[TOKENS[1]] * 1e6:.1f} us" for c, v in ranked))
     best = D.DecodeConfig(gu.gate_up_bn, gu.gate_up_bk, dn.down_bn, dn.down_bk, gu.num_warps, False, dn.down_warps)
-    rows = []
-    for t in WHOLE_TOKENS:
-        x, gate, rts, nbytes = data[t] if t in data else (*layer.inputs(t, CALLS, seed=t), None)
-        nbytes = nbytes or layer.touched_bytes(rts)
-        times = {name: MK.graph_time(layer.whole_fns(x, gate, rts, cfg))
-                 for name, cfg in (("default", D.DecodeConfig()), ("current", current), ("swept", best))}
-        rows.append(dict(format=label, T=t, bytes=nbytes, **{f"t_{k}": v for k, v in times.items()},
-                         **{f"hbm_{k}": nbytes / v / bw for k, v in times.items()}))
-        log(f"  T={t}: {nbytes / 2**20:5.1f} MiB  default {times['default'] * 1e6:6.1f} us "
-            f"({100 * nbytes / times['default'] / bw:3.0f}%)  current {times['current'] * 1e6:6.1f} us  "
-            f"swept {times['swept'] * 1e6:6.1f} us ({100 * nbytes / times['swept'] / bw:3.0f}%)")
+    rows = _whole_rows(layer, dict(default=D.DecodeConfig(), current=current, swept=best), bw, log, data)
     err = layer.rel_error(best)
     log(f"  swept config {best}: rel error vs fp32 reference {err:.1e}")
     return dict(label=label, form=layer.buf.gate_up.kernel.name, config=asdict(best), rel_error=err, rows=rows,
                 gate_up={repr(c): v for c, v in gu_times.items()}, down={repr(c): v for c, v in dn_times.items()})
 
 
+def _whole_rows(layer: "Layer", cfgs: dict, bw: float, log, data=None) -> list[dict]:
+    """The whole call at WHOLE_TOKENS for each named config: time and share of HBM (inputs of
+    the kernel timing in `data` reused where it has them)."""
+    rows = []
+    for t in WHOLE_TOKENS:
+        x, gate, rts, nbytes = (data or {}).get(t) or (*layer.inputs(t, CALLS, seed=t), None)
+        nbytes = nbytes or layer.touched_bytes(rts)
+        times = {name: MK.graph_time(layer.whole_fns(x, gate, rts, cfg)) for name, cfg in cfgs.items()}
+        rows.append(dict(format=layer.label, T=t, bytes=nbytes, **{f"t_{k}": v for k, v in times.items()},
+                         **{f"hbm_{k}": nbytes / v / bw for k, v in times.items()}))
+        log(f"  {layer.label} T={t}: {nbytes / 2**20:5.1f} MiB  " + "  ".join(
+            f"{k} {v * 1e6:6.1f} us ({100 * nbytes / v / bw:3.0f}%)" for k, v in times.items()))
+    return rows
+
+
 def whole_form(label: str, bw: float, log) -> dict:
     """--whole-only: the form's current DECODE_CONFIGS entry as a whole call, no sweep."""
     layer = Layer(label)
-    cfg = D.DECODE_CONFIGS.get(layer.buf.gate_up.kernel.name, D.DecodeConfig())
-    rows = []
-    for t in WHOLE_TOKENS:
-        x, gate, rts = layer.inputs(t, CALLS, seed=t)
-        nbytes, secs = layer.touched_bytes(rts), MK.graph_time(layer.whole_fns(x, gate, rts, cfg))
-        rows.append(dict(format=label, T=t, bytes=nbytes, t_current=secs, hbm_current=nbytes / secs / bw))
-        log(f"  {label} T={t}: {nbytes / 2**20:5.1f} MiB  {secs * 1e6:6.1f} us ({100 * nbytes / secs / bw:3.0f}%)")
-    err = layer.rel_error(cfg)
-    log(f"  {label} {cfg}: rel error vs fp32 reference {err:.1e}")
-    return dict(label=label, config=asdict(cfg), rel_error=err, rows=rows)
+    rows = _whole_rows(layer, dict(current=layer.current), bw, log)
+    err = layer.rel_error(layer.current)
+    log(f"  {label} {layer.current}: rel error vs fp32 reference {err:.1e}")
+    return dict(label=label, config=asdict(layer.current), rel_error=err, rows=rows)
 
 
 def _short(c: D.DecodeConfig, kernel: str) -> str:
