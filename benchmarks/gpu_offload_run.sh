@@ -10,7 +10,8 @@
 #   seed      seed_scenario.py: the seed's flags verbatim, 8 prompts x 8192, ballast LEAVE_GIB (issue 12)
 #   offload   offload.py: --moe-backend offload --moe-cache-size CACHE_SIZE, both engines (issue 11)
 #   offload_nopf  the same, moeferry alone, decode prefetch off (what the prefetch is worth)
-#   skew      a second checkpoint with --router-skew SKEW, offload.py on it (moeferry; both if SKEW_FT=1)
+#   skew      its own checkpoint with --router-skew SKEW, offload.py on it (moeferry; both if SKEW_FT=1, then
+#             under OFFLOAD_MAX_S)
 #   seed_c4   --max-running-requests 4, 4 concurrent 8k prompts
 #   seed_32k  --max-extend-tokens 32768, two 32768-token prompts
 #   seed_10g  ballast leaving 10 GiB
@@ -160,7 +161,7 @@ export T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFFLOAD_
 print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__)' || exit 4
   fi
   needs_ckpt=0  # prep13 makes the checkpoint itself, alongside other work; some runs do not read it
-  for run in $RUNS; do case $run in prep13) needs_ckpt=0; break ;; bf16_12|gputests|moe|sampling|inputs) ;;
+  for run in $RUNS; do case $run in prep13) needs_ckpt=0; break ;; bf16_12|gputests|moe|sampling|inputs|skew) ;;
     *) needs_ckpt=1 ;; esac; done
   if [ "$needs_ckpt" = 1 ]; then
     step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; }
@@ -194,7 +195,8 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       offload_nopf) step offload_nopf 150 240 offload offload_nopf "$WORK/ckpt" --engines moeferry \
                   --ours-args "--disable-moe-decode-prefetch" ;;
       skew)     step make_skew 200 300 make_ckpt "$WORK/ckpt_skew" "$SKEW" \
-                  && step skew 70 200 offload skew "$WORK/ckpt_skew" --engines "moeferry$([ "${SKEW_FT:-0}" = 1 ] && echo ,freetoken)" ;;
+                  && step skew 70 "$([ "${SKEW_FT:-0}" = 1 ] && echo "${OFFLOAD_MAX_S:-400}" || echo 200)" offload skew \
+                  "$WORK/ckpt_skew" --engines "moeferry$([ "${SKEW_FT:-0}" = 1 ] && echo ,freetoken)" ;;
       *)        echo "== unknown run $run" ;;
     esac
   done
