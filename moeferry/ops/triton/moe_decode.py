@@ -46,8 +46,8 @@ class DecodeConfig:
 # Per slot form (MoEKernel.name): the block sizes `benchmarks/moe_decode_sweep.py` found fastest
 # on an H200 over T = 1 and 4 (benchmarks/README.md); other forms take DecodeConfig(). Whole call
 # at T = 1 / 4 (top-8 + shared): fp4 17.6 / 30.3 us (packed-half steps; gate_up BN 16 so that a
-# program holds whole 16-value units to pack), int4 19.2 / 42.3 (before packed inter; its entry
-# follows fp4's, not swept since), fp8_row 15.5 / 34.6, fp8_block 15.6 / 35.4, dense 22.1 / 52.0.
+# program holds whole 16-value units to pack), int4 15.9 / 29.5 (its entry follows fp4's, not
+# swept on its own), fp8_row 15.5 / 34.6, fp8_block 15.6 / 35.4, dense 22.1 / 52.0.
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
     "dense": DecodeConfig(gate_up_bn=2, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
     "fp4": DecodeConfig(gate_up_bn=16, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
