@@ -5,7 +5,8 @@
 `moe_decode.py` runs two launches per MoE call: gate_up (grid pairs x I/BN, a k-loop of BK
 over H) and down (grid T x H/BN, every pair and all of I unrolled). Their block sizes decide
 how many bytes each program has in flight, which is what a GEMV at T = 1 lives on. This
-script times every (BN, BK, warps) of GATE_UP_GRID and DOWN_GRID for each kernel alone, at
+script times every (BN, BK, warps) of GATE_UP_GRID and (BN, BK, warps, pairs per program) of
+DOWN_GRID for each kernel alone (down's pair chunks include the launch that sums them), at
 T = 1 and 4, on Qwen3.6-35B-A3B's MoE layer (E=256, top-8 plus a shared expert in a slot,
 H=2048, I=512; random weights in each format's slot form, `moe_kernels.Case`): each time is
 the median replay of a CUDA graph of 16 calls over 16 routings (the touched experts change
@@ -41,7 +42,7 @@ from moeferry.ops.triton import moe_decode as D  # noqa: E402
 
 FORMS = {"fp4": "nvfp4", "int4": "int4_awq", "fp8_row": "fp8_tensor", "fp8_block": "fp8_block", "dense": "bf16"}
 GATE_UP_GRID = [(bn, bk, w) for bn in (2, 4, 8, 16, 32) for bk in (256, 512, 1024, 2048) for w in (4, 8)]
-DOWN_GRID = [(bn, bk, w) for bn in (2, 4, 8, 16, 32) for bk in (256, 512) for w in (2, 4, 8)]
+DOWN_GRID = [(bn, bk, w, p) for bn in (2, 4, 8, 16, 32) for bk in (256, 512) for w in (2, 4, 8) for p in (0, 1, 3)]
 TOKENS = (1, 4)         # the kernels alone
 WHOLE_TOKENS = (1, 2, 4, 8)  # the whole call
 CALLS = 16
@@ -53,16 +54,18 @@ def bytes_per_weight(m) -> float:
 
 
 # kernel -> (its grid, the --smoke points, weight bytes per k-step (gate_up: gate and up each) or per
-# pair (down: all pairs are in flight together) kept, the DecodeConfig fields of (BN, BK, warps))
+# pair (down: all pairs are in flight together) kept, the DecodeConfig fields of a grid point: (BN,
+# BK, warps), and for down the pairs per program (0: all; else chunks of pairs and a summing launch))
 GRIDS = {"gate_up": (GATE_UP_GRID, ((32, 64, 4), (64, 128, 2)), (1024, 32768), ("gate_up_bn", "gate_up_bk", "num_warps")),
-         "down": (DOWN_GRID, ((64, 32, 4), (128, 64, 2)), (256, 16384), ("down_bn", "down_bk", "down_warps"))}
+         "down": (DOWN_GRID, ((64, 32, 4, 0), (128, 64, 2, 2)), (256, 16384),
+                  ("down_bn", "down_bk", "down_warps", "down_pairs"))}
 
 
 def configs(kernel: str, buf, smoke=False) -> list[D.DecodeConfig]:
     """The grid points of one kernel, as DecodeConfigs (the other kernel's fields at their defaults)."""
     grid, smoke_points, (lo, hi), fields = GRIDS[kernel]
     b, k = bytes_per_weight(buf.gate_up), getattr(buf, kernel).k
-    points = smoke_points if smoke else [(bn, bk, w) for bn, bk, w in grid if bk <= k and lo <= bn * bk * b <= hi]
+    points = smoke_points if smoke else [p for p in grid if p[1] <= k and lo <= p[0] * p[1] * b <= hi]
     return [D.DecodeConfig(**dict(zip(fields, p))) for p in points]
 
 
@@ -155,7 +158,8 @@ def sweep_form(label: str, bw: float, smoke: bool, log, kernels=("gate_up", "dow
         ranked = sorted(times.items(), key=lambda kv: kv[1][TOKENS[0]])[:5]
         log(f"  {name} fastest at T=1: " + "; ".join(
             f"{_short(c, name)} {v[TOKENS[0]] * 1e6:.1f}/{v[TOKENS[1]] * 1e6:.1f} us" for c, v in ranked))
-    best = D.DecodeConfig(gu.gate_up_bn, gu.gate_up_bk, dn.down_bn, dn.down_bk, gu.num_warps, False, dn.down_warps)
+    best = D.DecodeConfig(gu.gate_up_bn, gu.gate_up_bk, dn.down_bn, dn.down_bk, gu.num_warps, False, dn.down_warps,
+                          dn.down_pairs)
     rows = _whole_rows(layer, dict(default=D.DecodeConfig(), current=current, swept=best), bw, log, data)
     err = layer.rel_error(best)
     log(f"  swept config {best}: rel error vs fp32 reference {err:.1e}")
@@ -188,7 +192,7 @@ def whole_form(label: str, bw: float, log) -> dict:
 
 
 def _short(c: D.DecodeConfig, kernel: str) -> str:
-    return "(bn {}, bk {}, w {})".format(*(getattr(c, f) for f in GRIDS[kernel][3]))
+    return "(" + ", ".join(f"{f.split('_')[-1]} {getattr(c, f)}" for f in GRIDS[kernel][3]) + ")"
 
 
 def _host_time(fns, reps=1):

@@ -201,6 +201,14 @@ CASES["decode-nvfp4-T4-fp32-exact-missing"] = (check_moe, dict(fmt="nvfp4", t=4,
 CASES["decode-unrolled-int4_ct-T2-asymmetric-missing-shared"] = (check_moe, dict(
     fmt="int4_ct", t=2, e=16, k=4, slots=20, missing=3, shared=True, seed=13, dtype="float32", tol=1e-4,
     params={"group_size": 32, "symmetric": False}, path=DecodeConfig(8, 32, 16, 64, unroll=True)))
+# the down launch split into pair chunks (`down_pairs`): the last chunk padded past the token's
+# pairs (and, at k=4 unshared, past the power-of-two pair vector), the chunks summed by a third launch
+CASES["decode-down-pairs2-nvfp4-T3-fp32-exact-missing-shared"] = (check_moe, dict(
+    fmt="nvfp4", t=3, e=16, k=4, slots=20, missing=3, shared=True, seed=14, dtype="float32", tol=1e-4,
+    path=DecodeConfig(16, 64, 32, 32, down_pairs=2)))
+CASES["decode-down-pairs3-int4_awq-T2"] = (check_moe, dict(
+    fmt="int4_awq", t=2, e=8, k=4, missing=1, seed=15, params=_params("int4_awq"),
+    path=DecodeConfig(16, 64, 32, 32, down_pairs=3)))
 CASES["nvfp4-T20"] = (check_moe, dict(fmt="nvfp4", t=20, e=8, k=2, seed=8))
 CASES["prep-T1"] = (check_prep, dict(t=1, k=2))
 CASES["prep-T3-shared"] = (check_prep, dict(t=3, k=4, shared=True))
@@ -466,7 +474,7 @@ def test_gpu_qwen_shapes(fmt, t):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("path", ["decode", "gemm"])
+@pytest.mark.parametrize("path", ["decode", "decode-pairs", "gemm"])
 @pytest.mark.parametrize("t", [1, 2, 4])
 @pytest.mark.parametrize("fmt", DEVICE_FORMS)
 def test_gpu_decode_paths(fmt, t, path):
@@ -482,7 +490,8 @@ def test_gpu_decode_paths(fmt, t, path):
     missing = ids[0, :2]  # two of token 0's experts are not resident
     table[missing] = -1
     gate = torch.randn(t, generator=gen).cuda()
-    cfg = DecodeConfig() if path == "decode" else moe_gemm.choose_config(t, buf.gate_up, buf.down)
+    cfg = (DecodeConfig() if path == "decode" else DecodeConfig(down_pairs=2) if path == "decode-pairs"
+           else moe_gemm.choose_config(t, buf.gate_up, buf.down))
     out = buf.run(x, ids, w, table, int(where[e]), gate, config=cfg)
     w_ref = w.float().masked_fill(torch.isin(ids, missing), 0.0)
     ref = experts_reference(x.float(), ids, w_ref, lambda j: dq[j]) + torch.sigmoid(gate)[:, None] * swiglu(x.float(), *dq[e])

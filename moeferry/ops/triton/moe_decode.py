@@ -15,7 +15,10 @@ the format's GEMV step (moe_formats.py, "decode GEMV steps") on the CUDA cores:
    (nibble_gemv.pack_units: scaled per 16 values once here, not by every down program).
 2. `_decode_down_kernel`, grid (T, H / BN): for each of the token's pairs, in order, down
    rows n0..n0+BN times the pair's inter row, times the routing weight, rounded to x's dtype
-   and summed in fp32 into out[t] (deterministic: no atomics, no reduction launch).
+   and summed in fp32 into out[t] (deterministic: no atomics, no reduction launch). With
+   `down_pairs` set, grid (T, H / BN, chunks of that many pairs): each program pays the
+   memory latency of fewer pairs one after another, and `_sum_chunks_kernel` adds the chunks'
+   fp32 rows in order (still deterministic; one more launch).
 
 A non-resident pair (slot -1) reads no weight: its rows are masked off (n0 moved past N),
 its inter row is written as zeros and it adds 0.
@@ -41,6 +44,8 @@ class DecodeConfig:
     num_warps: int = 4     # gate_up's warps per program
     unroll: bool = False   # gate_up's k loop unrolled (every step's loads issued up front)
     down_warps: int = 4
+    down_pairs: int = 0    # pairs per down program (0: all of the token's; fewer: a grid of pair
+                           # chunks whose fp32 partial rows a third launch sums in order)
 
 
 # Per slot form (MoEKernel.name): the block sizes `benchmarks/moe_decode_sweep.py` found fastest
@@ -123,9 +128,10 @@ def _decode_down_kernel(inter_ptr, out_ptr, stride_out, ids_ptr, rw_ptr, shw_ptr
                         I: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr,
                         GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr,
                         TOPK: tl.constexpr, TP: tl.constexpr, HAS_SHARED: tl.constexpr, ROW: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr):
+                        x_dtype: tl.constexpr, PAIRS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BN
+    chunk = tl.program_id(2)  # pairs chunk * PAIRS .. + PAIRS of the token (all of them: one chunk)
     jv = tl.arange(0, TP)
     slots, weights = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, jv, K_IN, TOPK, HAS_SHARED)
     offs_n = n0 + tl.arange(0, BN)
@@ -133,19 +139,38 @@ def _decode_down_kernel(inter_ptr, out_ptr, stride_out, ids_ptr, rw_ptr, shw_ptr
     out = tl.zeros((BN,), tl.float32)
     # unrolled over pairs and k (I is a constexpr), branch-free: every pair's weight loads
     # can be in flight together
-    for j in tl.static_range(TOPK):
-        s = tl.sum(tl.where(jv == j, slots, 0))
+    for jj in tl.static_range(PAIRS):
+        j = chunk * PAIRS + jj  # j >= TOPK (the last chunk's padding): slot -1, adds 0
+        s = tl.where(j < TOPK, tl.sum(tl.where(jv == j, slots, 0)), -1)
         w = tl.sum(tl.where(jv == j, weights, 0.0))
         slot = tl.maximum(s, 0).to(tl.int64)
         r0 = tl.where(s >= 0, n0, H)
-        a_row = inter_ptr + (t * TOPK + j).to(tl.int64) * ROW
+        a_row = inter_ptr + (t * TOPK + tl.minimum(j, TOPK - 1)).to(tl.int64) * ROW
         acc = tl.zeros((BN,), tl.float32)
         for k0 in tl.static_range(0, I, BK):
             acc = GEMV(acc, a_row, w_ptr, s_ptr, z_ptr, slot, r0, k0, H, I, H, BN, BK, G, GN, GB, HAS_Z)
         if ROW_SCALE:
             acc *= tl.load(rs_ptr + slot * H + offs_n, mask=mask_n & (s >= 0), other=0.0)
-        out += (acc * w).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
+        out += (acc * w).to(x_dtype).to(tl.float32)
+    if PAIRS >= TOPK:
+        tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
+    else:  # this chunk's fp32 partial sum, row (t, chunk) of a [T, chunks, H] buffer (`_sum_chunks_kernel`)
+        tl.store(out_ptr + (t * tl.num_programs(2) + chunk).to(tl.int64) * H + offs_n, out, mask=mask_n)
+
+
+@triton.jit
+def _sum_chunks_kernel(part_ptr, out_ptr, stride_out, H, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = the sum of the down launch's CHUNKS partial rows of token t, in chunk order."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < H
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for c in tl.static_range(CHUNKS):
+        acc += tl.load(part_ptr + (t * CHUNKS + c) * H + offs, mask=m, other=0.0)
+    tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def gemv_bk(bk: int, kernel, group: int, k: int) -> tuple[int, int]:
@@ -225,11 +250,18 @@ def decode_down(inter: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weigh
     h = down.n
     bk, gb = _bk(cfg.down_bk, down)
     bn = min(cfg.down_bn, triton.next_power_of_2(h))
-    _decode_down_kernel[(t, triton.cdiv(h, bn))](
-        inter, out, out.stride(0), *_route_args(ids, weights, table_row, shared_slot, shared_gate),
-        *down.kernel_args(), h, I=down.k, GB=gb, TP=triton.next_power_of_2(common["TOPK"]), ROW=inter.shape[1],
-        BN=bn, BK=bk,
-        num_warps=cfg.down_warps, **common)
+    topk = common["TOPK"]
+    pairs = min(cfg.down_pairs or topk, topk)
+    chunks = triton.cdiv(topk, pairs)
+    dest = out if chunks == 1 else torch.empty(t, chunks, h, dtype=torch.float32, device=out.device)
+    _decode_down_kernel[(t, triton.cdiv(h, bn), chunks)](
+        inter, dest, out.stride(0), *_route_args(ids, weights, table_row, shared_slot, shared_gate),
+        *down.kernel_args(), h, I=down.k, GB=gb, TP=triton.next_power_of_2(topk), ROW=inter.shape[1],
+        x_dtype=_TL_DTYPES[out.dtype], PAIRS=pairs, BN=bn, BK=bk, num_warps=cfg.down_warps, **common)
+    if chunks > 1:
+        block = min(1024, triton.next_power_of_2(h))
+        _sum_chunks_kernel[(t, triton.cdiv(h, block))](dest, out, out.stride(0), h, CHUNKS=chunks, BLOCK=block,
+                                                       num_warps=4)
     return out
 
 
