@@ -137,8 +137,9 @@ def _decode_down_kernel(inter_ptr, out_ptr, stride_out, ids_ptr, rw_ptr, shw_ptr
     offs_n = n0 + tl.arange(0, BN)
     mask_n = offs_n < H
     out = tl.zeros((BN,), tl.float32)
-    # unrolled over pairs and k (I is a constexpr), branch-free: every pair's weight loads
-    # can be in flight together
+    # unrolled over the program's pairs and k (I is a constexpr), branch-free; the compiled code
+    # still loads a pair's weights only after the previous pair's work (benchmarks/README.md, the
+    # ninth session), so a program pays one memory latency per pair: fewer pairs (down_pairs), fewer
     for jj in tl.static_range(PAIRS):
         j = chunk * PAIRS + jj  # j >= TOPK (the last chunk's padding): slot -1, adds 0
         s = tl.where(j < TOPK, tl.sum(tl.where(jv == j, slots, 0)), -1)
