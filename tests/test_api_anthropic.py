@@ -3,6 +3,8 @@ the streaming event sequence, tool results going back in, count_tokens, and Anth
 The worker runs tests/scripted_model.py (the model writes what the test asks for)."""
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import pytest
@@ -164,6 +166,37 @@ ODD_BODIES = [
     {"stop_sequences": "STOP"},
     {"top_k": -1},
 ]
+
+
+# each a 4xx, never a 500 nor a 200: text with a lone surrogate quoted in the error message (the error
+# body is ASCII-escaped), content that is neither text nor a list, loose booleans
+REFUSED = [
+    ({"model": "\ud800"}, 404),
+    ({"messages": [{"role": "user", "content": [{"type": "\ud800"}]}]}, 400),
+    ({"tools": [{"name": "a", "input_schema": {}}], "tool_choice": {"type": "tool", "name": "\ud800"}}, 400),
+    *(({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x", "content": c}]}]}, 400)
+      for c in (5, 5.5, True)),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x", "content": "ok",
+                                                 "is_error": "yes"}]}]}, 400),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "text", "text": {"a": 1}}]}, {"role": "user", "content": "go"}]}, 400),
+    ({"stream": "yes"}, 400),
+    ({"stream": 1}, 400),
+]
+
+
+@pytest.mark.parametrize("odd, status", REFUSED)
+def test_refused_bodies(scripted, odd, status):
+    for route in ("/v1/messages", "/v1/messages/count_tokens"):
+        if route.endswith("count_tokens") and ("stream" in odd or "model" in odd):
+            continue  # count_tokens takes no stream; it does not check the model name
+        body = {**say("x"), **odd}
+        if route.endswith("count_tokens"):
+            body.pop("max_tokens")
+        r = httpx.post(scripted[1] + route, content=json.dumps(body), timeout=30,  # \ud800 escaped
+                       headers={"content-type": "application/json"})
+        assert r.status_code == status, (route, odd, r.text)
+        assert r.json()["type"] == "error" and r.json()["error"]["message"], r.text
 
 
 def test_odd_bodies_are_4xx_never_500(scripted):

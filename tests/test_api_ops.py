@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import anthropic
@@ -117,6 +118,10 @@ def test_tokenize_and_detokenize(locked):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     both = httpx.post(url + "/tokenize", json={"prompt": "x", "messages": msgs}, headers=h)
     assert both.status_code == 400
+    for body in ({"prompt": "\ud800"}, {"messages": [{"role": "user", "content": "\ud800"}]},
+                 {"messages": [{"role": "user", "content": "\ud800"}], "add_generation_prompt": False}):
+        r = httpx.post(url + "/tokenize", content=json.dumps(body), headers={**h, "content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_text", r.text
 
 
 def _parse(argv):

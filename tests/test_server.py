@@ -353,6 +353,26 @@ def test_json_schema_output_parses_and_validates(client):
         assert isinstance(json.loads(text), dict)
 
 
+def test_schema_the_parser_gives_up_on_is_a_400_not_free_text(client):
+    """A recursive schema passes the up-front check, then llguidance stops on it mid-request (too
+    many items): the request ends as a 400, never as unconstrained text with a 200."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=30, response_format=fmt, **GREEDY)
+    assert "cannot follow" in e.value.body["message"], e.value.body
+    assert client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=2).choices  # still serving
+
+
+def test_stop_token_ids_are_checked(client):
+    for ids, why in (([-1], "outside the vocabulary"), ([10**12], "outside the vocabulary"),
+                     (list(range(1025)), "at most 1024")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=2,
+                                           extra_body={"stop_token_ids": ids})
+        assert why in e.value.body["message"] and e.value.body["param"] == "stop_token_ids", e.value.body
+
+
 def test_unenforceable_schema_is_a_400(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}
     with pytest.raises(openai.BadRequestError) as e:

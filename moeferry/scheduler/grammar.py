@@ -52,13 +52,24 @@ def grammar_banned(reqs: list, vocab: int, eos_ids: set[int]) -> torch.Tensor | 
         if r.params.structured is None:
             continue
         m = _matcher(r, vocab, eos_ids)
-        if m.is_error():
-            log.warning("request %s: grammar error, sampling unconstrained: %s", r.request_id, m.get_error())
+        if m.is_error():  # the request ends this step (`grammar_failure`); its row stays unconstrained
             continue
         row = bitmask[i]
         m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
     allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).reshape(len(reqs), -1)[:, :vocab]
     return allowed == 0
+
+
+def grammar_failure(req) -> str | None:
+    """Why the request's grammar can no longer be followed (its matcher failed, e.g. a recursive
+    schema past the parser's limits), as the client is told; None while it can. A failed grammar
+    ends the request: its next tokens would not fit the schema it asked for."""
+    m = req.matcher
+    if m is None or not m.is_error():
+        return None
+    why = m.get_error().split("\n", 1)[0][:300]
+    log.warning("request %s: the output grammar failed, request ended: %s", req.request_id, why)
+    return f"the output parser cannot follow this response_format / tool schema: {why}"
 
 
 def advance_grammars(reqs: list, tokens: list[int]) -> None:

@@ -30,7 +30,7 @@ class TokenEvent:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | "invalid" (the request's own input)
     prompt_tokens: int
     cached_tokens: int
     error: str | None = None

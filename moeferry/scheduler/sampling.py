@@ -17,6 +17,7 @@ class SamplingParamError(ValueError):
 
 
 MAX_LOGIT_BIAS = 1024  # tokens a request may bias
+MAX_STOP_TOKEN_IDS = 1024  # stop token ids a request may name
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import torch
 
 from moeferry.model.batch import SeqChunk
 from moeferry.scheduler.batch_sampler import sample_requests
+from moeferry.scheduler.grammar import grammar_failure
 from moeferry.scheduler.request import Request, RequestState, TokenEvent
 
 log = logging.getLogger("moeferry.scheduler")
@@ -224,6 +225,11 @@ class Scheduler:
         tokens, logprobs = sample_requests(reqs, logits, self.eos_ids)
         events = []
         for req, tok, lp in zip(reqs, tokens, logprobs):
+            failure = grammar_failure(req)
+            if failure is not None:  # the request's own schema, not the engine: "invalid" (a 400)
+                self._finish(req, "invalid")
+                events.append(self._event(req, [], None, error=failure))
+                continue
             req.output_ids.append(tok)
             if len(req.output_ids) == 1:
                 self.cached_prompt_tokens += req.cached_tokens

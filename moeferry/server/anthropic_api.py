@@ -19,12 +19,12 @@ import uuid
 from typing import Any, AsyncIterator, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from moeferry.server.chat_plan import ChatPlan, plan_chat
 from moeferry.server.generation import Generation
-from moeferry.server.openai_api import _collect, _server
+from moeferry.server.openai_api import AsciiJSONResponse, _collect, _server
 from moeferry.server.protocol import ApiError, SamplingFields, bad_request
 from moeferry.server.structured import forced_tool_params
 from moeferry.text.chat_output import ChatOutput, Content, ParsedToolCall, Reasoning
@@ -45,9 +45,9 @@ def error_body(e: ApiError) -> dict:
                                                                else "invalid_request_error"), "message": message}}
 
 
-def error_response(e: ApiError) -> JSONResponse:
+def error_response(e: ApiError) -> AsciiJSONResponse:
     headers = {"Retry-After": "1"} if e.status == 503 else None
-    return JSONResponse(error_body(e), status_code=e.status, headers=headers)
+    return AsciiJSONResponse(error_body(e), status_code=e.status, headers=headers)
 
 
 # ---------------------------------------------------------------- request
@@ -74,7 +74,7 @@ class CountTokensRequest(_Strict):
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1, le=_INT32)
     stop_sequences: Optional[list[str]] = None
-    stream: bool = False
+    stream: StrictBool = False  # strict: "yes" or 1 is a 400, not true
     temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     top_p: Optional[float] = None
     top_k: Optional[int] = Field(default=None, ge=0, le=_INT32)
@@ -92,6 +92,9 @@ def _block_text(block, where: str) -> str:
 def _text_of(blocks, where: str) -> str:
     if isinstance(blocks, str):
         return blocks
+    if not isinstance(blocks, list):
+        raise bad_request(f"content must be a string or a list of content blocks, got {type(blocks).__name__}",
+                          param=where)
     return "".join(_block_text(b, f"{where}[{i}]") for i, b in enumerate(blocks))
 
 
@@ -102,9 +105,11 @@ def _assistant(msg: InputMessage, where: str) -> dict:
     for i, b in enumerate(msg.content):
         kind = b.get("type")
         if kind == "text":
-            text.append(str(b.get("text", "")))
+            text.append(_block_text(b, f"{where}[{i}]"))
         elif kind == "thinking":
-            reasoning.append(str(b.get("thinking", "")))
+            if not isinstance(b.get("thinking", ""), str):
+                raise bad_request("a thinking block's thinking must be a string", param=f"{where}[{i}]")
+            reasoning.append(b.get("thinking", ""))
         elif kind == "redacted_thinking":
             continue
         elif kind == "tool_use":
@@ -131,6 +136,8 @@ def _user(msg: InputMessage, where: str) -> list[dict]:
         if b.get("type") == "tool_result":
             content = b.get("content", "")
             result = _text_of(content, f"{where}[{i}].content") if content else ""
+            if not isinstance(b.get("is_error", False), bool):
+                raise bad_request("is_error must be true or false", param=f"{where}[{i}].is_error")
             if b.get("is_error"):
                 result = f"Error: {result}"
             out.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")), "content": result})

@@ -20,7 +20,7 @@ from pathlib import Path
 from starlette.concurrency import run_in_threadpool
 
 from moeferry.scheduler.request import Request, TokenEvent, TokenLogprob
-from moeferry.scheduler.sampling import MAX_LOGIT_BIAS, SamplingParamError, SamplingParams
+from moeferry.scheduler.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParamError, SamplingParams
 from moeferry.server.messages import Accepted, Rejected
 from moeferry.server.protocol import ApiError, SamplingFields, bad_request
 from moeferry.server.stats import ServerStats
@@ -121,7 +121,7 @@ class Frontend:
         if req.stop is not None:
             fields["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
         if req.stop_token_ids:
-            fields["stop_token_ids"] = tuple(req.stop_token_ids)
+            fields["stop_token_ids"] = self._stop_token_ids(req.stop_token_ids)
         fields["logprobs"] = logprobs
         if req.logit_bias:
             fields["logit_bias"] = self._logit_bias(req.logit_bias)
@@ -133,6 +133,18 @@ class Frontend:
         except (TypeError, ValueError) as e:
             raise bad_request(f"invalid sampling parameters: {e}", code="invalid_value") from None
         return params
+
+    def _stop_token_ids(self, ids: list[int]) -> tuple[int, ...]:
+        """At most MAX_STOP_TOKEN_IDS ids, each in the vocabulary (else a 400: the scheduler checks
+        every sampled token against them)."""
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise bad_request(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
+                              param="stop_token_ids", code="invalid_value")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                              param="stop_token_ids", code="invalid_value")
+        return tuple(ids)
 
     def _logit_bias(self, bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
         """OpenAI's {"token id": bias} as (id, bias) pairs; a key that is not a token id is a 400."""
@@ -247,6 +259,10 @@ class Generation:
             stats.prefilled(self.prompt_tokens, self.cached_tokens, self.started)
         else:
             self.cached_tokens = max(self.cached_tokens, ev.cached_tokens or 0)
+        if ev.finish_reason == "invalid":  # the engine found the request unservable as asked (its schema)
+            self.finished = True
+            stats.requests_rejected += 1
+            raise bad_request(ev.error or "the request cannot be served as asked", code="invalid_value")
         if ev.finish_reason == "error" or (ev.finished and ev.finish_reason not in ("stop", "length")):
             self.finished = True
             stats.requests_failed += 1

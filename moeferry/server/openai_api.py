@@ -382,7 +382,7 @@ async def _collect(gen: Generation, request: Request) -> list[Piece] | None:
         gen.close()
 
 
-class _AsciiJSONResponse(JSONResponse):
+class AsciiJSONResponse(JSONResponse):
     """JSON with non-ASCII escaped: an error message may quote a client's text, lone surrogates included."""
 
     def render(self, content) -> bytes:
@@ -391,4 +391,4 @@ class _AsciiJSONResponse(JSONResponse):
 
 def error_response(e: ApiError) -> JSONResponse:
     headers = {"Retry-After": "1"} if e.status == 503 else None
-    return _AsciiJSONResponse(e.body(), status_code=e.status, headers=headers)
+    return AsciiJSONResponse(e.body(), status_code=e.status, headers=headers)

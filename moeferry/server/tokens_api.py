@@ -10,6 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from moeferry.server.chat_plan import plan_chat
 from moeferry.server.protocol import ApiError, ChatMessage, Tool, bad_request
+from moeferry.text.tokenizer import InvalidText
 
 router = APIRouter()
 
@@ -68,7 +69,11 @@ def _tokenize(server, body: TokenizeRequest) -> list[int]:
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     server = request.app.state.server
     _check_model(server, body.model)
-    ids = await run_in_threadpool(_tokenize, server, body)
+    try:
+        ids = await run_in_threadpool(_tokenize, server, body)
+    except InvalidText as e:  # lone surrogates: the client's text, as on the generation routes
+        param = "prompt" if body.prompt is not None else "messages"
+        raise bad_request(f"{param}: {e}", param=param, code="invalid_text") from None
     out: dict[str, Union[int, list]] = {"tokens": ids, "count": len(ids), "max_model_len": server.cfg.max_seq_len}
     if body.return_token_strs:
         out["token_strs"] = [server.frontend.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
