@@ -373,6 +373,18 @@ def test_stop_token_ids_are_checked(client):
         assert why in e.value.body["message"] and e.value.body["param"] == "stop_token_ids", e.value.body
 
 
+@pytest.mark.parametrize("field, value", [("max_tokens", "5"), ("max_tokens", True), ("max_tokens", 5.5),
+                                          ("temperature", True), ("temperature", "0.5"), ("n", "1"), ("seed", "7"),
+                                          ("top_k", True), ("stop_token_ids", [True]), ("logit_bias", {" 5 ": 1}),
+                                          ("logit_bias", {"1_0": 1}), ("logit_bias", {"\u0661\u0662": 1})])
+def test_loose_numbers_are_a_400(client, field, value):
+    """Numbers as OpenAI's API has them: a string, a boolean or a fraction for an integer is the
+    client's error, not quietly read as a number."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=MESSAGES, extra_body={field: value})
+    assert field in json.dumps(e.value.body), e.value.body
+
+
 def test_unenforceable_schema_is_a_400(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}
     with pytest.raises(openai.BadRequestError) as e:

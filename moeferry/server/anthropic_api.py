@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from moeferry.server.chat_plan import ChatPlan, plan_chat
 from moeferry.server.generation import Generation
@@ -72,12 +72,12 @@ class CountTokensRequest(_Strict):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(ge=1, le=_INT32)
+    max_tokens: StrictInt = Field(ge=1, le=_INT32)  # numbers strict: "5" or true is a 400
     stop_sequences: Optional[list[str]] = None
     stream: StrictBool = False  # strict: "yes" or 1 is a 400, not true
-    temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)
-    top_p: Optional[float] = None
-    top_k: Optional[int] = Field(default=None, ge=0, le=_INT32)
+    temperature: Optional[StrictFloat] = Field(default=None, ge=0.0, le=1.0)
+    top_p: Optional[StrictFloat] = None
+    top_k: Optional[StrictInt] = Field(default=None, ge=0, le=_INT32)
     metadata: Optional[dict[str, Any]] = None
 
 

@@ -153,11 +153,10 @@ class Frontend:
                               code="invalid_value")
         out = []
         for key, value in bias.items():
-            try:
-                token = int(key)
-            except ValueError:
+            if not key.isascii() or not key.isdigit():  # not int(): it takes " 5 ", "1_0" and other scripts' digits
                 raise bad_request(f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias",
-                                  code="invalid_value") from None
+                                  code="invalid_value")
+            token = int(key)
             if not 0 <= token < self.vocab_size:
                 raise bad_request(f"logit_bias: token id {token} is outside the vocabulary [0, {self.vocab_size})",
                                   param="logit_bias", code="invalid_value")

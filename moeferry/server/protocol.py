@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 
 class ApiError(Exception):
@@ -39,31 +39,32 @@ class StreamOptions(_Request):
 
 
 # Ranges are checked by SamplingParams.validate(); these bounds only keep integers inside what the
-# sampler's int64 tensors and torch.Generator seeds can hold.
+# sampler's int64 tensors and torch.Generator seeds can hold. Numbers are strict, as OpenAI's API
+# has them: "5", true or 5.5 for an integer is a 400 (an integer is fine for a float).
 _INT32 = 2**31 - 1
 
 
 class SamplingFields(_Request):
     """Sampling fields shared by both endpoints; None = not set (a default applies)."""
     model: str
-    max_tokens: Optional[int] = Field(default=None, le=_INT32)
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = Field(default=None, le=_INT32)
-    min_p: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    seed: Optional[int] = Field(default=None, ge=-(2**63), le=2**64 - 1)
-    min_tokens: Optional[int] = Field(default=None, le=_INT32)
+    max_tokens: Optional[StrictInt] = Field(default=None, le=_INT32)
+    temperature: Optional[StrictFloat] = None
+    top_p: Optional[StrictFloat] = None
+    top_k: Optional[StrictInt] = Field(default=None, le=_INT32)
+    min_p: Optional[StrictFloat] = None
+    presence_penalty: Optional[StrictFloat] = None
+    frequency_penalty: Optional[StrictFloat] = None
+    repetition_penalty: Optional[StrictFloat] = None
+    seed: Optional[StrictInt] = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    min_tokens: Optional[StrictInt] = Field(default=None, le=_INT32)
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[StrictInt]] = None
     ignore_eos: Optional[StrictBool] = None
-    n: Optional[int] = None
+    n: Optional[StrictInt] = None
     stream: StrictBool = False  # strict: "yes", "1" or 1 is a 400, not true
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # an end-user id for the caller's own bookkeeping; logged, nothing else
-    logit_bias: Optional[dict[str, float]] = None  # {"token id": bias in [-100, 100]}, added to the logits
+    logit_bias: Optional[dict[str, StrictFloat]] = None  # {"token id": bias in [-100, 100]}, added to the logits
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for set parameters this server does not implement (a request type adds them)."""
@@ -123,9 +124,9 @@ class ResponseFormat(_Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(default=None, le=_INT32)
+    max_completion_tokens: Optional[StrictInt] = Field(default=None, le=_INT32)
     logprobs: StrictBool = False
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=20)
     tools: Optional[list[Tool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -139,11 +140,11 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
+    logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=20)
     echo: StrictBool = False
     suffix: Optional[str] = None
-    best_of: Optional[int] = None
+    best_of: Optional[StrictInt] = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
