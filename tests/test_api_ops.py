@@ -37,6 +37,8 @@ def chat(reply: str = "ok") -> dict:
 def test_api_key_both_ways(locked):
     _, url = locked
     assert httpx.get(url + "/health").status_code == 200  # open
+    head = httpx.head(url + "/health")  # a load balancer's probe
+    assert head.status_code == 200 and not head.content
     r = httpx.post(url + "/v1/chat/completions", json=chat())
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert r.headers["www-authenticate"] == "Bearer"

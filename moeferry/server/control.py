@@ -13,7 +13,7 @@ def _server(request: Request):
     return request.app.state.server
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers probing
 async def health(request: Request) -> JSONResponse:
     """200 with status ok when requests are served; 503 with loading (and progress), restarting or
     error (and the reason) otherwise."""
