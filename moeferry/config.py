@@ -116,7 +116,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "tokenizer). Without it the built-in random-weight demo model is made in the user cache "
                    "directory on first use and served.")
     g.add_argument("--served-model-name", metavar="NAME",
-                   help="model id clients send and /v1/models lists (default: the model directory's name)")
+                   help="model id clients send and /v1/models lists (default: the model directory's name; the "
+                   "demo: moeferry-demo-random-weights)")
     g.add_argument("--device", type=_device, default="auto", help="auto (cuda if available, else cpu), cpu, cuda, "
                    "cuda:N (default: auto)")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
@@ -137,8 +138,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "it, accepted as the same); offload = every expert in "
                    "pinned host RAM with a device cache of expert slots, misses copied over PCIe; cpu = misses "
                    "computed on the CPU; hybrid = each step's misses split between PCIe copies and the CPU; "
-                   "auto = resident when the checkpoint fits in free device memory with room to spare, else "
-                   "offload (default: auto)")
+                   "auto = offload when an expert cache flag is given, else resident when the checkpoint "
+                   "fits in free device memory with room to spare (always on the CPU), else offload "
+                   "(default: auto)")
     cache = g.add_mutually_exclusive_group()
     cache.add_argument("--moe-cache-size", type=_positive_int, metavar="SLOTS",
                        help="expert slots in the device cache (offload backends)")
@@ -150,15 +152,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-cache-policy", choices=CACHE_POLICIES, default="lru",
                    help="which expert leaves the cache on a miss (default: lru)")
     g.add_argument("--disable-moe-prefill-overlap", dest="moe_prefill_overlap", action="store_false",
-                   help="offload: copy the next staged experts of a prefill chunk only after the current ones "
-                   "are computed (default: overlapped on a copy stream)")
+                   help="offload/hybrid on CUDA: copy the next staged experts of a prefill chunk only after the "
+                   "current ones are computed (default: overlapped on a copy stream)")
     g.add_argument("--disable-moe-decode-prefetch", dest="moe_decode_prefetch", action="store_false",
                    help="offload on CUDA: fetch a decode step's misses only when their layer routes (default: "
                    "layer l+1's router applied to layer l's input predicts its experts, and the predicted "
                    "misses are copied on a copy stream while layer l computes)")
     g.add_argument("--moe-cpu-threads", type=_positive_int, metavar="N",
-                   help="cpu/hybrid backends: threads computing experts on the CPU (default: torch's, the "
-                   "physical cores)")
+                   help="cpu/hybrid backends: threads computing experts on the CPU (the worker's torch "
+                   "thread count, so on a CPU device every op's; default: torch's, the physical cores)")
     g.add_argument("--moe-cpu-layers", type=_non_negative_int, default=0, metavar="N",
                    help="cpu backend: the first N MoE layers keep no device slots and compute every expert "
                    "on the CPU (default: 0)")
@@ -260,10 +262,10 @@ def _environment_defaults(p: argparse.ArgumentParser) -> None:
         names = [o for o in action.option_strings if o.startswith("--")]
         if not names or action.dest == "help":
             continue
-        env = env_name(names[0])
-        raw = os.environ.get(env)
-        if raw is None:
+        env = next((e for e in map(env_name, names) if e in os.environ), None)  # an alias's name too
+        if env is None:
             continue
+        raw = os.environ[env]
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             if raw.strip().lower() not in _TRUE + _FALSE:
                 p.error(f"{env}={raw!r}: write 1/true/yes or 0/false/no")
@@ -278,7 +280,10 @@ def _environment_defaults(p: argparse.ArgumentParser) -> None:
             p.error(f"{env}={raw!r}: choose from {', '.join(map(str, action.choices))}")
         defaults[action.dest] = value
     p.set_defaults(**defaults)
-    env_help = "Every flag can also be set as MOEFERRY_<FLAG> (e.g. MOEFERRY_PORT=8000); the command line wins."
+    env_help = ("Every flag can also be set as MOEFERRY_<FLAG> (e.g. MOEFERRY_PORT=8000); the command line wins. "
+                "Except for flags the engine refuses together (one of --moe-cache-size/-rate/-auto with "
+                "another; --kv-reserve-tokens with --num-tokens/--num-pages): a variable and the other flag "
+                "are refused as two such flags are.")
     p.epilog = f"{p.epilog}\n\n{env_help}" if p.epilog else env_help
 
 

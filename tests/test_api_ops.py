@@ -140,6 +140,8 @@ def test_environment_defaults(monkeypatch, capsys):
     args = _parse([])
     assert (args.port, args.api_key, args.prefix_cache, args.tool_call_parser) == (8123, "from-env", False, "hermes")
     assert _parse(["--port", "9000"]).port == 9000  # the command line wins
+    monkeypatch.setenv("MOEFERRY_MAX_PREFILL_LENGTH", "64")  # an alias's name (of --max-extend-tokens)
+    assert _parse([]).max_extend_tokens == 64
     monkeypatch.setenv("MOEFERRY_PORT", "70000")
     with pytest.raises(SystemExit):
         _parse([])

@@ -48,16 +48,22 @@ def test_offload_flags_reach_the_engine(model):
     cfg = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--moe-backend", "hybrid",
                                       "--moe-cache-rate", "0.25", "--moe-hybrid-max-fetch", "3", "--moe-cpu-threads",
                                       "2", "--expert-load", "parallel", "--disable-moe-prefill-overlap",
-                                      "--disable-moe-decode-prefetch", "--gpu-memory-limit", "2GiB", "--memory-ratio", "0.5"))
+                                      "--gpu-memory-limit", "2GiB", "--memory-ratio", "0.5"))
     e = cfg.engine
     assert (e.moe_backend, e.moe_cache_rate, e.moe_hybrid_max_fetch, e.moe_cpu_threads) == ("hybrid", 0.25, 3, 2)
     assert (e.expert_load, e.moe_prefill_overlap, e.moe_decode_prefetch, e.gpu_memory_limit, e.memory_ratio) == (
-        "parallel", False, False, 2 * 2**30, 0.5)
+        "parallel", False, True, 2 * 2**30, 0.5)
+    off = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--moe-backend", "offload",
+                                      "--disable-moe-decode-prefetch")).engine
+    assert not off.moe_decode_prefetch
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--moe-backend", "resident", "--moe-cache-size", "10"], "keeps every expert on the device"),
     (["--kv-reserve-tokens", "100", "--num-tokens", "1000"], "give one"),
+    (["--moe-backend", "resident", "--disable-moe-decode-prefetch"], "applies to the offload backend"),
+    (["--moe-backend", "hybrid", "--disable-moe-decode-prefetch"], "applies to the offload backend"),
+    (["--moe-backend", "cpu", "--disable-moe-prefill-overlap"], "offload and hybrid"),
 ])
 def test_contradictory_flags_are_refused(model, argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -195,3 +201,18 @@ def test_bench_bw_measures_both_lanes(model, capsys, tmp_path):
 
     r = json.loads(out.read_text())
     assert r["slot_bytes"] > 0 and r["fetch_s_per_expert"] > 0 and r["cpu_s_per_expert_1_token"] > 0
+
+
+def test_a_cache_flag_makes_auto_offload(model):
+    """--moe-cache-size with the default --moe-backend auto: offload (not resident, which would
+    then refuse the cache flag inside the worker, at every restart)."""
+    import torch
+
+    from moeferry.engine.planning import choose_backend
+    cfg = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--moe-cache-size", "4")).engine
+    assert cfg.moe_backend == "auto"
+    assert choose_backend(cfg, None, torch.device("cpu"), 0).moe_backend == "offload"
+    # auto that turns out resident drops the offload-only switches instead of refusing them in the worker
+    cfg = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--disable-moe-decode-prefetch")).engine
+    reader = type("Reader", (), {"tensors": {}})()
+    assert choose_backend(cfg, reader, torch.device("cpu"), 0).moe_backend == "resident"

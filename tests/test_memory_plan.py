@@ -402,6 +402,8 @@ def test_usable_memory():
     assert capped.bytes == 300 and capped.source.startswith("flag --gpu-memory-limit")
     assert usable_memory(free=1000, limit=4000).bytes == 1000  # a cap never exceeds the free memory
     assert usable_memory(free=None, limit=4000).bytes == 4000
+    host = usable_memory(free=None, ratio=0.5, limit=4000)  # CPU mode: the ratio applies to the limit
+    assert host.bytes == 2000 and "--memory-ratio 0.5" in host.source
     with pytest.raises(ValueError, match="--gpu-memory-limit"):
         usable_memory(free=None)
 

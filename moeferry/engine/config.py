@@ -71,6 +71,11 @@ class EngineConfig:
         if self.moe_hybrid_max_fetch is not None and self.moe_backend != "hybrid":
             raise ValueError("moe_hybrid_max_fetch (--moe-hybrid-max-fetch) applies to the hybrid backend "
                              "(--moe-backend hybrid)")
+        if not self.moe_decode_prefetch and self.moe_backend not in ("offload", "auto"):
+            raise ValueError("--disable-moe-decode-prefetch applies to the offload backend (--moe-backend offload)")
+        if not self.moe_prefill_overlap and self.moe_backend not in ("offload", "hybrid", "auto"):
+            raise ValueError("--disable-moe-prefill-overlap applies to the offload and hybrid backends (their "
+                             "prefill staging)")
         if self.moe_cpu_threads is not None and self.moe_backend not in ("cpu", "hybrid"):
             raise ValueError("moe_cpu_threads (--moe-cpu-threads) applies to the cpu and hybrid backends")
         if self.memory_ratio is not None and not 0 < self.memory_ratio <= 1:

@@ -48,16 +48,24 @@ def used_memory(device: torch.device, free_at_start: int) -> int:
 
 
 def choose_backend(cfg: EngineConfig, reader, device: torch.device, free_at_start: int) -> EngineConfig:
-    """Resolve `moe_backend="auto"`: resident when the checkpoint's files take at most 80% of
-    the budget (the free device memory, or --gpu-memory-limit), else offload with a planned cache."""
+    """Resolve `moe_backend="auto"`: offload when an expert cache flag sizes its cache; else, on
+    CUDA, resident when the checkpoint's files take at most 80% of the budget (the free device
+    memory, or --gpu-memory-limit) and offload with a planned cache otherwise; on the CPU resident."""
     if cfg.moe_backend != "auto":
         return cfg
+    if cfg.moe_cache_size or cfg.moe_cache_rate or cfg.moe_cache_auto:
+        log.info("--moe-backend auto: offload (an expert cache flag was given)")
+        return replace(cfg, moe_backend="offload")
     budget = free_at_start if cfg.gpu_memory_limit is None else min(free_at_start, cfg.gpu_memory_limit)
     files = {info.file for info in reader.tensors.values()}
     size = sum(f.stat().st_size for f in files if f.exists())
     backend = "resident" if device.type != "cuda" or size <= 0.8 * budget else "offload"
     log.info("--moe-backend auto: %s (checkpoint %s, budget %s%s)", backend, human_bytes(size), human_bytes(budget),
              "" if device.type == "cuda" else "; the CPU holds every expert")
+    if backend == "resident" and not (cfg.moe_decode_prefetch and cfg.moe_prefill_overlap):
+        log.info("--disable-moe-decode-prefetch / --disable-moe-prefill-overlap: nothing to turn off, every "
+                 "expert is resident")
+        cfg = replace(cfg, moe_decode_prefetch=True, moe_prefill_overlap=True)
     return replace(cfg, moe_backend=backend)
 
 

@@ -82,13 +82,15 @@ class Term:
 def usable_memory(free: int | None, ratio: float | None = None, limit: int | None = None) -> Term:
     """The budget: free memory at start x --memory-ratio (all of it when no ratio is given: the
     margin term is the safety), capped by --gpu-memory-limit; the limit alone when the free
-    memory is unknown (`free=None`, e.g. host memory in CPU mode)."""
+    memory is unknown (`free=None`, e.g. host memory in CPU mode), times the ratio if one is given."""
     if ratio is not None and not 0.0 < ratio <= 1.0:
         raise ValueError(f"--memory-ratio must be in (0, 1], got {ratio}")
     if free is None:
         if limit is None:
             raise ValueError("the free memory is unknown: give --gpu-memory-limit")
-        return Term(limit, f"flag --gpu-memory-limit {human_bytes(limit)}")
+        if ratio is None:
+            return Term(limit, f"flag --gpu-memory-limit {human_bytes(limit)}")
+        return Term(int(limit * ratio), f"flag --gpu-memory-limit {human_bytes(limit)} x --memory-ratio {ratio:g}")
     if ratio is None:
         share = Term(free, f"measured: free at start {human_bytes(free)}")
     else:
