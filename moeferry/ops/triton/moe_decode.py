@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_formats import SlotMatrix
+from .moe_formats import TL_DTYPES, SlotMatrix
 from .nibble_gemv import pack_units
 
 
@@ -171,9 +171,6 @@ def _sum_chunks_kernel(part_ptr, out_ptr, stride_out, H, CHUNKS: tl.constexpr, B
     tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
 def gemv_bk(bk: int, kernel, group: int, k: int) -> tuple[int, int]:
     """(BK, GB) of a GEMV step over K: BK a power of two no wider than K needs, at least 32
     (16 scales of packed formats per row need BK >= 16; nibble pairs need even); GB the values
@@ -258,7 +255,7 @@ def decode_down(inter: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weigh
     _decode_down_kernel[(t, triton.cdiv(h, bn), chunks)](
         inter, dest, out.stride(0), *_route_args(ids, weights, table_row, shared_slot, shared_gate),
         *down.kernel_args(), h, I=down.k, GB=gb, TP=triton.next_power_of_2(topk), ROW=inter.shape[1],
-        x_dtype=_TL_DTYPES[out.dtype], PAIRS=pairs, BN=bn, BK=bk, num_warps=cfg.down_warps, **common)
+        x_dtype=TL_DTYPES[out.dtype], PAIRS=pairs, BN=bn, BK=bk, num_warps=cfg.down_warps, **common)
     if chunks > 1:
         block = min(1024, triton.next_power_of_2(h))
         _sum_chunks_kernel[(t, triton.cdiv(h, block))](dest, out, out.stride(0), h, CHUNKS=chunks, BLOCK=block,

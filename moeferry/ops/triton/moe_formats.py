@@ -43,6 +43,8 @@ from moeferry.checkpoint.formats.fp4 import E2M1_VALUES, unpack_nibbles
 
 from .nibble_gemv import FP4_RANGE, INT4_RANGE, fp4_gemv, int4_gemv
 
+# activation dtypes as the kernels name them (a dtype constexpr)
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 # -- steps ----------------------------------------------------------------------------------
 # SWAP (constexpr): the weight tile is the dot's first operand, acc is [BN, BM] and the tile

@@ -35,10 +35,8 @@ import triton.language as tl
 
 from . import interpreting
 from .moe_decode import DECODE_CONFIGS, DecodeConfig, decode_moe, supports as decode_supports
-from .moe_formats import SlotMatrix
+from .moe_formats import TL_DTYPES, SlotMatrix
 from .moe_prep import Routing, RoutingScratch, prepare_routing
-
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -248,7 +246,7 @@ def choose_config(num_tokens: int, gate_up: SlotMatrix, down: SlotMatrix) -> MoE
 
 # -- launches -------------------------------------------------------------------------------
 def _dot_dtype(x: torch.Tensor):
-    return tl.float32 if interpreting() else _TL_DTYPES[x.dtype]
+    return tl.float32 if interpreting() else TL_DTYPES[x.dtype]
 
 
 def _launch_args(m: SlotMatrix, g: GemmConfig):

@@ -42,9 +42,8 @@ import triton.language as tl
 from . import interpreting
 from .gemv_formats import GEMV_STEPS
 from .moe_decode import gemv_bk, gemv_handles
-from .moe_formats import DENSE, FP4, FP8_BLOCK, FP8_ROW, INT4, MoEKernel
+from .moe_formats import DENSE, FP4, FP8_BLOCK, FP8_ROW, INT4, TL_DTYPES, MoEKernel
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 # device form (QuantFormat.device_form) -> the kernel side of that form
 DENSE_KERNELS: dict[str, MoEKernel] = {k.name: k for k in (DENSE, FP8_ROW, FP8_BLOCK, FP4, INT4)}
@@ -313,4 +312,4 @@ def _run_tiles(x2: torch.Tensor, out: torch.Tensor, op: DenseOperands, cfg: Dens
         _quant_gemv_kernel[(grid[0], split)](*args, STEP=GEMV_STEPS[op.kernel.name], **form)
     else:
         _quant_gemm_kernel[grid](*args, STEP=op.kernel.step, SWAP=cfg.swap,
-                                 DT=tl.float32 if interpreting() else _TL_DTYPES[x2.dtype], **form)
+                                 DT=tl.float32 if interpreting() else TL_DTYPES[x2.dtype], **form)
