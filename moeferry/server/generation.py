@@ -140,10 +140,7 @@ class Frontend:
         if len(ids) > MAX_STOP_TOKEN_IDS:
             raise bad_request(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
                               param="stop_token_ids", code="invalid_value")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                              param="stop_token_ids", code="invalid_value")
+        self.check_in_vocab(ids, "stop_token_ids", "stop_token_ids: ", "invalid_value")
         return tuple(ids)
 
     def _logit_bias(self, bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
@@ -170,9 +167,14 @@ class Frontend:
             raise bad_request(f"This model's maximum context length is {self.max_seq_len} tokens. However, your "
                               f"prompt has {len(ids)} tokens, leaving no room for output. Please shorten it.",
                               param=param, code="context_length_exceeded")
+        self.check_in_vocab(ids, param)
+
+    def check_in_vocab(self, ids: list[int], param: str, prefix: str = "", code: str | None = None) -> None:
+        """A 400 naming the first id outside [0, vocab_size)."""
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
         if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param)
+            raise bad_request(f"{prefix}token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param,
+                              code=code)
 
     # ------------------------------------------------------------ running
 

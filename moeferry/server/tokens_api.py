@@ -84,9 +84,6 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     server = request.app.state.server
     _check_model(server, body.model)
-    vocab = server.cfg.vocab_size
-    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+    server.frontend.check_in_vocab(body.tokens, "tokens")
     text = await run_in_threadpool(server.frontend.tokenizer.decode, body.tokens, False)
     return {"prompt": text}
