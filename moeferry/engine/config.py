@@ -56,7 +56,7 @@ class EngineConfig:
         if sum(x is not None and x is not False for x in
                (self.moe_cache_size, self.moe_cache_rate, self.moe_cache_auto or None)) > 1:
             raise ValueError("give at most one of moe_cache_size, moe_cache_rate, moe_cache_auto")
-        if self.moe_backend == "resident" and (self.moe_cache_size or self.moe_cache_rate or self.moe_cache_auto):
+        if self.moe_backend == "resident" and self.sizes_expert_cache:
             raise ValueError("--moe-cache-size/-rate/-auto size the expert cache of the offload backends; "
                              "--moe-backend resident keeps every expert on the device")
         if self.kv_reserve_tokens is not None and self.num_tokens is not None:
@@ -88,6 +88,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if self.moe_cache_policy not in CACHE_POLICIES:
             raise ValueError(f"moe_cache_policy must be one of {', '.join(CACHE_POLICIES)}")
+
+    @property
+    def sizes_expert_cache(self) -> bool:
+        """Whether a flag sizes the expert cache (--moe-cache-size, -rate or -auto)."""
+        return bool(self.moe_cache_size or self.moe_cache_rate or self.moe_cache_auto)
 
     @property
     def offloads_experts(self) -> bool:

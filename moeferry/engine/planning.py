@@ -53,7 +53,7 @@ def choose_backend(cfg: EngineConfig, reader, device: torch.device, free_at_star
     memory, or --gpu-memory-limit) and offload with a planned cache otherwise; on the CPU resident."""
     if cfg.moe_backend != "auto":
         return cfg
-    if cfg.moe_cache_size or cfg.moe_cache_rate or cfg.moe_cache_auto:
+    if cfg.sizes_expert_cache:
         log.info("--moe-backend auto: offload (an expert cache flag was given)")
         return replace(cfg, moe_backend="offload")
     budget = free_at_start if cfg.gpu_memory_limit is None else min(free_at_start, cfg.gpu_memory_limit)
