@@ -225,9 +225,11 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = MK.logger(out / "moe_decode_sweep.log")
+    bw = 1e10 if args.smoke else MK.hbm_bandwidth()
+    log(f"{'cpu' if args.smoke else torch.cuda.get_device_name()}: HBM copy {bw / 1e12:.2f} TB/s; E={MK.E} "
+        f"top-{MK.K} + shared, H={MK.H} I={MK.I}")
 
     if args.whole_only:
-        bw = 1e10 if args.smoke else MK.hbm_bandwidth()
         results = [whole_form(f, bw, log) for f in forms]
         (out / "moe_decode_whole.json").write_text(json.dumps(dict(hbm_Bps=bw, forms=results), indent=1))
         return
@@ -237,9 +239,6 @@ def main():
             procs = [subprocess.Popen(cmd + ["--compile-only", f]) for f in forms[i:i + args.jobs]]
             log(f"compiled {forms[i:i + args.jobs]}: exit codes {[p.wait() for p in procs]}")
     torch.manual_seed(0)
-    bw = 1e10 if args.smoke else MK.hbm_bandwidth()
-    log(f"{'cpu' if args.smoke else torch.cuda.get_device_name()}: HBM copy {bw / 1e12:.2f} TB/s; E={MK.E} "
-        f"top-{MK.K} + shared, H={MK.H} I={MK.I}")
     results = [sweep_form(f, bw, args.smoke, log, args.kernels.split(",")) for f in forms]
     (out / "moe_decode_sweep.json").write_text(json.dumps(dict(hbm_Bps=bw, forms=results), indent=1))
     md = ["| form | T | bytes | DecodeConfig() | % HBM | swept | % HBM |", "|---|---|---|---|---|---|---|"]
