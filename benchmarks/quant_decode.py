@@ -409,11 +409,12 @@ def graphs_state(g) -> str:
     return "off" if g is None else (g.disabled or f"on (sizes {sorted(g.graphs)})")
 
 
-def offload_rates(engine, out: dict, tag: str, log) -> None:
-    """Decode b1/b4 in the engine's current mode, and the cache's counters over those steps."""
+def offload_rates(engine, out: dict, tag: str, log, **steps) -> None:
+    """Decode b1/b4 in the engine's current mode (`steps`: decode_rate's steps and warmup), and
+    the cache's counters over those steps."""
     before = {k: v for k, v in engine.stats()["experts"].items() if isinstance(v, int)}  # (device counts folded in)
     for b in (1, 4):
-        out[f"{tag}_b{b}"] = decode_rate(engine, b)
+        out[f"{tag}_b{b}"] = decode_rate(engine, b, **steps)
     after = engine.stats()["experts"]
     hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
     out[f"{tag}_hit_rate"] = round(hits / max(hits + misses, 1), 4)
@@ -501,14 +502,28 @@ def _union(spans: list) -> float:
     return total
 
 
-def bench_offload(engine, slots: int, out: dict, log) -> dict:
+def policy_rates(engine, policies: list[str], out: dict, log) -> None:
+    """Decode b1/b4 and the hit rate under each eviction policy in turn (the cached experts
+    carried over from one to the next, graphs recaptured)."""
+    for name in policies:
+        for c in engine.experts.distinct_caches:
+            c.set_policy(name)
+        engine.graphs.invalidate()
+        mode = engine.experts.graph_mode(engine.graphs.max_batch)
+        offload_rates(engine, out, f"{mode or 'eager'}_{name}", log, steps=64, warmup=32)  # the policy settles first
+
+
+def bench_offload(engine, slots: int, out: dict, log, policies: list[str]) -> dict:
     """Offload decode through a partial cache three ways: graphs with the cache managed on the
     device (the default where it can be), piecewise graphs (host-managed), eager; then where a
-    piecewise step's time goes."""
+    piecewise step's time goes. `policies`: instead, the default mode under each eviction policy."""
     backend = engine.experts
     mode = backend.graph_mode(engine.graphs.max_batch) if engine.graphs is not None else None
     out["graph_mode"] = mode
     log(f"  offload {slots} slots: load {out['load_s']:.1f} s  graph mode {mode}")
+    if policies and engine.graphs is not None:
+        policy_rates(engine, policies, out, log)
+        return out
     offload_rates(engine, out, mode or "eager", log)
     out["b1"], out["b4"] = out[f"{mode or 'eager'}_b1"], out[f"{mode or 'eager'}_b4"]
     if engine.graphs is None:
@@ -541,7 +556,7 @@ def bench_e2e(args, log):
     load_s = time.perf_counter() - t0
     out = dict(load_s=load_s, checkpoint=args.checkpoint)
     if args.offload:  # decode through a partial cache: device-managed graphs, piecewise, eager; the breakdown
-        return bench_offload(engine, args.offload, out, log)
+        return bench_offload(engine, args.offload, out, log, [p for p in args.policies.split(",") if p])
     for b in (1, 4, 16):
         out[f"b{b}"] = decode_rate(engine, b)
     out["graphs"] = graphs_state(engine.graphs)
@@ -590,6 +605,8 @@ def main():
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--offload", type=int, default=0, metavar="SLOTS",
                     help="e2e: the offload backend with this many cache slots (device-managed graphs, piecewise, eager; breakdown)")
+    ap.add_argument("--policies", default="", help="e2e --offload: device-managed decode under each of these "
+                    "eviction policies in turn (e.g. lru,lfu), instead of the modes and the breakdown")
     ap.add_argument("--forms", default="", help="dense: device forms to run (default all)")
     ap.add_argument("--rows", default="1,4,16,4096", help="dense: values of M")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (set MOEFERRY_TRITON_INTERPRET=1)")

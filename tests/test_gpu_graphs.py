@@ -46,18 +46,20 @@ def _decode(engine, prompts, steps):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset,backend", [(p, "resident") for p in ALL]
                          + [("mixed_nvfp4", "offload"), ("mixed_nvfp4", "offload-partial"),
-                            ("mixed_nvfp4", "offload-piecewise")])
+                            ("mixed_nvfp4", "offload-piecewise"), ("mixed_nvfp4", "offload-lfu")])
 def test_decode_graphs_in_use(preset, backend, tmp_path):
     """(offload: a cache of every expert, which reads nothing on the host, is captured whole;
     offload-partial: half the experts cached, managed on the device: captured whole, the misses
     looked up and fetched inside the graph; offload-piecewise: the same cache managed on the
-    host, captured piecewise, the misses fetched between the graphs.)"""
+    host, captured piecewise, the misses fetched between the graphs; offload-lfu: 24 of the 32
+    experts managed on the device by LFU, which needs three steps' experts.)"""
     from moeferry.checkpoint.synthetic import make_model
     from moeferry.engine.config import EngineConfig
     from moeferry.engine.engine import Engine
     path = make_model(tmp_path / preset, arch="qwen3_5_moe", size="tiny", seed=1, dtype="bfloat16",
                       quant=None if preset == "bf16" else preset)
-    extra = {"offload": dict(moe_cache_rate=1.0)}.get(backend, dict(moe_cache_size=16) if "-" in backend else {})
+    extra = {"offload": dict(moe_cache_rate=1.0), "offload-lfu": dict(moe_cache_size=24, moe_cache_policy="lfu")}.get(
+        backend, dict(moe_cache_size=16) if "-" in backend else {})
     engine = Engine.build(EngineConfig(str(path), "cuda", "bfloat16", moe_backend=backend.split("-")[0],
                                        num_tokens=256, num_state_slots=4, **extra))
     if backend.startswith("offload-"):

@@ -1,11 +1,11 @@
 """Offloaded experts on the CPU (fp32): the `offload`, `cpu` and `hybrid` backends against
-`resident`, and the expert cache against a brute-force LRU simulation.
+`resident`, and the expert cache against brute-force LRU and LFU simulations.
 
 On a CPU-only machine the "device" is the CPU: slot copies are memcpy and the MoE runs through
 `SlotBuffer.run_reference`, so these tests exercise the real cache logic (fill, hits, misses,
 LRU eviction, the staging area, the CPU lane, the hybrid split, shrink). The reference for
 every output is the resident backend on the same checkpoint; the reference for the cache's
-bookkeeping is a plain-Python LRU replaying the routing trace the executors received.
+bookkeeping is a plain-Python LRU (or LFU) replaying the routing trace the executors received.
 """
 from __future__ import annotations
 
@@ -86,8 +86,8 @@ def ref_logits(resident):
 
 def build(ckpt, arch, preset, variant, **extra) -> LLM:
     """An LLM of `variant` (`extra` overrides; a cache size given replaces the variant's)."""
-    kw = {k: v for k, v in VARIANTS[variant].items()
-          if not (k.startswith("moe_cache_") and any(x.startswith("moe_cache_") for x in extra))}
+    sizes = ("moe_cache_size", "moe_cache_rate")
+    kw = {k: v for k, v in VARIANTS[variant].items() if not (k in sizes and any(x in sizes for x in extra))}
     return LLM(str(ckpt(arch, preset)), **COMMON, **kw, **extra)
 
 
@@ -193,7 +193,7 @@ def test_greedy_generate_equals_resident(arch, preset, variant, ckpt, ref_genera
     assert llm.generate([BATCH[2]], GREEDY)[0].token_ids == alone
 
 
-# -- 3. LRU order and counters against a brute-force simulation ----------------------------------
+# -- 3. the eviction order and counters against a brute-force simulation -------------------------
 class BruteForceLRU:
     """A global LRU over (layer, expert): every key stamped with its last use; a miss takes a
     free slot or evicts the oldest key the step does not need, and when every cached key is
@@ -204,10 +204,10 @@ class BruteForceLRU:
         self.num_slots, self.clock, self.last_use = num_slots, 0, {}
         self.hits, self.misses = defaultdict(int), defaultdict(int)
         for key in cached:
-            self._use(key)
+            self._enter(key)
 
     @classmethod
-    def booted(cls, num_slots: int, layers: list[int], num_experts: int) -> "BruteForceLRU":
+    def booted(cls, num_slots: int, layers: list[int], num_experts: int):
         """After the boot fill: slots spread evenly over the layers, experts 0..n-1 of each."""
         per, extra = divmod(num_slots, len(layers))
         return cls(num_slots, [(layer, e) for i, layer in enumerate(layers)
@@ -216,6 +216,8 @@ class BruteForceLRU:
     def _use(self, key) -> None:
         self.clock += 1
         self.last_use[key] = self.clock
+
+    _enter = _use  # a key placed in the cache
 
     def step(self, layer: int, needed: list[int]) -> None:
         hits = [e for e in needed if (layer, e) in self.last_use]
@@ -235,24 +237,69 @@ class BruteForceLRU:
     def order(self) -> list:
         return sorted(self.last_use, key=self.last_use.__getitem__)
 
+    ranked = order  # the first to evict first
 
-def replay(llm: LLM, trace) -> BruteForceLRU:
+
+class BruteForceLFU(BruteForceLRU):
+    """A global LFU with dynamic aging over (layer, expert), the plain way: a key's priority is
+    the age plus its uses; a step's misses evict the keys of lowest (priority, last use) that
+    the step does not need, the age rises to the largest priority evicted, and the misses enter
+    with one use (those left without a slot are streamed)."""
+
+    def __init__(self, num_slots: int, cached: list):
+        self.age, self.uses, self.prio = 0, {}, {}
+        super().__init__(num_slots, cached)
+
+    def _use(self, key) -> None:
+        self.uses[key] += 1
+        self.prio[key] = self.age + self.uses[key]
+        super()._use(key)
+
+    def _enter(self, key) -> None:
+        self.uses[key] = 0
+        self._use(key)
+
+    def step(self, layer: int, needed: list[int]) -> None:
+        hits = [e for e in needed if (layer, e) in self.last_use]
+        misses = [e for e in needed if (layer, e) not in self.last_use]
+        self.hits[layer] += len(hits)
+        self.misses[layer] += len(misses)
+        for e in hits:
+            self._use((layer, e))
+        room = self.num_slots - len(self.last_use)
+        evictable = [k for k in self.ranked() if k[0] != layer or k[1] not in needed]
+        for key in evictable[:max(0, len(misses) - room)]:
+            self.age = max(self.age, self.prio.pop(key))
+            del self.uses[key], self.last_use[key]
+        for e in misses[:self.num_slots - len(self.last_use)]:
+            self._enter((layer, e))
+
+    def ranked(self) -> list:
+        return sorted(self.last_use, key=lambda k: (self.prio[k], self.last_use[k]))
+
+
+SIMULATIONS = {"lru": BruteForceLRU, "lfu": BruteForceLFU}
+
+
+def replay(llm: LLM, trace, policy: str = "lru"):
     (cache,) = caches(llm)
-    sim = BruteForceLRU.booted(cache.num_slots, cache.layers, cache.num_experts)
+    sim = SIMULATIONS[policy].booted(cache.num_slots, cache.layers, cache.num_experts)
     for layer, needed, _ in trace:
         sim.step(layer, needed)
     return sim
 
 
 def assert_matches_simulation(llm: LLM, trace) -> None:
-    sim = replay(llm, trace)
     (cache,) = caches(llm)
+    sim = replay(llm, trace, cache.policy.name)
     stats = llm.engine.stats()["experts"]
     for layer in cache.layers:
         c = cache.counters[layer]
         assert (c.hits, c.misses) == (sim.hits[layer], sim.misses[layer]), layer
         assert stats["layers"][str(layer)]["hits"] == sim.hits[layer]
-    assert list(cache.policy.order) == sim.order()  # LRU order, oldest first
+    assert cache.policy.ranked() == sim.ranked()  # the eviction order, first out first
+    if cache.policy.name == "lfu":
+        assert cache.policy.prio == sim.prio and cache.policy.age == sim.age
     assert {k for k in cache.owner if k is not None} == set(sim.last_use)
     for (layer, e) in sim.last_use:
         s = cache.slot_of(layer, e)
@@ -260,11 +307,15 @@ def assert_matches_simulation(llm: LLM, trace) -> None:
     assert int((cache.host_table >= 0).sum()) == len(sim.last_use)
 
 
-@pytest.mark.parametrize("arch,slots", [("qwen3_5_moe", 6), ("qwen3_moe", 3), ("qwen3_5_moe", 1)])
-def test_lru_and_counters_match_brute_force(arch, slots, ckpt, ref_logits, trace):
-    llm = build(ckpt, arch, "bf16", "offload-1", moe_cache_size=slots)
+POLICY_CASES = [("qwen3_5_moe", 6, "lru"), ("qwen3_moe", 3, "lru"), ("qwen3_5_moe", 1, "lru"),
+                ("qwen3_5_moe", 6, "lfu"), ("qwen3_moe", 3, "lfu")]
+
+
+@pytest.mark.parametrize("arch,slots,policy", POLICY_CASES, ids=["-".join(map(str, c)) for c in POLICY_CASES])
+def test_policy_and_counters_match_brute_force(arch, slots, policy, ckpt, ref_logits, trace):
+    llm = build(ckpt, arch, "bf16", "offload-1", moe_cache_size=slots, moe_cache_policy=policy)
     (cache,) = caches(llm)
-    assert cache.num_slots == slots
+    assert cache.num_slots == slots and cache.policy.name == policy
     got = llm.logits_batch(BATCH, [5, 3, 1])
     for g, w in zip(got, ref_logits(arch, "bf16", BATCH, [5, 3, 1])):
         assert rel_err(g, w) <= TOL
@@ -273,6 +324,35 @@ def test_lru_and_counters_match_brute_force(arch, slots, ckpt, ref_logits, trace
     llm.logits(PROMPT, chunk_size=CHUNKS)  # the cache carries over from the previous sequences
     assert len(trace) > first
     assert_matches_simulation(llm, trace)
+
+
+def test_lfu_keeps_popular_experts_through_a_burst():
+    """What LFU is for: experts used often stay while a burst of once-used ones passes through
+    (LRU would let the burst push them out); a prefetched expert no step used goes first."""
+    from moeferry.moe.expert_cache import LFUPolicy, LRUPolicy
+    popular, burst = [(0, e) for e in range(3)], [(0, e) for e in range(10, 20)]
+    kept = {}
+    for policy in (LFUPolicy(), LRUPolicy()):
+        cached = []
+        for key in popular:
+            policy.insert(key)
+            cached.append(key)
+        for _ in range(4):
+            policy.touch(popular)
+        for key in burst:  # a cache of 5: each burst key evicts one victim
+            if len(cached) == 5:
+                victim = policy.victims(1, {key})[0]
+                policy.remove(victim)
+                cached.remove(victim)
+            policy.insert(key)
+            cached.append(key)
+        kept[policy.name] = set(cached)
+    assert set(popular) <= kept["lfu"] and not set(popular) & kept["lru"]
+    lfu = LFUPolicy()
+    for key in popular:
+        lfu.insert(key)
+    lfu.insert((1, 7), prefetched=True)
+    assert lfu.victims(1, set()) == [(1, 7)]
 
 
 # -- 4. a cache smaller than one step's working set ---------------------------------------------
@@ -408,16 +488,17 @@ def decode_on_device(llm, monkeypatch) -> list[int]:
     return steps
 
 
-DEVICE_CASES = [("qwen3_5_moe", "mixed_nvfp4", True), ("qwen3_moe", "bf16", True), ("qwen3_5_moe", "bf16", False),
-                ("qwen3_moe", "int4_awq", True)]
+DEVICE_CASES = [("qwen3_5_moe", "mixed_nvfp4", True, "lru"), ("qwen3_moe", "bf16", True, "lru"),
+                ("qwen3_5_moe", "bf16", False, "lru"), ("qwen3_moe", "int4_awq", True, "lru"),
+                ("qwen3_5_moe", "mixed_nvfp4", True, "lfu"), ("qwen3_moe", "bf16", False, "lfu")]
 
 
-@pytest.mark.parametrize("arch,preset,prefetch", DEVICE_CASES, ids=["-".join(map(str, c)) for c in DEVICE_CASES])
-def test_device_managed_decode_equals_resident(arch, preset, prefetch, ckpt, ref_logits, monkeypatch):
-    """Decode steps that look up, evict and fetch on the device (`DeviceLRU`), between prefill
-    chunks managed on the host: resident's logits, alone and batched; the state handed back
-    and forth stays whole (owners, table, LRU order, free list); the counters add up."""
-    llm = build(ckpt, arch, preset, "offload-25%", moe_cache_size=24)
+@pytest.mark.parametrize("arch,preset,prefetch,policy", DEVICE_CASES, ids=["-".join(map(str, c)) for c in DEVICE_CASES])
+def test_device_managed_decode_equals_resident(arch, preset, prefetch, policy, ckpt, ref_logits, monkeypatch):
+    """Decode steps that look up, evict and fetch on the device (`DevicePolicy`), between
+    prefill chunks managed on the host: resident's logits, alone and batched; the state handed
+    back and forth stays whole (owners, table, eviction order, free list); the counters add up."""
+    llm = build(ckpt, arch, preset, "offload-25%", moe_cache_size=24, moe_cache_policy=policy)
     backend = llm.engine.experts
     backend.prefetch = prefetch
     calls = []
@@ -441,20 +522,23 @@ def test_device_managed_decode_equals_resident(arch, preset, prefetch, ckpt, ref
     assert (s["prefetched"] > 0) == prefetch
 
 
-def test_device_lru_hand_over_keeps_the_order(ckpt):
-    """on_device then on_host gives back the same owners, table, LRU order and prefetched set."""
-    llm = build(ckpt, "qwen3_moe", "bf16", "offload-25%")
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_device_hand_over_keeps_the_order(ckpt, policy):
+    """on_device then on_host gives back the same owners, table, eviction state (order, LFU's
+    priorities, uses and age) and prefetched set."""
+    llm = build(ckpt, "qwen3_moe", "bf16", "offload-25%", moe_cache_policy=policy)
     llm.logits(PROMPT, chunk_size=CHUNKS)
     (cache,) = caches(llm)
     cache.prefetched = {cache.owner[s] for s in range(2) if cache.owner[s] is not None}
-    before = (list(cache.owner), cache.host_table.clone(), list(cache.policy.order), set(cache.prefetched),
-              sorted(cache.free_slots))
+    before = (list(cache.owner), cache.host_table.clone(), cache.policy.entries(), cache.policy.age,
+              set(cache.prefetched), sorted(cache.free_slots))
     with torch.inference_mode():  # made inside inference mode (a step's first capture) ...
         cache.on_device()
     cache.host_table.fill_(-1)  # stale while the device owns the state
     cache.on_host()
-    after = (list(cache.owner), cache.host_table.clone(), list(cache.policy.order), set(cache.prefetched),
-             sorted(cache.free_slots))
+    after = (list(cache.owner), cache.host_table.clone(), cache.policy.entries(), cache.policy.age,
+             set(cache.prefetched), sorted(cache.free_slots))
+    assert policy == "lru" or before[3] > 0  # LFU evicted on the way: its age rose
     assert before[0] == after[0] and torch.equal(before[1], after[1]) and before[2:] == after[2:]
     cache.on_device()  # ... and handed over again outside it (the warm-up's captures)
     cache.check()

@@ -34,12 +34,16 @@ def _compile(fn, signature: dict, constants: dict, attrs: dict | None = None):
         raise
 
 
-@pytest.mark.parametrize("prefetch,n,s", [(False, 16, 4096), (True, 16, 4096), (False, 64, 16384)])
-def test_cache_resolve_compiles(prefetch, n, s):
+@pytest.mark.parametrize("prefetch,lfu,n,s", [(False, False, 16, 4096), (True, False, 16, 4096),
+                                               (False, False, 64, 16384), (False, True, 16, 4096),
+                                               (True, True, 64, 16384)])
+def test_cache_resolve_compiles(prefetch, lfu, n, s):
     sig = {"ids_ptr": "*i64", "n": "i32", "table_ptr": "*i32", "owner_ptr": "*i32", "stamp_ptr": "*i64",
-           "flag_ptr": "*i8", "clock_ptr": "*i64", "dst_ptr": "*i32", "count_ptr": "*i64", "key_base": "i32",
-           "num_slots": "i32", "PREFETCH": "constexpr", "N": "constexpr", "S": "constexpr"}
-    assert "cubin" in _compile(cache_resolve._resolve_kernel, sig, {"PREFETCH": prefetch, "N": n, "S": s}).asm
+           "flag_ptr": "*i8", "prio_ptr": "*i64", "uses_ptr": "*i32", "state_ptr": "*i64", "dst_ptr": "*i32",
+           "count_ptr": "*i64", "key_base": "i32", "num_slots": "i32", "PREFETCH": "constexpr", "LFU": "constexpr",
+           "N": "constexpr", "S": "constexpr"}
+    constants = {"PREFETCH": prefetch, "LFU": lfu, "N": n, "S": s}
+    assert "cubin" in _compile(cache_resolve._resolve_kernel, sig, constants).asm
 
 
 @pytest.mark.parametrize("vec", [True, False])

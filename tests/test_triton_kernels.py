@@ -424,32 +424,35 @@ def _gather_indexed_once(device, g, widths, vec, config, programs=None):
 
 
 def case_cache_resolve(device, seed=13):
-    """The device cache's lookup + LRU eviction kernel against its CPU reference, call after
-    call on the same state (steps and prefetches, repeated ids, a cache filling from empty,
-    two table rows): the slots chosen, table, owners, stamps, flags, clock and counters."""
-    from moeferry.moe.device_lru import DeviceLRU, resolve_reference
+    """The device cache's lookup + eviction kernel against its CPU reference, LRU and LFU, call
+    after call on the same state (steps and prefetches, repeated ids, a cache filling from
+    empty, two table rows): the slots chosen, table, owners, stamps, flags, priorities, uses,
+    clock, age and counters."""
+    from moeferry.moe.device_policy import DevicePolicy, resolve_reference
     from moeferry.ops.triton.cache_resolve import resolve
-    g = _gen(seed)
-    rows, experts, slots = 2, 24, 13
-    states = []
-    for dev in ("cpu", device):
-        lru = DeviceLRU(slots, torch.zeros(rows, 4, dtype=torch.int64, device=dev))
-        states.append((lru, torch.full((rows, experts), -1, dtype=torch.int32, device=dev)))
-    for step in range(40):
-        n = int(torch.randint(1, 7, (1,), generator=g))  # at most slots // 2 distinct ids
-        ids = torch.randint(0, 9 if step % 3 else experts, (n,), generator=g)
-        row, prefetch = step % rows, step % 4 == 3
-        (ref, ref_table), (lru, table) = states
-        want = resolve_reference(ref, ref_table, row, ids, prefetch)
-        got = resolve(ids.to(device), table, lru.owner, lru.stamps, lru.flags, lru.clock, lru.counts, row, prefetch)
-        for a, b, what in ((got, want, "dst"), (table, ref_table, "table"), (lru.owner, ref.owner, "owner"),
-                           (lru.stamps, ref.stamps, "stamps"), (lru.flags, ref.flags, "flags"),
-                           (lru.clock, ref.clock, "clock"), (lru.counts, ref.counts, "counts")):
-            assert torch.equal(a.cpu(), b), f"step {step}: {what} {a.cpu().tolist()} != {b.tolist()}"
-    (ref, ref_table), _ = states
-    assert int(ref.counts[:, 1].sum()) > slots and int(ref.counts[:, 0].sum()) > 0  # it evicted, and hit
+    rows, experts, slots = 2, 24, 19
+    for lfu in (False, True):
+        g = _gen(seed)
+        states = []
+        for dev in ("cpu", device):
+            policy = DevicePolicy(slots, torch.zeros(rows, 4, dtype=torch.int64, device=dev), lfu)
+            states.append((policy, torch.full((rows, experts), -1, dtype=torch.int32, device=dev)))
+        for step in range(40):
+            n = int(torch.randint(1, 7, (1,), generator=g))  # at most slots // 3 distinct ids
+            ids = torch.randint(0, 9 if step % 3 else experts, (n,), generator=g)
+            row, prefetch = step % rows, step % 4 == 3
+            (ref, ref_table), (dev_state, table) = states
+            want = resolve_reference(ref, ref_table, row, ids, prefetch)
+            got = resolve(ids.to(device), table, dev_state, row, prefetch)
+            for name in ("owner", "stamps", "flags", "prio", "uses", "state", "counts"):
+                a, b = getattr(dev_state, name).cpu(), getattr(ref, name)
+                assert torch.equal(a, b), f"lfu {lfu} step {step}: {name} {a.tolist()} != {b.tolist()}"
+            for a, b, what in ((got, want, "dst"), (table, ref_table, "table")):
+                assert torch.equal(a.cpu(), b), f"lfu {lfu} step {step}: {what} {a.cpu().tolist()} != {b.tolist()}"
+        (ref, ref_table), _ = states
+        assert int(ref.counts[:, 1].sum()) > slots and int(ref.counts[:, 0].sum()) > 0  # it evicted, and hit
+        assert (int(ref.state[1]) > 0) == lfu  # LFU's age rose with its victims
     return 0.0
-
 
 
 def case_model_kernel_path(device, seed=0):

@@ -105,7 +105,7 @@ class EngineConfig:
                 or self.gpu_memory_limit is not None)
 
 
-CACHE_POLICIES = ("lru",)
+CACHE_POLICIES = ("lru", "lfu")
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ def _plan(cfg: EngineConfig, spec, model, experts, device, dtype, free_at_start:
 
 GRAPH_MODES = {
     "whole": "captured whole",
-    "device": "captured whole, the expert cache managed on the device (lookup, LRU eviction and fetches "
+    "device": "captured whole, the expert cache managed on the device (lookup, eviction and fetches "
               "of each MoE layer in the graph)",
     "piecewise": "piecewise (cut at each MoE layer: the host reads its experts and fetches the misses)",
 }

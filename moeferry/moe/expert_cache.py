@@ -3,11 +3,11 @@
 One cache spans every MoE layer of one slot layout (a checkpoint with several expert formats
 gets one cache per format). The host keeps the mapping; the device `SlotTable` [layers,
 experts] mirrors it and is all the MoE kernels read. A replacement policy is one class:
-`LRUPolicy` (the default) orders slots by last use and never evicts an expert the current
-step needs.
+`LRUPolicy` (the default) evicts the least recently used expert, `LFUPolicy` the least
+frequently used with dynamic aging; neither evicts an expert the current step needs.
 
-Decode steps inside a CUDA graph manage the cache on the device instead (`DeviceLRU`, the same
-LRU at a layer step's granularity): `on_device()` hands the state over before a graph replays,
+Decode steps inside a CUDA graph manage the cache on the device instead (`DevicePolicy`, the
+same policy at a layer step's granularity): `on_device()` hands the state over before a graph replays,
 `on_host()` takes it back before any host work, which every host-side method here does first.
 
 Counters per layer: hits, misses (experts a step needed and the cache lacked), bytes fetched
@@ -16,11 +16,12 @@ into slots, and of the decode prefetch: experts prefetched and how many of them 
 from __future__ import annotations
 
 import gc
+import heapq
 from collections import OrderedDict
 
 import torch
 
-from moeferry.moe.device_lru import DeviceLRU
+from moeferry.moe.device_policy import DevicePolicy, Entry
 from moeferry.moe.slots import SlotBuffer, SlotTable
 
 Key = tuple[int, int]  # (layer, expert)
@@ -31,11 +32,13 @@ class LRUPolicy:
     """Least recently used first."""
 
     name = "lru"
+    age = 0  # (LFU's; handed over with the state)
+    graph_steps = 2  # decode steps' experts a cache must hold to be managed on the device (`cache_resolve`)
 
     def __init__(self):
         self.order: OrderedDict[Key, None] = OrderedDict()
 
-    def insert(self, key: Key) -> None:
+    def insert(self, key: Key, prefetched: bool = False) -> None:
         self.order[key] = None
 
     def remove(self, key: Key) -> None:
@@ -55,8 +58,93 @@ class LRUPolicy:
                 out.append(k)
         return out
 
+    def ranked(self) -> list[Key]:
+        """Every cached key, the first to evict first."""
+        return list(self.order)
 
-POLICIES = {"lru": LRUPolicy}
+    def entries(self) -> list[tuple[Key, int, int]]:
+        """(key, priority, uses) of every cached key, least recently used first (the hand-over)."""
+        return [(k, 0, 0) for k in self.order]
+
+    def restore(self, entries: list[tuple[Key, int, int]], age: int) -> None:
+        """Load `entries` (as `entries()` gives them) into this empty policy."""
+        for key, _, _ in entries:
+            self.insert(key)
+
+
+class LFUPolicy:
+    """Least frequently used, with dynamic aging (LFU-DA): a key's priority is the cache's age
+    plus its uses; the lowest priority goes first (ties: the least recently used), and the age
+    rises to each victim's priority, so experts that were popular once fade out. A key enters
+    with one use (a prefetched one with none: a wrong guess is the next victim). With skewed
+    expert popularity it keeps the popular experts that LRU lets a burst of rare ones push out.
+
+    The order is a heap of (priority, last use, key) entries, stale ones skipped (an entry is
+    current while its key's last use is its own)."""
+
+    name = "lfu"
+    graph_steps = 3
+
+    def __init__(self):
+        self.age = 0
+        self.prio: dict[Key, int] = {}
+        self.uses: dict[Key, int] = {}
+        self.last: dict[Key, int] = {}
+        self.heap: list[tuple[int, int, Key]] = []
+        self.clock = 0
+
+    def _push(self, key: Key) -> None:
+        self.clock += 1
+        self.last[key] = self.clock
+        self.prio[key] = self.age + self.uses[key]
+        heapq.heappush(self.heap, (self.prio[key], self.clock, key))
+        if len(self.heap) > 4 * len(self.last) + 64:  # drop the stale entries
+            self.heap = [(self.prio[k], t, k) for k, t in self.last.items()]
+            heapq.heapify(self.heap)
+
+    def insert(self, key: Key, prefetched: bool = False) -> None:
+        self.uses[key] = 0 if prefetched else 1
+        self._push(key)
+
+    def remove(self, key: Key) -> None:
+        """An evicted key leaves; the age rises to its priority."""
+        self.age = max(self.age, self.prio.pop(key))
+        del self.uses[key], self.last[key]
+
+    def touch(self, keys: list[Key]) -> None:
+        for k in keys:
+            self.uses[k] += 1
+            self._push(k)
+
+    def victims(self, n: int, keep: set[Key]) -> list[Key]:
+        out, seen = [], []
+        while self.heap and len(out) < n:
+            entry = heapq.heappop(self.heap)
+            if self.last.get(entry[2]) != entry[1]:
+                continue  # stale: dropped
+            seen.append(entry)
+            if entry[2] not in keep:
+                out.append(entry[2])
+        for entry in seen:
+            heapq.heappush(self.heap, entry)
+        return out
+
+    def ranked(self) -> list[Key]:
+        return sorted(self.last, key=lambda k: (self.prio[k], self.last[k]))
+
+    def entries(self) -> list[tuple[Key, int, int]]:
+        return [(k, self.prio[k], self.uses[k]) for k in sorted(self.last, key=self.last.__getitem__)]
+
+    def restore(self, entries: list[tuple[Key, int, int]], age: int) -> None:
+        self.age = age
+        for key, prio, uses in entries:  # priorities as handed over (the age may have moved since)
+            self.clock += 1
+            self.uses[key], self.prio[key], self.last[key] = uses, prio, self.clock
+        self.heap = [(self.prio[k], t, k) for k, t in self.last.items()]
+        heapq.heapify(self.heap)
+
+
+POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy}
 
 
 class LayerCounters:
@@ -94,9 +182,9 @@ class ExpertCache:
         self.counters = {layer: LayerCounters() for layer in self.layers}
         self.prefetched: set[Key] = set()  # fetched ahead of their layer's step, not yet used by it
         # counters of steps that never leave the device (a cache holding every expert:
-        # `count_on_device`; `DeviceLRU` steps): per layer, DEVICE_COUNTS in order
+        # `count_on_device`; `DevicePolicy` steps): per layer, DEVICE_COUNTS in order
         self.device_counts = torch.zeros(len(self.layers), 4, dtype=torch.int64, device=device)
-        self.lru_on_device: DeviceLRU | None = None
+        self.on_device_state: DevicePolicy | None = None
         self.device_owned = False  # the device's LRU state is the current one (the host's is stale)
         self._seen = torch.zeros(len(self.layers), num_experts, dtype=torch.int32, device=device)
         self.gather = None  # fetch by the one-launch gather kernel in this config (set by the backend when it wins)
@@ -118,12 +206,13 @@ class ExpertCache:
         graph capture: this copies from the host)."""
         if self.device_owned:
             return
-        if self.lru_on_device is None:
-            self.lru_on_device = DeviceLRU(self.num_slots, self.device_counts)
+        if self.on_device_state is None:
+            self.on_device_state = DevicePolicy(self.num_slots, self.device_counts, self.policy.name == "lfu")
         e = self.num_experts
-        order = [(self.slot_of(layer, x), self.row_of[layer] * e + x) for layer, x in self.policy.order]
+        entries = [Entry(self.slot_of(*key), self.row_of[key[0]] * e + key[1], prio, uses)
+                   for key, prio, uses in self.policy.entries()]
         self.table.table.copy_(self.host_table)
-        self.lru_on_device.push(order, [self.slot_of(*k) for k in self.prefetched])
+        self.on_device_state.push(entries, [self.slot_of(*k) for k in self.prefetched], self.policy.age)
         self.device_owned = True
 
     def on_host(self) -> None:
@@ -131,23 +220,32 @@ class ExpertCache:
         if not self.device_owned:
             return
         self.device_owned = False
-        order, prefetched = self.lru_on_device.pull()
+        entries, prefetched, age = self.on_device_state.pull()
         self.host_table.copy_(self.table.table.cpu())
         e = self.num_experts
         self.owner = [None] * self.num_slots
+        for x in entries:
+            self.owner[x.slot] = (self.layers[x.key // e], x.key % e)
         self.policy = POLICIES[self.policy.name]()
-        for s, key in order:
-            self.owner[s] = (self.layers[key // e], key % e)
-            self.policy.insert(self.owner[s])
+        self.policy.restore([(self.owner[x.slot], x.prio, x.uses) for x in entries], age)
         self.free_slots = [s for s in range(self.num_slots - 1, -1, -1) if self.owner[s] is None]
         self.prefetched = {self.owner[s] for s in prefetched}
 
     def resolve(self, layer: int, ids: torch.Tensor, prefetch: bool = False) -> torch.Tensor:
         """A step's (or, `prefetch`, the next layer's predicted) experts placed by the device
-        (`DeviceLRU.resolve`); the slot each id must be copied into, -1 for none."""
+        (`DevicePolicy.resolve`); the slot each id must be copied into, -1 for none."""
         if not self.device_owned:
             raise RuntimeError("expert cache: resolve() on the device before on_device()")
-        return self.lru_on_device.resolve(self.table.table, self.row_of[layer], ids, prefetch)
+        return self.on_device_state.resolve(self.table.table, self.row_of[layer], ids, prefetch)
+
+    def set_policy(self, name: str) -> None:
+        """Evict by policy `name` from now on; the cached experts stay, handed over in the old
+        policy's recency order (LFU's priorities and uses start again)."""
+        self.on_host()
+        self.on_device_state = None  # made again, for the new policy, on use
+        keys = [k for k, _, _ in self.policy.entries()]
+        self.policy = POLICIES[name]()
+        self.policy.restore([(k, 1, 1) for k in keys], 0)
 
     # -- host-side management -----------------------------------------------------------------
     def cached(self, layer: int, experts: list[int]) -> tuple[list[int], list[int]]:
@@ -186,16 +284,16 @@ class ExpertCache:
         """Fetch the predicted `experts` of `layer` that are not cached, evicting nothing in
         `protect` (keys the step in flight uses) or predicted; returns the experts placed."""
         _, misses = self.cached(layer, experts)
-        placed = self.fetch(layer, misses, bank, keep=set(experts), protect=protect)
+        placed = self.fetch(layer, misses, bank, keep=set(experts), protect=protect, prefetched=True)
         self.counters[layer].prefetched += len(placed)
         self.prefetched.update((layer, e) for e in placed)
         return placed
 
     def fetch(self, layer: int, experts: list[int], bank: SlotBuffer, keep: set[int],
-              protect: set[Key] = frozenset()) -> list[int]:
-        """Copy `experts` of `layer` from their host `bank` into slots, evicting least recently
-        used experts outside `keep` (experts of this layer the step needs) and `protect` (keys of
-        other layers in use). Returns the experts
+              protect: set[Key] = frozenset(), prefetched: bool = False) -> list[int]:
+        """Copy `experts` of `layer` from their host `bank` into slots, evicting the policy's
+        victims outside `keep` (experts of this layer the step needs) and `protect` (keys of
+        other layers in use); `prefetched`: predicted, not yet used. Returns the experts
         that got a slot (a prefix of `experts`: fewer when the cache is smaller than the step's
         working set). Copies are enqueued on the current stream; the device table row is updated
         after them, in order."""
@@ -215,7 +313,7 @@ class ExpertCache:
         for e, s in zip(placed, slots):
             self.slot_at[r, e] = s
             self.owner[s] = (layer, e)
-            self.policy.insert((layer, e))
+            self.policy.insert((layer, e), prefetched)
         self.counters[layer].bytes_fetched += moved
         self._sync_table()  # the evicted rows and this one, in one copy after the slot copies
         return placed
@@ -254,15 +352,17 @@ class ExpertCache:
             self.counters[layer].bytes_fetched = 0  # boot fill is not traffic
 
     def shrink(self, num_slots: int, banks: dict[int, SlotBuffer]) -> int:
-        """Keep `num_slots` slots, holding the most recently used experts; returns the bytes freed.
+        """Keep `num_slots` slots, holding the experts the policy would evict last (LRU: the most
+        recently used); returns the bytes freed.
         The old slots are released before the smaller buffer is allocated and the survivors are
         copied back from their host banks, so shrinking needs no device memory beyond the result
         (it runs when the device is out of memory)."""
         if num_slots >= self.num_slots:
             return 0
         self.on_host()
-        self.lru_on_device = None  # sized for the old slots: made again on use
-        survivors = list(self.policy.order)[-num_slots:] if num_slots else []
+        self.on_device_state = None  # sized for the old slots: made again on use
+        keep = set(self.policy.ranked()[-num_slots:] if num_slots else [])
+        survivors = [x for x in self.policy.entries() if x[0] in keep]  # least recently used first
         device = self.buffer.gate_up.w.device
         before = self.buffer.nbytes
         layout = SlotBuffer.allocate_like(self.buffer, 1, device="meta")
@@ -273,13 +373,14 @@ class ExpertCache:
         self.buffer = SlotBuffer.allocate_like(layout, num_slots, device=device)
         self.host_table.fill_(-1)
         self.owner = [None] * num_slots
+        age = self.policy.age
         self.policy = POLICIES[self.policy.name]()
+        self.policy.restore(survivors, age)
         self.prefetched = set()
-        for i, (layer, e) in enumerate(survivors):
+        for i, ((layer, e), _, _) in enumerate(survivors):
             self.buffer.copy_slots([i], banks[layer], [e])
             self.slot_at[self.row_of[layer], e] = i
             self.owner[i] = (layer, e)
-            self.policy.insert((layer, e))
         self.free_slots = list(range(num_slots - 1, len(survivors) - 1, -1))
         self.table.table.copy_(self.host_table)
         return before - self.buffer.nbytes
@@ -301,7 +402,7 @@ class ExpertCache:
     @property
     def slots_used(self) -> int:
         if self.device_owned:  # counted there: /v1/stats during decode takes nothing back
-            return int((self.lru_on_device.owner >= 0).sum())
+            return int((self.on_device_state.owner >= 0).sum())
         return self.num_slots - len(self.free_slots)
 
     def layer_stats(self) -> dict:
@@ -320,5 +421,5 @@ class ExpertCache:
                     assert s not in seen
                     seen.add(s)
         assert seen.isdisjoint(self.free_slots) and len(seen) + len(self.free_slots) == self.num_slots
-        assert set(self.policy.order) == {self.owner[s] for s in seen}
+        assert set(self.policy.ranked()) == {self.owner[s] for s in seen}
         assert torch.equal(self.table.table.cpu(), self.host_table)

@@ -19,8 +19,8 @@ copies are memcpy and the kernels are the CPU references, so CI runs the same ca
 CUDA graphs: a cache holding every expert reads nothing on the host, so decode is captured
 whole. A partial cache of the offload lane is managed on the device during decode graphs
 where it can be (`graph_mode` "device": the gather kernel works and every cache holds two steps'
-experts): each layer's lookup, LRU eviction and table update is one kernel
-(`moeferry.moe.device_lru`), its misses one gather launch from the pinned bank, the next layer's
+experts, three for LFU): each layer's lookup, eviction and table update is one kernel
+(`moeferry.moe.device_policy`), its misses one gather launch from the pinned bank, the next layer's
 predicted experts are resolved the same way and gathered on the copy stream while this layer
 computes; the whole step is one graph and the host only replays it. Otherwise the step is
 captured piecewise: while `capturing` is set (`moeferry.engine.cuda_graph`), each layer cuts
@@ -175,12 +175,13 @@ class OffloadBackend:
 
     def steps_on_device(self, rows: int) -> bool:
         """Whether decode steps of `rows` sequences in a graph manage the cache on the device:
-        the offload lane with LRU, the gather kernel working here (or the CPU, in tests), and
-        every cache holding two steps' experts (a step's own are never victims then, nor, while
-        its prefetch places the next layer's, this layer's)."""
+        the offload lane, the gather kernel working here (or the CPU, in tests), and every cache
+        holding its policy's `graph_steps` decode steps' experts: two for LRU (a step's own are
+        never victims then, nor, while its prefetch places the next layer's, this layer's),
+        three for LFU (its victims may be any slot outside the two calls it keeps: `cache_resolve`)."""
         kernel = self.gathers_ready or self.device.type == "cpu"
-        return (self.device_managed and self.name == "offload" and kernel and self.cfg.moe_cache_policy == "lru"
-                and bool(self.caches) and self._holds(2 * rows * self.spec.top_k))
+        return (self.device_managed and self.name == "offload" and kernel and bool(self.caches)
+                and all(c.num_slots >= c.policy.graph_steps * rows * self.spec.top_k for c in self.distinct_caches))
 
     def _holds(self, experts: int) -> bool:
         return all(c.num_slots >= experts for c in self.distinct_caches)
@@ -206,7 +207,7 @@ class OffloadBackend:
         from its bank (the state back on the host first)."""
         self.prefetch_join = None
         for c in self.distinct_caches:
-            if c.lru_on_device is not None:
+            if c.on_device_state is not None:
                 c.reload(self.banks)
 
     def start_prefetch(self, nxt: "OffloadExperts", guess: torch.Tensor) -> None:

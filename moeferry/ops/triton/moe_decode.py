@@ -50,13 +50,16 @@ class DecodeConfig:
 
 # Per slot form (MoEKernel.name): the block sizes `benchmarks/moe_decode_sweep.py` found fastest
 # on an H200 over T = 1 and 4 (benchmarks/README.md); other forms take DecodeConfig(). Whole call
-# at T = 1 / 4 (top-8 + shared): fp4 17.6 / 30.3 us (packed-half steps; gate_up BN 16 so that a
-# program holds whole 16-value units to pack), int4 15.9 / 29.5 (its entry follows fp4's, not
-# swept on its own), fp8_row 15.5 / 34.6, fp8_block 15.6 / 35.4, dense 22.1 / 52.0.
+# at T = 1 / 4 (top-8 + shared): fp4 15.4 / 29.5 us (packed-half steps; gate_up BN 16 so that a
+# program holds whole 16-value units to pack; the down launch one pair a program, its chunks
+# summed by a third launch: 18.3 / 30.5 us with all pairs in one program), int4 14.5 / 28.6
+# (16.4 / 29.5), fp8_row 15.5 / 34.6, fp8_block 15.6 / 35.4, dense 22.1 / 52.0.
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
     "dense": DecodeConfig(gate_up_bn=2, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
-    "fp4": DecodeConfig(gate_up_bn=16, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
-    "int4": DecodeConfig(gate_up_bn=16, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
+    "fp4": DecodeConfig(gate_up_bn=16, gate_up_bk=2048, down_bn=32, down_bk=256, num_warps=4, down_warps=4,
+                        down_pairs=1),
+    "int4": DecodeConfig(gate_up_bn=16, gate_up_bk=2048, down_bn=32, down_bk=256, num_warps=4, down_warps=4,
+                         down_pairs=1),
     "fp8_row": DecodeConfig(gate_up_bn=4, gate_up_bk=512, down_bn=4, down_bk=512, num_warps=4, down_warps=2),
     "fp8_block": DecodeConfig(gate_up_bn=4, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
 }
