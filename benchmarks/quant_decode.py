@@ -504,13 +504,15 @@ def _union(spans: list) -> float:
 
 def policy_rates(engine, policies: list[str], out: dict, log) -> None:
     """Decode b1/b4 and the hit rate under each eviction policy in turn (the cached experts
-    carried over from one to the next, graphs recaptured)."""
+    carried over from one to the next, graphs recaptured), and where a b1 step's time goes."""
     for name in policies:
         for c in engine.experts.distinct_caches:
             c.set_policy(name)
         engine.graphs.invalidate()
         mode = engine.experts.graph_mode(engine.graphs.max_batch)
         offload_rates(engine, out, f"{mode or 'eager'}_{name}", log, steps=64, warmup=32)  # the policy settles first
+        if mode == "device":
+            out[f"timeline_{name}"] = attempt(log, device_timeline, engine, log, 1)
 
 
 def bench_offload(engine, slots: int, out: dict, log, policies: list[str]) -> dict:
