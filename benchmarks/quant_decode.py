@@ -515,7 +515,26 @@ def policy_rates(engine, policies: list[str], out: dict, log) -> None:
             out[f"timeline_{name}"] = attempt(log, device_timeline, engine, log, 1)
 
 
-def bench_offload(engine, slots: int, out: dict, log, policies: list[str]) -> dict:
+def order_variants(engine, log) -> dict:
+    """Device-managed decode with the next layer's prefetch started after this layer's own
+    gather (the default) or before it, on the default prefetch grid and on twice that."""
+    backend, rates = engine.experts, {}
+    default = backend.prefetch_first, backend.prefetch_programs
+    try:
+        for first, programs in ((False, default[1]), (True, default[1]), (True, 2 * default[1]),
+                                (False, 2 * default[1]), default):
+            backend.prefetch_first, backend.prefetch_programs = first, programs
+            engine.graphs.invalidate()
+            tag = f"prefetch {'before' if first else 'after'} the own gather, grid {programs}"
+            rates[tag] = {b: round(decode_rate(engine, b, steps=64, warmup=32), 1) for b in (1, 4)}
+            log(f"  device-managed, {tag}: decode b1 {rates[tag][1]} tok/s  b4 {rates[tag][4]}")
+    finally:
+        backend.prefetch_first, backend.prefetch_programs = default
+        engine.graphs.invalidate()
+    return rates
+
+
+def bench_offload(engine, slots: int, out: dict, log, policies: list[str], orders: bool = False) -> dict:
     """Offload decode through a partial cache three ways: graphs with the cache managed on the
     device (the default where it can be), piecewise graphs (host-managed), eager; then where a
     piecewise step's time goes. `policies`: instead, the default mode under each eviction policy."""
@@ -525,6 +544,8 @@ def bench_offload(engine, slots: int, out: dict, log, policies: list[str]) -> di
     log(f"  offload {slots} slots: load {out['load_s']:.1f} s  graph mode {mode}")
     if policies and engine.graphs is not None:
         policy_rates(engine, policies, out, log)
+        if orders and backend.graph_mode(engine.graphs.max_batch) == "device":
+            out["orders"] = attempt(log, order_variants, engine, log)
         return out
     offload_rates(engine, out, mode or "eager", log)
     out["b1"], out["b4"] = out[f"{mode or 'eager'}_b1"], out[f"{mode or 'eager'}_b4"]
@@ -558,7 +579,7 @@ def bench_e2e(args, log):
     load_s = time.perf_counter() - t0
     out = dict(load_s=load_s, checkpoint=args.checkpoint)
     if args.offload:  # decode through a partial cache: device-managed graphs, piecewise, eager; the breakdown
-        return bench_offload(engine, args.offload, out, log, [p for p in args.policies.split(",") if p])
+        return bench_offload(engine, args.offload, out, log, [p for p in args.policies.split(",") if p], args.orders)
     for b in (1, 4, 16):
         out[f"b{b}"] = decode_rate(engine, b)
     out["graphs"] = graphs_state(engine.graphs)
@@ -609,6 +630,8 @@ def main():
                     help="e2e: the offload backend with this many cache slots (device-managed graphs, piecewise, eager; breakdown)")
     ap.add_argument("--policies", default="", help="e2e --offload: device-managed decode under each of these "
                     "eviction policies in turn (e.g. lru,lfu), instead of the modes and the breakdown")
+    ap.add_argument("--orders", action="store_true", help="e2e --offload --policies: then the prefetch started "
+                    "before or after the layer's own gather, on two grids (the last policy)")
     ap.add_argument("--forms", default="", help="dense: device forms to run (default all)")
     ap.add_argument("--rows", default="1,4,16,4096", help="dense: values of M")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (set MOEFERRY_TRITON_INTERPRET=1)")

@@ -488,9 +488,9 @@ def decode_on_device(llm, monkeypatch) -> list[int]:
     return steps
 
 
-DEVICE_CASES = [("qwen3_5_moe", "mixed_nvfp4", True, "lru"), ("qwen3_moe", "bf16", True, "lru"),
-                ("qwen3_5_moe", "bf16", False, "lru"), ("qwen3_moe", "int4_awq", True, "lru"),
-                ("qwen3_5_moe", "mixed_nvfp4", True, "lfu"), ("qwen3_moe", "bf16", False, "lfu")]
+DEVICE_CASES = [("qwen3_5_moe", "mixed_nvfp4", "after", "lru"), ("qwen3_moe", "bf16", "after", "lru"),
+                ("qwen3_5_moe", "bf16", "none", "lru"), ("qwen3_moe", "int4_awq", "before", "lru"),
+                ("qwen3_5_moe", "mixed_nvfp4", "before", "lfu"), ("qwen3_moe", "bf16", "none", "lfu")]
 
 
 @pytest.mark.parametrize("arch,preset,prefetch,policy", DEVICE_CASES, ids=["-".join(map(str, c)) for c in DEVICE_CASES])
@@ -500,7 +500,7 @@ def test_device_managed_decode_equals_resident(arch, preset, prefetch, policy, c
     back and forth stays whole (owners, table, eviction order, free list); the counters add up."""
     llm = build(ckpt, arch, preset, "offload-25%", moe_cache_size=24, moe_cache_policy=policy)
     backend = llm.engine.experts
-    backend.prefetch = prefetch
+    backend.prefetch, backend.prefetch_first = prefetch != "none", prefetch == "before"  # before / after the own gather
     calls = []
     plain_call = OffloadExperts.__call__
 
@@ -519,7 +519,7 @@ def test_device_managed_decode_equals_resident(arch, preset, prefetch, policy, c
     s = llm.engine.stats()["experts"]
     assert s["hits"] + s["misses"] == sum(calls) and s["misses"] > 0
     assert s["bytes_fetched"] == (s["misses"] + s["prefetched"]) * backend.slot_bytes
-    assert (s["prefetched"] > 0) == prefetch
+    assert (s["prefetched"] > 0) == (prefetch != "none")
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])

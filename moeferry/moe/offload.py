@@ -117,6 +117,7 @@ class OffloadBackend:
         # overlaps), and joined only before the layer's MoE runs (its own misses gathered first)
         self.prefetch_programs = prefetch_programs(device)
         self.join_late = True
+        self.prefetch_first = False  # device-managed: the next layer's prefetch started before this layer's own gather
         self.transfer_chosen = False
         self.cpu_layers = set()
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -445,16 +446,22 @@ class OffloadExperts:
         stream (the critical path: while the previous layer's prefetch of this layer's experts
         may still be landing on the copy stream; `join_late`), then (`ahead`) the next layer's
         predicted experts are placed and gathered on the copy stream while this layer computes;
-        the prefetch of this layer's experts is joined just before its MoE runs. Neither
-        gather's victims are slots the other writes or this layer reads: those carry the
-        newest stamps, and every cache holds two steps' experts (`steps_on_device`)."""
+        the prefetch of this layer's experts is joined just before its MoE runs (`prefetch_first`:
+        the next layer's placed and its gather started before this layer's own gather, so that
+        the copy stream need not wait for it). Neither gather's victims are slots the other
+        writes or this layer reads: those carry the newest stamps, and every cache holds its
+        policy's `graph_steps` steps' experts (`steps_on_device`)."""
         landed = self.b.take_prefetch()
         if not self.b.join_late:
             _join(landed)
             landed = None
         flat = ids.reshape(-1)
-        self.cache.buffer.copy_indexed(self.bank, flat, self.cache.resolve(self.layer, flat), self.b.gather_kernel)
-        if ahead and self.next.cache is not None:
+        own = self.cache.resolve(self.layer, flat)
+        ahead = ahead and self.next.cache is not None
+        if ahead and self.b.prefetch_first:
+            self.b.start_prefetch(self.next, self._guess(x, ids).reshape(-1))
+        self.cache.buffer.copy_indexed(self.bank, flat, own, self.b.gather_kernel)
+        if ahead and not self.b.prefetch_first:
             self.b.start_prefetch(self.next, self._guess(x, ids).reshape(-1))
         _join(landed)
         return self._run_cached(x, ids, weights)
