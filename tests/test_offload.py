@@ -226,6 +226,9 @@ class BruteForceLRU:
         self.misses[layer] += len(misses)
         for e in hits:
             self._use((layer, e))
+        self._place(layer, needed, misses)
+
+    def _place(self, layer: int, needed: list[int], misses: list[int]) -> None:
         for e in misses:
             if len(self.last_use) == self.num_slots:
                 evictable = [k for k in self.last_use if k[0] != layer or k[1] not in needed]
@@ -259,13 +262,7 @@ class BruteForceLFU(BruteForceLRU):
         self.uses[key] = 0
         self._use(key)
 
-    def step(self, layer: int, needed: list[int]) -> None:
-        hits = [e for e in needed if (layer, e) in self.last_use]
-        misses = [e for e in needed if (layer, e) not in self.last_use]
-        self.hits[layer] += len(hits)
-        self.misses[layer] += len(misses)
-        for e in hits:
-            self._use((layer, e))
+    def _place(self, layer: int, needed: list[int], misses: list[int]) -> None:
         room = self.num_slots - len(self.last_use)
         evictable = [k for k in self.ranked() if k[0] != layer or k[1] not in needed]
         for key in evictable[:max(0, len(misses) - room)]:
