@@ -38,6 +38,7 @@ VARIANTS = {
     "offload-1": dict(moe_backend="offload", moe_cache_size=1),
     "offload-25%": dict(moe_backend="offload", moe_cache_rate=0.25),
     "offload-100%": dict(moe_backend="offload", moe_cache_rate=1.0),
+    "offload-lfu-25%": dict(moe_backend="offload", moe_cache_rate=0.25, moe_cache_policy="lfu"),
     "cpu": dict(moe_backend="cpu", moe_cache_rate=0.25),
     "hybrid": dict(moe_backend="hybrid", moe_cache_rate=0.25),
     "hybrid-max1": dict(moe_backend="hybrid", moe_cache_size=1, moe_hybrid_max_fetch=1),  # both lanes every step
@@ -170,7 +171,8 @@ def test_logits_equal_resident(arch, preset, variant, ckpt, ref_logits, trace):
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 GEN_CASES = [("qwen3_5_moe", "bf16", "offload-1"), ("qwen3_moe", "bf16", "offload-25%"),
              ("qwen3_moe", "bf16", "cpu"), ("qwen3_5_moe", "bf16", "hybrid-max1"),
-             ("qwen3_5_moe", "mixed_nvfp4", "cpu"), ("qwen3_moe", "int4_awq", "offload-1")]
+             ("qwen3_5_moe", "mixed_nvfp4", "cpu"), ("qwen3_moe", "int4_awq", "offload-1"),
+             ("qwen3_5_moe", "mixed_nvfp4", "offload-lfu-25%")]
 
 
 @pytest.fixture(scope="module")
@@ -874,6 +876,25 @@ def test_shrink_keeps_the_most_recently_used(ckpt, ref_logits, trace):
         lru.step(layer, needed)
     assert list(cache.policy.order) == lru.order()
     assert {k for k in cache.owner if k is not None} == set(lru.last_use)
+
+
+def test_lfu_shrink_keeps_the_highest_priorities(ckpt, ref_logits):
+    """LFU's shrink keeps the experts it would evict last, with their priorities, uses and age."""
+    arch = "qwen3_moe"
+    llm = build(ckpt, arch, "bf16", "offload-25%", moe_cache_policy="lfu")
+    backend = llm.engine.experts
+    (cache,) = caches(llm)
+    llm.logits_batch(BATCH, [5, 1])
+    kept = cache.policy.ranked()[-5:]
+    state = {k: (cache.policy.prio[k], cache.policy.uses[k]) for k in kept}
+    age = cache.policy.age
+    assert age > 0 and len(set(state.values())) > 1  # it evicted, and the priorities differ
+    backend.shrink(5)
+    cache.check()
+    assert set(cache.policy.ranked()) == set(kept) and cache.policy.age == age
+    assert {k: (cache.policy.prio[k], cache.policy.uses[k]) for k in kept} == state
+    got = llm.logits(PROMPT, chunk_size=CHUNKS)
+    assert rel_err(got, ref_logits(arch, "bf16", [PROMPT], CHUNKS)[0]) <= TOL
 
 
 # -- the CPU reference over an empty set of slots (a cpu-backend step with no cache hits) ------------
