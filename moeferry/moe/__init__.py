@@ -8,7 +8,7 @@ offload backends' device slot cache). `device_bytes` is what the backend holds o
 `stats()` its counters for /v1/stats.
 
     resident   every expert on the device (Triton kernels on CUDA, CPU references elsewhere)
-    offload    experts in pinned host banks, an LRU cache of device slots, misses fetched
+    offload    experts in pinned host banks, a cache of device slots (LRU or LFU), misses fetched
     cpu        ... misses computed on the CPU from the banks
     hybrid     ... misses split between fetches and CPU compute (`moeferry.moe.offload`)
 """

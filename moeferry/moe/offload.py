@@ -1,7 +1,7 @@
 """Offloaded experts: pinned host banks, a device cache of expert slots, and three ways to
 serve a miss.
 
-    offload   copy the miss host -> slot (LRU eviction); big prefill chunks stream the layer's
+    offload   copy the miss host -> slot (LRU or LFU eviction); big prefill chunks stream the layer's
               non-cached experts through a double-buffered staging area instead, so prefill
               never flushes the decode cache
     cpu       compute the miss on the CPU from its bank (the cache holds what the boot fill put there)

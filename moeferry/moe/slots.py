@@ -4,7 +4,7 @@ A slot holds one expert's weights in its format's device form: gate_up [2I, H] (
 first) and down [H, I], plus scales (layouts in `moeferry.ops.triton.moe_formats`). The
 table maps (layer, expert) -> slot id, -1 when the expert is not resident. The fused MoE
 kernels read experts only through the table, so the resident executor (every expert has a
-slot, identity table) and the offload cache (a few slots, an LRU table) share them.
+slot, identity table) and the offload cache (a few slots, a table its eviction policy keeps) share them.
 """
 from __future__ import annotations
 
