@@ -724,8 +724,9 @@ def test_counters_and_stats(ckpt, resident):
     llm = build(ckpt, "qwen3_5_moe", "bf16", "offload-25%")
     backend = llm.engine.experts
     s = llm.engine.stats()["experts"]
-    assert set(s) == {"backend", "slots", "slots_used", "device_bytes", "host_bytes", "hits", "misses", "hit_rate",
-                      "bytes_fetched", "prefetched", "prefetch_hits", "cpu_experts", "layers"}
+    assert set(s) == {"backend", "policy", "slots", "slots_used", "device_bytes", "host_bytes", "hits", "misses",
+                      "hit_rate", "bytes_fetched", "prefetched", "prefetch_hits", "cpu_experts", "layers"}
+    assert s["policy"] == "lru"
     assert s["slots_used"] == s["slots"]  # the boot fill uses every slot
     assert (s["hits"], s["misses"], s["hit_rate"], s["bytes_fetched"]) == (0, 0, None, 0)  # boot fill is no traffic
     total = llm.spec.num_layers * llm.spec.num_experts
