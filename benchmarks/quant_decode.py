@@ -419,10 +419,12 @@ def offload_rates(engine, out: dict, tag: str, log, **steps) -> None:
     hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
     out[f"{tag}_hit_rate"] = round(hits / max(hits + misses, 1), 4)
     out[f"{tag}_prefetched"] = after["prefetched"] - before["prefetched"]
+    out[f"{tag}_prefetch_hits"] = after["prefetch_hits"] - before["prefetch_hits"]  # guesses a step then used
     out[f"{tag}_misses"] = misses
     out[f"{tag}_graphs"] = graphs_state(engine.graphs)
     log(f"  {tag}: decode b1 {out[f'{tag}_b1']:.1f} tok/s  b4 {out[f'{tag}_b4']:.1f}  hit rate "
-        f"{out[f'{tag}_hit_rate']}  misses {misses}  prefetched {out[f'{tag}_prefetched']}  graphs {out[f'{tag}_graphs']}")
+        f"{out[f'{tag}_hit_rate']}  misses {misses}  prefetched {out[f'{tag}_prefetched']} (used "
+        f"{out[f'{tag}_prefetch_hits']})  graphs {out[f'{tag}_graphs']}")
 
 
 def device_variants(engine, log) -> dict:
