@@ -240,7 +240,8 @@ class ExpertCache:
 
     def set_policy(self, name: str) -> None:
         """Evict by policy `name` from now on; the cached experts stay, handed over in the old
-        policy's recency order (LFU's priorities and uses start again)."""
+        policy's recency order (LFU's priorities and uses start again). Decode graphs captured
+        before hold the old device state's tensors: the caller drops them (`DecodeGraphs.invalidate`)."""
         self.on_host()
         self.on_device_state = None  # made again, for the new policy, on use
         keys = [k for k, _, _ in self.policy.entries()]
