@@ -86,7 +86,8 @@ class DevicePolicy:
         return entries, [s for s in used if flags[s]], int(state[1])
 
 
-def resolve_reference(dev: DevicePolicy, table: torch.Tensor, row: int, ids: torch.Tensor, prefetch: bool) -> torch.Tensor:
+def resolve_reference(dev: DevicePolicy, table: torch.Tensor, row: int, ids: torch.Tensor,
+                      prefetch: bool) -> torch.Tensor:
     """The kernel's contract on the CPU, step by step (see `cache_resolve`)."""
     flat, experts = table.view(-1), table.shape[1]
     ids = ids.reshape(-1).tolist()

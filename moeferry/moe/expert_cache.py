@@ -7,8 +7,9 @@ experts] mirrors it and is all the MoE kernels read. A replacement policy is one
 frequently used with dynamic aging; neither evicts an expert the current step needs.
 
 Decode steps inside a CUDA graph manage the cache on the device instead (`DevicePolicy`, the
-same policy at a layer step's granularity): `on_device()` hands the state over before a graph replays,
-`on_host()` takes it back before any host work, which every host-side method here does first.
+same policy at a layer step's granularity): `on_device()` hands the state over before a graph
+replays, `on_host()` takes it back before any host work, which every host-side method here does
+first.
 
 Counters per layer: hits, misses (experts a step needed and the cache lacked), bytes fetched
 into slots, and of the decode prefetch: experts prefetched and how many of them a step then hit.

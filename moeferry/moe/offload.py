@@ -364,7 +364,8 @@ class OffloadBackend:
         total = LayerCounters()
         for c in caches:
             total.add(c.totals())  # once per cache: it folds the device's hit counts into the layers'
-        return {"backend": self.name, "policy": caches[0].policy.name if caches else self.cfg.moe_cache_policy, "slots": self.expert_slots,
+        policy = caches[0].policy.name if caches else self.cfg.moe_cache_policy
+        return {"backend": self.name, "policy": policy, "slots": self.expert_slots,
                 "slots_used": sum(c.slots_used for c in caches),
                 "device_bytes": self.device_bytes, "host_bytes": self.host_bytes, **total.as_dict(),
                 "cpu_experts": sum(ex.cpu_experts for ex in self.executors.values()),
