@@ -150,9 +150,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                        help="size the device expert cache from the measured memory plan (the default of the "
                        "offload backends when no size is given)")
     g.add_argument("--moe-cache-policy", choices=CACHE_POLICIES, default="lru",
-                   help="which expert leaves the cache on a miss: lru, the least recently used (the default), or "
-                   "lfu, the least frequently used with dynamic aging (fewer misses when a few experts win most "
-                   "picks, as in trained models)")
+                   help="offload and hybrid: which expert leaves the cache on a miss: lru, the least recently used "
+                   "(the default), or lfu, the least frequently used with dynamic aging (fewer misses when a few "
+                   "experts win most picks, as in trained models)")
     g.add_argument("--disable-moe-prefill-overlap", dest="moe_prefill_overlap", action="store_false",
                    help="offload/hybrid on CUDA: copy the next staged experts of a prefill chunk only after the "
                    "current ones are computed (default: overlapped on a copy stream)")

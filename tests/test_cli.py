@@ -64,6 +64,8 @@ def test_offload_flags_reach_the_engine(model):
     (["--moe-backend", "resident", "--disable-moe-decode-prefetch"], "applies to the offload backend"),
     (["--moe-backend", "hybrid", "--disable-moe-decode-prefetch"], "applies to the offload backend"),
     (["--moe-backend", "cpu", "--disable-moe-prefill-overlap"], "offload and hybrid"),
+    (["--moe-backend", "resident", "--moe-cache-policy", "lfu"], "applies to the offload and hybrid"),
+    (["--moe-backend", "cpu", "--moe-cache-policy", "lfu"], "applies to the offload and hybrid"),
 ])
 def test_contradictory_flags_are_refused(model, argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -213,6 +215,8 @@ def test_a_cache_flag_makes_auto_offload(model):
     assert cfg.moe_backend == "auto"
     assert choose_backend(cfg, None, torch.device("cpu"), 0).moe_backend == "offload"
     # auto that turns out resident drops the offload-only switches instead of refusing them in the worker
-    cfg = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--disable-moe-decode-prefetch")).engine
+    cfg = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--disable-moe-decode-prefetch",
+                                      "--moe-cache-policy", "lfu")).engine
     reader = type("Reader", (), {"tensors": {}})()
-    assert choose_backend(cfg, reader, torch.device("cpu"), 0).moe_backend == "resident"
+    resolved = choose_backend(cfg, reader, torch.device("cpu"), 0)
+    assert resolved.moe_backend == "resident" and resolved.moe_cache_policy == "lru" and resolved.moe_decode_prefetch

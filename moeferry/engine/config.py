@@ -76,6 +76,9 @@ class EngineConfig:
         if not self.moe_prefill_overlap and self.moe_backend not in ("offload", "hybrid", "auto"):
             raise ValueError("--disable-moe-prefill-overlap applies to the offload and hybrid backends (their "
                              "prefill staging)")
+        if self.moe_cache_policy != "lru" and self.moe_backend not in ("offload", "hybrid", "auto"):
+            raise ValueError(f"--moe-cache-policy {self.moe_cache_policy} applies to the offload and hybrid backends "
+                             "(the cpu backend's cache keeps what its boot fill placed; resident keeps every expert)")
         if self.moe_cpu_threads is not None and self.moe_backend not in ("cpu", "hybrid"):
             raise ValueError("moe_cpu_threads (--moe-cpu-threads) applies to the cpu and hybrid backends")
         if self.memory_ratio is not None and not 0 < self.memory_ratio <= 1:

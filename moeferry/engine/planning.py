@@ -66,6 +66,9 @@ def choose_backend(cfg: EngineConfig, reader, device: torch.device, free_at_star
         log.info("--disable-moe-decode-prefetch / --disable-moe-prefill-overlap: nothing to turn off, every "
                  "expert is resident")
         cfg = replace(cfg, moe_decode_prefetch=True, moe_prefill_overlap=True)
+    if backend == "resident" and cfg.moe_cache_policy != "lru":
+        log.info("--moe-cache-policy %s: no cache to evict from, every expert is resident", cfg.moe_cache_policy)
+        cfg = replace(cfg, moe_cache_policy="lru")
     return replace(cfg, moe_backend=backend)
 
 
