@@ -427,24 +427,36 @@ def offload_rates(engine, out: dict, tag: str, log, **steps) -> None:
         f"{out[f'{tag}_prefetch_hits']})  graphs {out[f'{tag}_graphs']}")
 
 
+def backend_variants(engine, log, names: tuple[str, ...], combos, tag, **steps) -> dict:
+    """Device-managed decode b1/b4 (`steps`: decode_rate's) with the offload backend's attributes
+    `names` set to each combination of `combos` in turn, graphs recaptured for each, the
+    attributes restored after; `tag(*combination)` names its row."""
+    backend, rates = engine.experts, {}
+    default = tuple(getattr(backend, n) for n in names)
+    try:
+        for combo in combos:
+            for n, v in zip(names, combo):
+                setattr(backend, n, v)
+            engine.graphs.invalidate()
+            row = tag(*combo)
+            rates[row] = {b: round(decode_rate(engine, b, **steps), 1) for b in (1, 4)}
+            log(f"  device-managed, {row}: decode b1 {rates[row][1]} tok/s  b4 {rates[row][4]}")
+    finally:
+        for n, v in zip(names, default):
+            setattr(backend, n, v)
+        engine.graphs.invalidate()
+    return rates
+
+
 def device_variants(engine, log) -> dict:
     """Device-managed decode with the prefetch joined before or after the layer's own misses
     are gathered, and its gather's grid capped or full (the defaults first: late, a quarter of
-    the SMs), graphs recaptured for each."""
-    backend, rates = engine.experts, {}
-    default = backend.join_late, backend.prefetch_programs
-    try:
-        for late, programs in (default, (False, None), (True, None), (False, default[1]),
-                               (True, max(1, (default[1] or 4) // 2))):
-            backend.join_late, backend.prefetch_programs = late, programs
-            engine.graphs.invalidate()
-            tag = f"join {'late' if late else 'early'}, prefetch grid {programs or 'full'}"
-            rates[tag] = {b: round(decode_rate(engine, b), 1) for b in (1, 4)}
-            log(f"  device-managed, {tag}: decode b1 {rates[tag][1]} tok/s  b4 {rates[tag][4]}")
-    finally:
-        backend.join_late, backend.prefetch_programs = default
-        engine.graphs.invalidate()
-    return rates
+    the SMs)."""
+    late, grid = engine.experts.join_late, engine.experts.prefetch_programs
+    combos = ((late, grid), (False, None), (True, None), (False, grid), (True, max(1, (grid or 4) // 2)))
+    return backend_variants(engine, log, ("join_late", "prefetch_programs"), combos,
+                            lambda late, programs: f"join {'late' if late else 'early'}, "
+                            f"prefetch grid {programs or 'full'}")
 
 
 def device_timeline(engine, log, batch: int, steps: int = 4, top: int = 12) -> dict:
@@ -520,20 +532,11 @@ def policy_rates(engine, policies: list[str], out: dict, log) -> None:
 def order_variants(engine, log) -> dict:
     """Device-managed decode with the next layer's prefetch started after this layer's own
     gather (the default) or before it, on the default prefetch grid and on twice that."""
-    backend, rates = engine.experts, {}
-    default = backend.prefetch_first, backend.prefetch_programs
-    try:
-        for first, programs in ((False, default[1]), (True, default[1]), (True, 2 * default[1]),
-                                (False, 2 * default[1]), default):
-            backend.prefetch_first, backend.prefetch_programs = first, programs
-            engine.graphs.invalidate()
-            tag = f"prefetch {'before' if first else 'after'} the own gather, grid {programs}"
-            rates[tag] = {b: round(decode_rate(engine, b, steps=64, warmup=32), 1) for b in (1, 4)}
-            log(f"  device-managed, {tag}: decode b1 {rates[tag][1]} tok/s  b4 {rates[tag][4]}")
-    finally:
-        backend.prefetch_first, backend.prefetch_programs = default
-        engine.graphs.invalidate()
-    return rates
+    first, grid = engine.experts.prefetch_first, engine.experts.prefetch_programs
+    combos = ((False, grid), (True, grid), (True, 2 * grid), (False, 2 * grid), (first, grid))
+    return backend_variants(engine, log, ("prefetch_first", "prefetch_programs"), combos,
+                            lambda first, programs: f"prefetch {'before' if first else 'after'} the own gather, "
+                            f"grid {programs}", steps=64, warmup=32)
 
 
 def bench_offload(engine, slots: int, out: dict, log, policies: list[str], orders: bool = False) -> dict:
