@@ -532,8 +532,8 @@ def policy_rates(engine, policies: list[str], out: dict, log) -> None:
 def order_variants(engine, log) -> dict:
     """Device-managed decode with the next layer's prefetch started after this layer's own
     gather (the default) or before it, on the default prefetch grid and on twice that."""
-    first, grid = engine.experts.prefetch_first, engine.experts.prefetch_programs
-    combos = ((False, grid), (True, grid), (True, 2 * grid), (False, 2 * grid), (first, grid))
+    grid = engine.experts.prefetch_programs
+    combos = ((False, grid), (True, grid), (True, 2 * grid), (False, 2 * grid))
     return backend_variants(engine, log, ("prefetch_first", "prefetch_programs"), combos,
                             lambda first, programs: f"prefetch {'before' if first else 'after'} the own gather, "
                             f"grid {programs}", steps=64, warmup=32)
