@@ -71,14 +71,10 @@ class EngineConfig:
         if self.moe_hybrid_max_fetch is not None and self.moe_backend != "hybrid":
             raise ValueError("moe_hybrid_max_fetch (--moe-hybrid-max-fetch) applies to the hybrid backend "
                              "(--moe-backend hybrid)")
-        if not self.moe_decode_prefetch and self.moe_backend not in ("offload", "auto"):
-            raise ValueError("--disable-moe-decode-prefetch applies to the offload backend (--moe-backend offload)")
-        if not self.moe_prefill_overlap and self.moe_backend not in ("offload", "hybrid", "auto"):
-            raise ValueError("--disable-moe-prefill-overlap applies to the offload and hybrid backends (their "
-                             "prefill staging)")
-        if self.moe_cache_policy != "lru" and self.moe_backend not in ("offload", "hybrid", "auto"):
-            raise ValueError(f"--moe-cache-policy {self.moe_cache_policy} applies to the offload and hybrid backends "
-                             "(the cpu backend's cache keeps what its boot fill placed; resident keeps every expert)")
+        for field, default, backends, refusal in OFFLOAD_SETTINGS:
+            value = getattr(self, field)
+            if value != default and self.moe_backend not in backends + ("auto",):
+                raise ValueError(refusal.format(value=value))
         if self.moe_cpu_threads is not None and self.moe_backend not in ("cpu", "hybrid"):
             raise ValueError("moe_cpu_threads (--moe-cpu-threads) applies to the cpu and hybrid backends")
         if self.memory_ratio is not None and not 0 < self.memory_ratio <= 1:
@@ -109,6 +105,19 @@ class EngineConfig:
 
 
 CACHE_POLICIES = ("lru", "lfu")
+
+# Settings of the offload backends' experts: (field, default, the backends it acts on, the refusal
+# elsewhere). Accepted with auto; an auto that resolves to resident puts them back to their
+# defaults (`planning.choose_backend`, logged).
+OFFLOAD_SETTINGS = (
+    ("moe_decode_prefetch", True, ("offload",),
+     "--disable-moe-decode-prefetch applies to the offload backend (--moe-backend offload)"),
+    ("moe_prefill_overlap", True, ("offload", "hybrid"),
+     "--disable-moe-prefill-overlap applies to the offload and hybrid backends (their prefill staging)"),
+    ("moe_cache_policy", "lru", ("offload", "hybrid"),
+     "--moe-cache-policy {value} applies to the offload and hybrid backends (the cpu backend's cache keeps "
+     "what its boot fill placed; resident keeps every expert)"),
+)
 
 
 @dataclass(frozen=True)

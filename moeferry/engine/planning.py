@@ -15,7 +15,7 @@ import torch
 
 from moeferry.cache.kv_pool import kv_bytes_per_token
 from moeferry.cache.state_pool import state_bytes_per_slot
-from moeferry.engine.config import EngineConfig, context_limit, state_slots_for
+from moeferry.engine.config import OFFLOAD_SETTINGS, EngineConfig, context_limit, state_slots_for
 from moeferry.memory.plan import (MemoryPlan, PlanInputs, PlanRefused, PlanRequest, Term, human_bytes, make_plan,
                                   usable_memory)
 from moeferry.memory.probe import Transients, probe_transients
@@ -62,13 +62,11 @@ def choose_backend(cfg: EngineConfig, reader, device: torch.device, free_at_star
     backend = "resident" if device.type != "cuda" or size <= 0.8 * budget else "offload"
     log.info("--moe-backend auto: %s (checkpoint %s, budget %s%s)", backend, human_bytes(size), human_bytes(budget),
              "" if device.type == "cuda" else "; the CPU holds every expert")
-    if backend == "resident" and not (cfg.moe_decode_prefetch and cfg.moe_prefill_overlap):
-        log.info("--disable-moe-decode-prefetch / --disable-moe-prefill-overlap: nothing to turn off, every "
-                 "expert is resident")
-        cfg = replace(cfg, moe_decode_prefetch=True, moe_prefill_overlap=True)
-    if backend == "resident" and cfg.moe_cache_policy != "lru":
-        log.info("--moe-cache-policy %s: no cache to evict from, every expert is resident", cfg.moe_cache_policy)
-        cfg = replace(cfg, moe_cache_policy="lru")
+    given = {field: getattr(cfg, field) for field, default, _, _ in OFFLOAD_SETTINGS if getattr(cfg, field) != default}
+    if backend == "resident" and given:
+        log.info("every expert is resident: offload settings left at their defaults (given: %s)",
+                 ", ".join(f"{k}={v}" for k, v in given.items()))
+        cfg = replace(cfg, **{field: default for field, default, _, _ in OFFLOAD_SETTINGS})
     return replace(cfg, moe_backend=backend)
 
 
