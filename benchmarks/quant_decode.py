@@ -313,14 +313,16 @@ def decode_rate(engine, batch, prompt_len=64, steps=24, warmup=4, around=None):
     return ours_decode(engine, batch, prompt_len, steps, torch.Generator().manual_seed(batch), warmup, around)[0]
 
 
-def scheduler_rate(engine, batch, params, prompt_len=8, steps=64, warmup=8) -> float:
+def scheduler_rate(engine, batch, params, prompt_len=8, steps=64, warmup=8, overlap=True) -> float:
     """tok/s of decode through the server's Scheduler (what the worker loop runs each step:
-    schedule, graph replay, sampling with `params`, bookkeeping), in this process: the gap to
-    `decode_rate` is the scheduler's and sampler's share of a server's step, the rest of the gap
-    to the server's rate is IPC and the API process."""
+    schedule, graph replay, sampling with `params`, bookkeeping), in this process, with the
+    steps overlapped or each step's tokens read first (`overlap`): the gap to `decode_rate` is
+    the scheduler's and sampler's share of a server's step, the rest of the gap to the server's
+    rate is IPC and the API process."""
     from moeferry.scheduler.request import Request
     from moeferry.scheduler.scheduler import Scheduler
     sched = Scheduler(engine)
+    sched.cfg = replace(sched.cfg, overlap_schedule=overlap)
     gen = torch.Generator().manual_seed(batch)
     for i in range(batch):
         prompt = torch.randint(0, engine.spec.vocab_size, (prompt_len,), generator=gen).tolist()
@@ -593,9 +595,10 @@ def bench_e2e(args, log):
     from moeferry.scheduler.sampling import SamplingParams
     for name, params in (("greedy", SamplingParams(temperature=0.0)),
                          ("sampled", SamplingParams(temperature=0.7, top_p=0.8, top_k=20))):  # Qwen3.6's defaults
-        out[f"scheduler_{name}"] = {b: scheduler_rate(engine, b, params) for b in (1, 4)}
-        log(f"  through the scheduler, {name}: b1 {out[f'scheduler_{name}'][1]:.1f} tok/s  "
-            f"b4 {out[f'scheduler_{name}'][4]:.1f} tok/s")
+        for overlap, how in ((True, "overlapped"), (False, "read first")):
+            rates = out[f"scheduler_{name}" + ("" if overlap else "_read_first")] = {
+                b: scheduler_rate(engine, b, params, overlap=overlap) for b in (1, 4)}
+            log(f"  through the scheduler, {name}, {how}: b1 {rates[1]:.1f} tok/s  b4 {rates[4]:.1f} tok/s")
     if args.profile:
         profile_step(engine, log)
     out["decode_path"] = decode_path_rates(engine, log)

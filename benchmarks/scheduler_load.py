@@ -48,7 +48,7 @@ class FakeEngine:
         self.cache = CacheManager(kv, states, needs_state=True, prefix_cache=self.cfg.prefix_cache)
         self.gen = torch.Generator().manual_seed(0)
 
-    def forward(self, chunks):
+    def forward(self, chunks, feed=None):
         self.computed += sum(len(c.tokens) for c in chunks)
         logits = torch.randn(len(chunks), VOCAB, generator=self.gen)
         logits[:, VOCAB - 1] = -1e9  # never EOS: lengths are set by max_tokens

@@ -205,6 +205,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="new prompt tokens per step; longer prompts are prefilled in chunks (default: 8192)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="turn off the prefix cache (shared prompt prefixes are recomputed)")
+    g.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_false",
+                   help="read each step's tokens on the host before the next step starts (default: the next "
+                   "step is launched first, fed from the tokens on the device, so the host's work between "
+                   "steps overlaps the device's)")
 
     g = p.add_argument_group("api")
     g.add_argument("--max-output-tokens", type=_positive_int, metavar="TOKENS",
@@ -437,7 +441,7 @@ def _engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
             kv_reserve_tokens=args.kv_reserve_tokens, num_tokens=num_tokens, page_size=args.page_size,
             max_seq_len=args.max_seq_len_override, max_running_requests=args.max_running_requests,
             max_extend_tokens=args.max_extend_tokens, prefix_cache=args.prefix_cache, cuda_graphs=args.cuda_graphs,
-            progress=True)
+            overlap_schedule=args.overlap_schedule, progress=True)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

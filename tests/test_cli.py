@@ -88,7 +88,9 @@ def test_defaults_and_aliases(model):
                                       "--page-size", "16", "--no-prefix-cache", "--max-running-requests", "3"))
     assert cfg.sizes.num_pages == 63 and cfg.sizes.kv_tokens == 1008  # rounded up to whole pages
     assert cfg.max_seq_len == 1008  # the pool bounds the context
-    assert cfg.sizes.num_state_slots == 3 and not cfg.engine.prefix_cache
+    assert cfg.sizes.num_state_slots == 3 and not cfg.engine.prefix_cache and cfg.engine.overlap_schedule
+    plain = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--disable-overlap-schedule"))
+    assert not plain.engine.overlap_schedule
     assert cfg.served_model_name == Path(model).name
     fused = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--moe-backend", "fused"))
     assert fused.engine.moe_backend == "resident"  # FreeToken's name for experts on the device

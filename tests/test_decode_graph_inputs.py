@@ -70,3 +70,25 @@ def test_grow_extends_the_sequence_page_list_in_place():
     pages = blocks.pages
     assert cache.grow(blocks, 3) and cache.grow(blocks, 4)
     assert blocks.pages is pages and len(pages) == 4
+
+
+def test_fed_tokens_land_in_their_rows():
+    """An overlapped step's decode tokens come from the previous step's sampled tokens on the
+    device (`SeqChunk.fed`): in the graphs' static ids and in an eager batch, in any order,
+    beside tokens the host knows and a prefill chunk."""
+    from moeferry.engine.cuda_graph import DecodeGraphs
+    from moeferry.model.batch import ForwardBatch, SeqChunk
+
+    feed = torch.randint(10, 1000, (5,))
+    chunks = [SeqChunk([0], 3, [0, 1, 2, 3], 0, fed=4), SeqChunk([77], 2, [4, 5, 6], 1),
+              SeqChunk([0], 1, [7, 8], 2, fed=0)]
+    graphs = DecodeGraphs(None, None, None, max_batch=4, max_pages=8, page_size=1, device=torch.device("cpu"))
+    graphs._load(chunks, 4, feed)
+    assert graphs.tokens[0].tolist() == [int(feed[4]), 77, int(feed[0]), 0]
+    in_order = [SeqChunk([0], 3, [0, 1, 2, 3], b, fed=b) for b in range(3)]
+    graphs._load(in_order, 4, feed)
+    assert graphs.tokens[0, :3].tolist() == feed[:3].tolist()
+    prefill = SeqChunk([5, 6, 7], 0, [9, 10, 11], 3)
+    batch = ForwardBatch.build([prefill] + chunks, 1, "cpu", feed)
+    assert batch.input_ids.tolist() == [5, 6, 7, int(feed[4]), 77, int(feed[0])]
+    assert ForwardBatch.build(chunks[1:2], 1, "cpu").input_ids.tolist() == [77]

@@ -174,6 +174,54 @@ def test_logprobs(checkpoint):
         assert [t for t, _ in lp.top] == row.topk(4).indices.tolist()
 
 
+
+def overlap_workload(stop_at: list[int]) -> list[tuple[list[int], SamplingParams]]:
+    """Requests that end every way (a stop token found only once read, max_tokens, a stop string)
+    and sample every way (greedy, seeded on the device and among a top-k on the host, penalties,
+    min_tokens, logprobs)."""
+    g = SamplingParams(temperature=0.0, max_tokens=12)
+    return [(PROMPTS[0], g.replace(stop_token_ids=(stop_at[0],))),
+            (PROMPTS[1], g.replace(max_tokens=1)),
+            (PROMPTS[2], g.replace(temperature=0.8, seed=3, logprobs=2)),
+            (PROMPTS[3], g.replace(temperature=0.7, top_k=5, seed=4, max_tokens=9)),
+            (PROMPTS[4], g.replace(frequency_penalty=0.5, stop_token_ids=(stop_at[4],))),
+            (PROMPTS[5], g.replace(min_tokens=3, stop_token_ids=(stop_at[5],), ignore_eos=True)),
+            (PROMPTS[6], g.replace(logprobs=3, max_tokens=5)),
+            (PROMPTS[7], g.replace(stop=("a",), ignore_eos=True))]
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_overlapped_steps_change_no_output(name, checkpoint):
+    """The overlapped scheduler (a step launched before the last step's tokens are read, fed
+    from them on the device) gives what reading every step's tokens first gives, through
+    chunked prefill, preemption and every way a request ends; its decode steps are fed."""
+    free = LLM(str(checkpoint(name)), dtype="float32", overlap_schedule=False).generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    stop_at = [o.token_ids[4] for o in free]  # a stop token each greedy run meets midway
+    runs, fed = {}, {}
+    for overlap in (False, True):
+        llm = LLM(str(checkpoint(name)), dtype="float32", max_running_requests=3, max_extend_tokens=16,
+                  num_tokens=80, prefix_cache=False, overlap_schedule=overlap)
+        plain, fed[overlap] = llm.engine.forward, []
+
+        def forward(chunks, feed=None, plain=plain, seen=fed[overlap]):
+            seen += [c.fed for c in chunks if c.fed >= 0]
+            return plain(chunks, feed)
+
+        llm.engine.forward = forward
+        work = overlap_workload(stop_at)
+        outs = llm.generate([p for p, _ in work], [s for _, s in work])
+        runs[overlap] = [(o.token_ids, o.finish_reason, [(lp.token_id, [t for t, _ in lp.top]) for lp in o.logprobs or ()],
+                          [lp.logprob for lp in o.logprobs or ()]) for o in outs]
+        assert llm.scheduler.num_preemptions > 0
+        llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=2))  # reads what is left
+        assert llm.scheduler.stats()["kv_tokens_used"] == 0 and not llm.scheduler.has_work
+    assert [r[:3] for r in runs[True]] == [r[:3] for r in runs[False]]  # (batches differ: logprobs to 1e-5)
+    assert all(r[3] == pytest.approx(q[3], rel=1e-5) for r, q in zip(runs[True], runs[False]))
+    assert [r[1] for r in runs[True]][:2] == ["stop", "length"]
+    assert not fed[False] and len(fed[True]) > 20
+
+
 NO_TRITON = '''
 import sys
 class Block:

@@ -471,13 +471,13 @@ def decode_on_device(llm, monkeypatch) -> list[int]:
     engine, backend = llm.engine, llm.engine.experts
     plain, steps = engine.run_batch, []
 
-    def run(chunks):
+    def run(chunks, feed=None):
         if not (all(len(c.tokens) == 1 for c in chunks) and backend.steps_on_device(len(chunks))):
-            return plain(chunks)
+            return plain(chunks, feed)
         backend.before_graph(len(chunks))
         backend.capturing = never = RunAtOnce()
         try:
-            return plain(chunks)
+            return plain(chunks, feed)
         finally:
             backend.capturing = None
             assert never.cuts == 0

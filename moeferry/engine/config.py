@@ -44,6 +44,7 @@ class EngineConfig:
     max_extend_tokens: int = 8192
     prefix_cache: bool = True
     max_wait_steps: int = 256           # a queued request waits about this long for a running one to yield (0: off)
+    overlap_schedule: bool = True       # launch the next step before the host reads this step's tokens
     # CUDA graphs
     cuda_graphs: bool = True
     progress: bool = False              # progress bars while loading

@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from moeferry.model.batch import ForwardBatch, SeqChunk, int32_tensor
+from moeferry.model.batch import ForwardBatch, SeqChunk, fed_positions, feed_tokens, int32_tensor
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class DecodeGraphs:
         hm[m + 1 + start: m + 1 + end] = 0
         hm[2 * m + 1 + start: 2 * m + 1 + end] = -1
 
-    def _load(self, chunks: list[SeqChunk], size: int) -> None:
+    def _load(self, chunks: list[SeqChunk], size: int, feed: torch.Tensor | None) -> None:
         m, ps = self.max_batch, self.page_size
         ht, hm = self._host_tokens, self._host_meta
         for b, c in enumerate(chunks):
@@ -208,6 +208,7 @@ class DecodeGraphs:
             hm[m + 1 + b], hm[2 * m + 1 + b] = p + 1, c.state_slot
         self._fill_padding(len(chunks), size)
         self.tokens.copy_(ht)
+        feed_tokens(self.tokens[0], *fed_positions(chunks, range(1, len(chunks) + 1)), feed)
         self.meta.copy_(hm)
         self.page_rows.load([c.pages for c in chunks])
 
@@ -289,14 +290,15 @@ class DecodeGraphs:
             self.capture_all()
             torch.cuda.empty_cache()
 
-    def run(self, chunks: list[SeqChunk]) -> torch.Tensor | None:
-        """fp32 logits [len(chunks), vocab], or None when this batch must run eagerly."""
+    def run(self, chunks: list[SeqChunk], feed: torch.Tensor | None = None) -> torch.Tensor | None:
+        """fp32 logits [len(chunks), vocab], or None when this batch must run eagerly (`feed`:
+        the previous step's tokens, for the chunks whose token is `fed`)."""
         if not self.can_run(chunks):
             return None
         size = next(s for s in self.sizes if s >= len(chunks))
         if size not in self.graphs and not self._capture(size):
             return None
-        self._load(chunks, size)
+        self._load(chunks, size, feed)
         self._before(size)
         step, out = self.graphs[size]
         step.replay(len(chunks))

@@ -152,19 +152,21 @@ class Engine:
         return self.sizes.page_size
 
     @torch.inference_mode()
-    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
+    def forward(self, chunks: list[SeqChunk], feed: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits: one row per chunk (its last token), or one per token for all_logits chunks.
+        `feed`: the tokens the previous step sampled, still on the device, for the chunks whose
+        last token is one of them (`SeqChunk.fed`: the overlapped scheduler's decode inputs).
         An out-of-memory error shrinks the expert cache and retries (`moeferry.memory.guard`)."""
-        return self.guard.run(lambda: self.run_batch(chunks))
+        return self.guard.run(lambda: self.run_batch(chunks, feed))
 
     @torch.inference_mode()
-    def run_batch(self, chunks: list[SeqChunk]) -> torch.Tensor:
+    def run_batch(self, chunks: list[SeqChunk], feed: torch.Tensor | None = None) -> torch.Tensor:
         """One step, unguarded."""
         if self.graphs is not None:
-            logits = self.graphs.run(chunks)  # None: not an all-decode batch the graphs can serve
+            logits = self.graphs.run(chunks, feed)  # None: not an all-decode batch the graphs can serve
             if logits is not None:
                 return logits
-        batch = ForwardBatch.build(chunks, self.page_size, self.device)
+        batch = ForwardBatch.build(chunks, self.page_size, self.device, feed)
         return self.model.forward(batch, self.cache.kv, self.cache.states)
 
     def warm_up(self) -> None:

@@ -25,6 +25,28 @@ class SeqChunk:
     pages: list[int]
     state_slot: int
     all_logits: bool = False  # logits for every new token (scoring) or only the last (generation)
+    fed: int = -1  # >= 0: the last token is row `fed` of the step's `feed` (sampled by the step before,
+    #                still on the device; `tokens` holds a placeholder for it)
+
+
+def feed_tokens(ids: torch.Tensor, at: list[int], rows: list[int], feed: torch.Tensor | None) -> None:
+    """ids[at[i]] = feed[rows[i]] on ids' device, without the host reading `feed` (the tokens
+    the previous step sampled: an overlapped step starts before they reach the host)."""
+    if not at:
+        return
+    feed = feed.to(ids.device, non_blocking=True)
+    if at == rows == list(range(len(at))):  # a decode batch in the previous step's order: one copy
+        ids[: len(at)].copy_(feed[: len(at)])
+        return
+    where = torch.tensor([at, rows], dtype=torch.long).to(ids.device, non_blocking=True)
+    ids.index_copy_(0, where[0], feed.index_select(0, where[1]))
+
+
+def fed_positions(chunks: list[SeqChunk], ends: list[int]) -> tuple[list[int], list[int]]:
+    """(flat positions, feed rows) of the fed tokens of `chunks`: the last of each chunk's rows
+    (`ends`: where each chunk's rows end in the flat batch)."""
+    fed = [(end - 1, c.fed) for c, end in zip(chunks, ends) if c.fed >= 0]
+    return [a for a, _ in fed], [r for _, r in fed]
 
 
 @dataclass
@@ -50,7 +72,9 @@ class ForwardBatch:
         return all(n == 1 for n in self.q_lens)
 
     @classmethod
-    def build(cls, chunks: list[SeqChunk], page_size: int, device: torch.device | str) -> "ForwardBatch":
+    def build(cls, chunks: list[SeqChunk], page_size: int, device: torch.device | str,
+              feed: torch.Tensor | None = None) -> "ForwardBatch":
+        """`feed`: the previous step's sampled tokens, where a chunk's last token is `fed`."""
         ids, pos, slots, rows, q_lens, kv_lens, cu = [], [], [], [], [], [], [0]
         max_pages = max(len(c.pages) for c in chunks)
         table = torch.zeros(len(chunks), max(max_pages, 1), dtype=torch.int32)
@@ -79,5 +103,7 @@ class ForwardBatch:
         b, w = len(chunks), -(-(len(chunks) + 1) // 4) * 4
         pad = [0] * (w - b)
         meta = torch.tensor(cu + pad[1:] + kv_lens + pad + state_slots, dtype=torch.int32).to(device)
-        return cls(t(ids), t(pos), q_lens, kv_lens, cu, table.to(device), t(slots), state_slots, t(rows), page_size,
+        input_ids = t(ids)
+        feed_tokens(input_ids, *fed_positions(chunks, cu[1:]), feed)
+        return cls(input_ids, t(pos), q_lens, kv_lens, cu, table.to(device), t(slots), state_slots, t(rows), page_size,
                    meta[: b + 1], meta[w: w + b], meta[2 * w:], max(q_lens))

@@ -1,5 +1,15 @@
-"""Turn a list of requests into one SamplingBatch and sample their next tokens."""
+"""Turn a list of requests into one SamplingBatch and sample their next tokens.
+
+Sampling is launched (`launch_sampling`: the tokens are drawn where the logits are, and start
+their copy to the host) apart from being read (`SampledStep.read`: wait for the copy, feed the
+grammars), so that an overlapped scheduler can start the next step, fed from the tokens on the
+device, before the host has them. A request whose sampling reads its own earlier tokens on the
+host (`reads_history`: a grammar, a penalty, min_tokens not yet reached) cannot be sampled
+again before its previous token is read.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -8,15 +18,26 @@ from moeferry.scheduler.grammar import advance_grammars, grammar_banned
 from moeferry.scheduler.request import Request, TokenLogprob
 
 
+def reads_history(req: Request) -> bool:
+    """Whether the request's next sampling reads its earlier tokens on the host (its grammar's
+    state, penalties over its output, min_tokens not reached yet)."""
+    p = req.params
+    return (p.structured is not None or len(req.output_ids) < p.min_tokens
+            or bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0))
+
+
+def adjusts_logits(reqs: list[Request]) -> bool:
+    """Whether some row's logits change before the draw (history, or a logit bias)."""
+    return any(reads_history(r) or r.params.logit_bias for r in reqs)
+
+
 def build_sampling_batch(reqs: list[Request], vocab: int, eos_ids: set[int], device) -> SamplingBatch:
     def vec(values, dtype=torch.float32):
         return torch.tensor(values, dtype=dtype, device=device)
 
     ps = [r.params for r in reqs]
     grammar = grammar_banned(reqs, vocab, eos_ids)
-    adjusts = (grammar is not None or any(len(r.output_ids) < r.params.min_tokens for r in reqs)
-               or any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias
-                      for p in ps))
+    adjusts = adjusts_logits(reqs)
     width = vocab if adjusts else 0  # no row adjusts its logits: the [B, V] tensors stay empty
     counts = torch.zeros(len(reqs), width, device=device)
     bias = torch.zeros(len(reqs), width, device=device)
@@ -51,18 +72,50 @@ def build_sampling_batch(reqs: list[Request], vocab: int, eos_ids: set[int], dev
         adjusts=adjusts, top_k_max=top_k_max)
 
 
+@dataclass
+class SampledStep:
+    """A step's sampled tokens (and logprobs), on their way to the host."""
+    reqs: list[Request]
+    tokens: torch.Tensor  # [B], where they were drawn (the next step's `feed`)
+    host: list[torch.Tensor]  # tokens, then (chosen, top ids, top logprobs) where asked: host copies
+    ready: torch.cuda.Event | None  # recorded after the copies (None: drawn on the host)
+
+    @classmethod
+    def start(cls, reqs: list[Request], tokens: torch.Tensor, logprobs: tuple = ()) -> "SampledStep":
+        moved = [t.to("cpu", non_blocking=True) for t in (tokens, *logprobs)]
+        ready = None
+        if any(t.is_cuda for t in (tokens, *logprobs)):
+            ready = torch.cuda.Event()
+            ready.record()
+        return cls(reqs, tokens, moved, ready)
+
+    def read(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The tokens and logprobs on the host (waits for the copies); feeds the grammars."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        tokens = self.host[0].tolist()
+        advance_grammars(self.reqs, tokens)
+        out: list[TokenLogprob | None] = [None] * len(self.reqs)
+        if len(self.host) > 1:
+            chosen, top_ids, top_lp = (t.tolist() for t in self.host[1:])
+            for i, r in enumerate(self.reqs):
+                w = r.params.logprobs
+                if w is not None:
+                    out[i] = TokenLogprob(tokens[i], chosen[i], list(zip(top_ids[i][:w], top_lp[i][:w])))
+        return tokens, out
+
+
+def launch_sampling(reqs: list[Request], logits: torch.Tensor, eos_ids: set[int]) -> SampledStep:
+    """Sample each request's next token from its row of `logits`, without waiting for them."""
+    if all(r.params.greedy for r in reqs) and not adjusts_logits(reqs):
+        tokens = logits.argmax(-1)  # what `sample` does for such a batch, without building one
+    else:
+        tokens = sample(logits, build_sampling_batch(reqs, logits.shape[-1], eos_ids, logits.device))
+    want = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
+    logprobs = logprobs_of(logits, tokens, max(want)) if want else ()
+    return SampledStep.start(reqs, tokens, logprobs)
+
+
 def sample_requests(reqs: list[Request], logits: torch.Tensor, eos_ids: set[int]
                     ) -> tuple[list[int], list[TokenLogprob | None]]:
-    batch = build_sampling_batch(reqs, logits.shape[-1], eos_ids, logits.device)
-    tokens = sample(logits, batch)
-    advance_grammars(reqs, tokens.tolist())
-    want = [r.params.logprobs for r in reqs]
-    out_lp: list[TokenLogprob | None] = [None] * len(reqs)
-    if any(w is not None for w in want):
-        top_n = max(w or 0 for w in want)
-        chosen, top_ids, top_lp = logprobs_of(logits, tokens, top_n)
-        for i, w in enumerate(want):
-            if w is not None:
-                top = list(zip(top_ids[i, :w].tolist(), top_lp[i, :w].tolist()))
-                out_lp[i] = TokenLogprob(int(tokens[i]), float(chosen[i]), top)
-    return tokens.tolist(), out_lp
+    return launch_sampling(reqs, logits, eos_ids).read()

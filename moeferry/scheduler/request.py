@@ -53,6 +53,7 @@ class Request:
         # cache resources (moeferry.cache.manager.SeqBlocks while admitted)
         self.blocks = None
         self.num_computed = 0  # tokens whose KV / state is in the pools
+        self.fed = -1  # >= 0: the newest token is row `fed` of the step sampled last, not read on the host yet
         self.cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_preemptions = 0
         self.matcher = None  # structured output: the grammar matcher, made in the worker when first sampled
@@ -87,7 +88,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Prompt and output tokens, the one still on its way from the device included."""
+        return len(self.prompt_ids) + len(self.output_ids) + (self.fed >= 0)
 
     @property
     def pending(self) -> int:

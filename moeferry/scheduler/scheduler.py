@@ -5,6 +5,14 @@ tokens (long prompts are chunked across steps), and only KV pages / state slots 
 actually free. KV grows with the sequence; when pages run out the youngest running request
 is preempted (its computed tokens go to the prefix cache, it is re-queued and recomputed).
 
+Overlap (`EngineConfig.overlap_schedule`, on by default): a step's tokens are sampled on the
+device and read on the host only after the next step is launched, fed from them on the device
+(`SeqChunk.fed`), so the host's work between steps (reading tokens, events, scheduling, the next
+step's inputs) runs while the device computes. So a request may run one step past its end
+(EOS or a stop token, found when its token is read): that token is dropped. A request whose
+sampling reads its own earlier tokens on the host (`reads_history`) is read before the next
+step is scheduled, and a request is not admitted while a token of it is on its way.
+
 Fairness (docs/reliability.md has the measurements behind it):
 - admission is first come, first served;
 - waiting is bounded: when the head of the queue has waited `max_wait_steps` steps, the request
@@ -22,7 +30,7 @@ from collections import deque
 import torch
 
 from moeferry.model.batch import SeqChunk
-from moeferry.scheduler.batch_sampler import sample_requests
+from moeferry.scheduler.batch_sampler import SampledStep, launch_sampling, reads_history
 from moeferry.scheduler.grammar import grammar_failure
 from moeferry.scheduler.request import Request, RequestState, TokenEvent
 
@@ -56,6 +64,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._events: list[TokenEvent] = []
+        self._sampled: SampledStep | None = None  # the last step's tokens, not read on the host yet
         self._arrivals = itertools.count()
         self.num_preemptions = 0
         self.num_steps = 0
@@ -87,24 +96,27 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._events)
+        return bool(self.waiting or self.running or self._events or self._sampled)
 
     def step(self) -> list[TokenEvent]:
+        """Run one step; returns the events of the tokens read in it (with overlap: the previous
+        step's, read once this one is launched)."""
         events, self._events = self._events, []
+        if self._sampled is not None and not self._may_overlap():
+            events += self._read()  # the next sampling reads these tokens on the host
         plan = self._schedule()
         if not plan:
-            return events
+            return events + self._read()
         self.num_steps += 1
-        chunks = [SeqChunk(r.ids_between(r.num_computed, r.num_computed + n), r.num_computed, r.blocks.pages,
-                           r.blocks.state_slot) for r, n in plan]
+        feed = self._sampled.tokens if self._sampled is not None else None
         try:
-            logits = self.engine.forward(chunks)
+            logits = self.engine.forward([self._chunk(r, n) for r, n in plan], feed)
         except Exception as e:  # a failed step fails its requests, never the scheduler
             log.exception("step failed for %d requests", len(plan))
             for r, _ in plan:
                 self._finish(r, "error")
                 events.append(self._event(r, [], None, error=step_failure(e)))
-            return events
+            return events + self._read()
         ready = []
         for i, (r, n) in enumerate(plan):
             r.num_computed += n
@@ -112,8 +124,13 @@ class Scheduler:
                 self._checkpoint(r)  # chunk boundary or prompt end
             if r.pending == 0:
                 ready.append((r, i))
-        if ready:
-            events += self._sample(ready, logits)
+        sampled = self._launch(ready, logits) if ready else None
+        events += self._read()
+        self._sampled = sampled
+        for row, r in enumerate(sampled.reqs if sampled else ()):
+            r.fed = row
+        if not self.cfg.overlap_schedule:
+            events += self._read()
         return events
 
     def stats(self) -> dict:
@@ -132,7 +149,7 @@ class Scheduler:
             if req.state is not RequestState.RUNNING:
                 continue  # preempted while making room for an older request
             prefill = req.pending > 1
-            if prefill and budget <= 0:
+            if (prefill and budget <= 0) or self._ends_on_its_way(req):
                 continue
             n = min(req.pending, budget) if prefill else 1
             if not self._reserve_or_preempt(req, req.num_computed + n):
@@ -143,7 +160,7 @@ class Scheduler:
         plan = [(r, n) for r, n in plan if r.state is RequestState.RUNNING]
         while self.waiting and len(self.running) < self.cfg.max_running_requests and budget > 0:
             req = self.waiting[0]
-            if not self._admit(req):
+            if req.fed >= 0 or not self._admit(req):  # (a preempted request's token is still on its way)
                 break
             n = min(req.pending, budget)
             if not self._reserve(req, req.num_computed + n):
@@ -156,6 +173,18 @@ class Scheduler:
             budget -= n
             plan.append((req, n))
         return plan
+
+    @staticmethod
+    def _ends_on_its_way(req: Request) -> bool:
+        """The token on its way from the device is the request's last (max_new_tokens)."""
+        return req.fed >= 0 and len(req.output_ids) + 1 >= req.max_new_tokens
+
+    def _chunk(self, req: Request, n: int) -> SeqChunk:
+        """The request's next n tokens as a chunk; a token still on the device is fed from there."""
+        start, blocks = req.num_computed, req.blocks
+        if req.fed >= 0:  # a decode token (n == 1) sampled by the step before
+            return SeqChunk([0], start, blocks.pages, blocks.state_slot, fed=req.fed)
+        return SeqChunk(req.ids_between(start, start + n), start, blocks.pages, blocks.state_slot)
 
     def _reserve(self, req: Request, total_tokens: int) -> bool:
         return self.cache.grow(req.blocks, total_tokens)
@@ -215,16 +244,32 @@ class Scheduler:
         req.blocks, req.num_computed = None, 0
 
     # --- sampling and finishing -----------------------------------------------------------
-    def _sample(self, ready: list[tuple[Request, int]], logits: torch.Tensor) -> list[TokenEvent]:
+    def _may_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the last step's tokens are read."""
+        return self.cfg.overlap_schedule and not any(
+            reads_history(r) for r in self._sampled.reqs if not r.finished)
+
+    def _launch(self, ready: list[tuple[Request, int]], logits: torch.Tensor) -> SampledStep:
         """Sample the ready requests from their rows of the step's logits (all of them, in
-        order, as a decode step has it: no copy)."""
+        order, as a decode step has it: no copy); the tokens are read by `_read`."""
         reqs = [r for r, _ in ready]
         rows = [i for _, i in ready]
         if rows != list(range(len(logits))):
             logits = torch.stack([logits[i] for i in rows])
-        tokens, logprobs = sample_requests(reqs, logits, self.eos_ids)
+        return launch_sampling(reqs, logits, self.eos_ids)
+
+    def _read(self) -> list[TokenEvent]:
+        """Read the last step's tokens on the host: outputs, finishes and events (a request that
+        ended while its token was on the way, e.g. aborted, drops it)."""
+        sampled, self._sampled = self._sampled, None
+        if sampled is None:
+            return []
+        tokens, logprobs = sampled.read()
         events = []
-        for req, tok, lp in zip(reqs, tokens, logprobs):
+        for req, tok, lp in zip(sampled.reqs, tokens, logprobs):
+            req.fed = -1
+            if req.finished:
+                continue
             failure = grammar_failure(req)
             if failure is not None:  # the request's own schema, not the engine: "invalid" (a 400)
                 self._finish(req, "invalid")
