@@ -21,8 +21,8 @@ def reqs(*params, prompt=(1, 2, 3), outputs=()):
     return out
 
 
-def draw(logits, rs, n):
-    b = build_sampling_batch(rs, V, {0}, "cpu")
+def draw(logits, rs, n, host_draws=True):
+    b = build_sampling_batch(rs, V, {0}, "cpu", host_draws)
     return torch.stack([sample(logits, b) for _ in range(n)])  # [n, B]
 
 
@@ -96,6 +96,21 @@ def test_greedy_rows_take_argmax_beside_rows_drawn_on_the_host():
     assert (got[:, 0] == logits[0].argmax()).all() and (got[:, 2] == logits[2].argmax()).all()
     assert set(got[:, 1].tolist()) <= set(logits[1].topk(4).indices.tolist())
     assert len(set(got[:, 1].tolist())) > 1  # drawn, not the argmax each time
+
+
+def test_the_short_path_draws_the_same_on_the_host_and_on_the_device():
+    """The top-k draw on the logits' device (an overlapped step's: its tokens stay there) is the
+    host's draw, the same candidates and race: on the CPU, with the same generators, the same
+    tokens, greedy rows beside included."""
+    logits = torch.randn(3, V) * 2
+    params = (SamplingParams(temperature=0.9, top_k=6, top_p=0.8, seed=11), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.2, top_k=3, min_p=0.1, seed=12))
+    on_device = build_sampling_batch(reqs(*params), V, {0}, "cpu", host_draws=False)
+    assert on_device.top_k_max == 6 and not on_device.draw_on_host
+    assert build_sampling_batch(reqs(*params), V, {0}, "cpu").draw_on_host
+    host, device = draw(logits, reqs(*params), 40), draw(logits, reqs(*params), 40, host_draws=False)
+    assert torch.equal(host, device) and len(set(host[:, 0].tolist())) > 1
+    assert (host[:, 1] == logits[1].argmax()).all()
 
 
 def test_logit_bias_moves_the_logits_it_names():

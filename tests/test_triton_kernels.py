@@ -329,7 +329,8 @@ def case_dispatch(device, seed=10):
 
 def case_decode_graph_static_batch(device, seed=11):
     """The static, padded batch a decode CUDA graph replays gives the eager step's logits and
-    pool contents: 3 sequences padded to 4 rows (tiny Qwen3.5 model, every op on the kernels)."""
+    pool contents: 3 sequences padded to 4 rows (tiny Qwen3.5 model, every op on the kernels),
+    two of their tokens fed from the device (an overlapped step's `SeqChunk.fed`)."""
     import tempfile
 
     from moeferry.checkpoint.synthetic import make_model
@@ -357,7 +358,9 @@ def case_decode_graph_static_batch(device, seed=11):
     for t, b in zip(kv.k + kv.v + states.conv + states.recurrent, before):
         t.copy_(b)
     graphs = DecodeGraphs(eng.model, kv, states, 4, 8, 4, torch.device(device), sizes=[4])
-    graphs._load(step, 4)
+    feed = torch.tensor([0, 8, 7], device=device)  # the tokens of sequences 1 and 0, as sampled
+    fed = [SeqChunk([0], c.start, c.pages, c.state_slot, fed=r) if r >= 0 else c for c, r in zip(step, (2, 1, -1))]
+    graphs._load(fed, 4, feed)
     with torch.inference_mode():
         static = eng.model.forward(graphs._batch(4), kv, states)
     worst = _check(static[:3], eager, 1e-5, "static batch logits")

@@ -199,7 +199,7 @@ class DecodeGraphs:
         hm[m + 1 + start: m + 1 + end] = 0
         hm[2 * m + 1 + start: 2 * m + 1 + end] = -1
 
-    def _load(self, chunks: list[SeqChunk], size: int, feed: torch.Tensor | None) -> None:
+    def _load(self, chunks: list[SeqChunk], size: int, feed: torch.Tensor | None = None) -> None:
         m, ps = self.max_batch, self.page_size
         ht, hm = self._host_tokens, self._host_meta
         for b, c in enumerate(chunks):

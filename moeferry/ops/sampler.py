@@ -5,10 +5,11 @@ Order: penalties (repetition on prompt+output, presence/frequency on output), lo
 generator (exponential race, reproducible per seed). Greedy rows take argmax of the penalised
 logits. Logprobs are of the raw model distribution. Where every sampling row has a top-k (a
 model's usual defaults), the draw is among each row's top-k_max tokens (`filter_candidates` after one
-`topk`, no sort of the vocabulary; the same distribution), and that draw runs on the host: the
-[B, k] candidates come over in one copy (the step reads its tokens on the host anyway), where
-filtering and the race are a few microseconds instead of ~40 tiny device launches; a batch of
-greedy rows only takes the argmax; penalties run only where some row has one.
+`topk`, no sort of the vocabulary; the same distribution). That draw runs on the host where the
+step reads its tokens at once anyway (`draw_on_host`): the [B, k] candidates come over in one
+copy, where filtering and the race are a few microseconds instead of ~15 tiny device launches;
+an overlapped step, whose tokens must stay on the device to feed the next one, draws them there.
+A batch of greedy rows only takes the argmax; penalties run only where some row has one.
 
 Numerically safe over the whole accepted range: temperatures below GREEDY_BELOW are greedy (dividing
 by 1e-40 overflows fp32 to inf, and a softmax of infs is NaN), and penalised logits are clamped to
@@ -38,10 +39,11 @@ class SamplingBatch:
     seen: torch.Tensor  # [B, V] bool: token in prompt or output (the same)
     banned: torch.Tensor  # [B, V] bool: masked this step (min_tokens, grammar; the same)
     bias: torch.Tensor  # [B, V] added to the logits (logit_bias; the same)
-    generators: list[torch.Generator | None]  # on the device that draws (draws_on_host); None for greedy rows
+    generators: list[torch.Generator | None]  # on the device that draws (draw_on_host); None for greedy rows
     # known on the host when the batch is built (the defaults take the general path):
     adjusts: bool = True  # some row has a penalty, a logit bias or banned tokens (else `apply_penalties` changes nothing)
     top_k_max: int = 0  # every sampling row has a top-k, the largest (0: some row has none)
+    draw_on_host: bool = False  # the top-k draw runs on the host (its generators are the host's)
 
     def row_params_on_host(self) -> "SamplingBatch":
         """The per-row parameters the draw reads, on the host (no copy where they are already)."""
@@ -112,9 +114,13 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         logits = apply_penalties(logits, b)
     if all(g is None for g in b.generators):  # every row greedy
         return logits.argmax(-1)
-    if draws_on_host(b.top_k_max, logits.shape[-1]):  # draw among each row's best few, not the vocabulary
+    if b.top_k_max and b.draw_on_host:  # draw among each row's best few, not the vocabulary
         return _draw_on_host(logits, b)
-    drawn = _race(filter_logits(logits, b), b)
+    if 0 < b.top_k_max < logits.shape[-1]:  # the same on the logits' device
+        best, ids = logits.topk(b.top_k_max, dim=-1)
+        drawn = _pick(best, ids, b)
+    else:
+        drawn = _race(filter_logits(logits, b), b)
     return torch.where(is_greedy(b.temperature), logits.argmax(-1), drawn)
 
 
@@ -127,9 +133,13 @@ def _draw_on_host(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     parts = (best, ids.float()) + ((logits.argmax(-1, keepdim=True).float(),) if any_greedy else ())
     both = torch.cat(parts, dim=1).cpu()
     host = b.row_params_on_host()
-    best, ids = both[:, :k], both[:, k:2 * k].long()
-    drawn = ids.gather(1, _race(filter_candidates(best, host), host)[:, None])[:, 0]
+    drawn = _pick(both[:, :k], both[:, k:2 * k].long(), host)
     return torch.where(is_greedy(host.temperature), both[:, 2 * k].long(), drawn) if any_greedy else drawn
+
+
+def _pick(best: torch.Tensor, ids: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """One draw per row among its candidates (logits `best` [B, k], best first, of tokens `ids`)."""
+    return ids.gather(1, _race(filter_candidates(best, b), b)[:, None])[:, 0]
 
 
 def _race(filtered: torch.Tensor, b: SamplingBatch) -> torch.Tensor:

@@ -31,7 +31,10 @@ def adjusts_logits(reqs: list[Request]) -> bool:
     return any(reads_history(r) or r.params.logit_bias for r in reqs)
 
 
-def build_sampling_batch(reqs: list[Request], vocab: int, eos_ids: set[int], device) -> SamplingBatch:
+def build_sampling_batch(reqs: list[Request], vocab: int, eos_ids: set[int], device,
+                         host_draws: bool = True) -> SamplingBatch:
+    """`host_draws`: a top-k draw may run on the host (not where the tokens must stay on the device)."""
+
     def vec(values, dtype=torch.float32):
         return torch.tensor(values, dtype=dtype, device=device)
 
@@ -59,7 +62,7 @@ def build_sampling_batch(reqs: list[Request], vocab: int, eos_ids: set[int], dev
         banned |= grammar.to(device)
     sampling = [p for p in ps if p.temperature > 0]
     top_k_max = max(p.top_k for p in sampling) if sampling and all(p.top_k > 0 for p in sampling) else 0
-    on_host = draws_on_host(top_k_max, vocab)
+    on_host = host_draws and draws_on_host(top_k_max, vocab)
     rows = torch.tensor([[p.temperature, max(p.top_k, 0), p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
                           p.repetition_penalty] for p in ps], dtype=torch.float32).T
     if not on_host or adjusts:  # penalties (and the general path's filter) read them on the device
@@ -69,7 +72,7 @@ def build_sampling_batch(reqs: list[Request], vocab: int, eos_ids: set[int], dev
         temperature=rows[0], top_k=rows[1].long(), top_p=rows[2], min_p=rows[3], presence=rows[4],
         frequency=rows[5], repetition=rows[6], output_counts=counts, seen=seen, banned=banned, bias=bias,
         generators=[r.generator(draws) if r.params.temperature > 0 else None for r in reqs],
-        adjusts=adjusts, top_k_max=top_k_max)
+        adjusts=adjusts, top_k_max=top_k_max, draw_on_host=on_host)
 
 
 @dataclass
@@ -105,12 +108,15 @@ class SampledStep:
         return tokens, out
 
 
-def launch_sampling(reqs: list[Request], logits: torch.Tensor, eos_ids: set[int]) -> SampledStep:
-    """Sample each request's next token from its row of `logits`, without waiting for them."""
+def launch_sampling(reqs: list[Request], logits: torch.Tensor, eos_ids: set[int], on_device: bool = False
+                    ) -> SampledStep:
+    """Sample each request's next token from its row of `logits`, without waiting for them
+    (`on_device`: every draw stays on the logits' device, the next step is fed from there)."""
     if all(r.params.greedy for r in reqs) and not adjusts_logits(reqs):
         tokens = logits.argmax(-1)  # what `sample` does for such a batch, without building one
     else:
-        tokens = sample(logits, build_sampling_batch(reqs, logits.shape[-1], eos_ids, logits.device))
+        tokens = sample(logits, build_sampling_batch(reqs, logits.shape[-1], eos_ids, logits.device,
+                                                     host_draws=not on_device))
     want = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
     logprobs = logprobs_of(logits, tokens, max(want)) if want else ()
     return SampledStep.start(reqs, tokens, logprobs)

@@ -256,7 +256,7 @@ class Scheduler:
         rows = [i for _, i in ready]
         if rows != list(range(len(logits))):
             logits = torch.stack([logits[i] for i in rows])
-        return launch_sampling(reqs, logits, self.eos_ids)
+        return launch_sampling(reqs, logits, self.eos_ids, on_device=self.cfg.overlap_schedule)
 
     def _read(self) -> list[TokenEvent]:
         """Read the last step's tokens on the host: outputs, finishes and events (a request that
