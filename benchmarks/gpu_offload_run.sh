@@ -22,6 +22,7 @@
 #   prep13    in parallel (no timing runs then): the main checkpoint, the bf16_12 checkpoint and gputests
 #   resident  offload.py, no ballast: moeferry --moe-backend resident against FreeToken with every expert
 #             cached (--moe-backend offload --moe-cache-size 10240: it refuses NVFP4 with fused) (issue 13)
+#   resident_plain  the same, moeferry alone, each step's tokens read before the next step (what the overlap is worth)
 #   bf16_12   a 12-layer bf16 checkpoint, offload.py with --moe-backend fused on both, no ballast (issue 13)
 #   e2e       quant_decode.py e2e: in-process resident decode b1/b4/b16 and an eager profile (issue 13)
 #   e2e_offload  quant_decode.py e2e --offload CACHE_SIZE: in-process offload decode, graphs with the
@@ -128,9 +129,10 @@ offload() {  # offload NAME MODEL [offload.py args...]
     "$@" ${OFFLOAD_ARGS:-}
 }
 
-peer() {  # peer NAME MODEL SHARED_FLAGS OURS_FLAGS FT_FLAGS: offload.py without ballast, per-engine flags
-  python3 benchmarks/offload.py --model "$2" --out "$WORK/$1" --flags "$3" --ours-args "$4" --ft-args "$FT_ARGS $5" \
-    --boot-timeout 200 --request-timeout 60 --engine-budget 70 ${OFFLOAD_ARGS:-}
+peer() {  # peer NAME MODEL SHARED_FLAGS OURS_FLAGS FT_FLAGS [offload.py args...]: offload.py without ballast, per-engine flags
+  local name=$1 model=$2 shared=$3 ours=$4 ft=$5; shift 5
+  python3 benchmarks/offload.py --model "$model" --out "$WORK/$name" --flags "$shared" --ours-args "$ours" \
+    --ft-args "$FT_ARGS $ft" --boot-timeout 200 --request-timeout 60 --engine-budget 70 "$@" ${OFFLOAD_ARGS:-}
 }
 
 gputests() {  # the files that carry the gpu marker (the others import the API clients the GPU host lacks);
@@ -184,6 +186,8 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
                   make_ckpt "$WORK/ckpt" 0; rc=$?; wait; exit $rc' || { echo "no checkpoint: stopping"; break; } ;;
       resident) step resident 250 400 peer resident "$WORK/ckpt" "$PEER_FLAGS" "--moe-backend resident" \
                   "--moe-backend offload --moe-cache-size 10240" ;;
+      resident_plain) step resident_plain 120 240 peer resident_plain "$WORK/ckpt" "$PEER_FLAGS" \
+                  "--moe-backend resident --disable-overlap-schedule" "" --engines moeferry ;;
       bf16_12)  step make_bf16_12 60 200 make_ckpt "$WORK/ckpt_bf16_12" 0 bf16 12 \
                   && step bf16_12 180 300 peer bf16_12 "$WORK/ckpt_bf16_12" "--moe-backend fused $PEER_FLAGS" "" "" ;;
       e2e)      step e2e 120 240 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e" --profile ;;
