@@ -175,12 +175,18 @@ def test_logprobs(checkpoint):
 
 
 
-def overlap_workload(stop_at: list[int]) -> list[tuple[list[int], SamplingParams]]:
+def overlap_workload(stop_at: list[int], model_dir) -> list[tuple[list[int], SamplingParams]]:
     """Requests that end every way (a stop token found only once read, max_tokens, a stop string)
-    and sample every way (greedy, seeded on the device and among a top-k on the host, penalties,
-    min_tokens, logprobs)."""
+    and sample every way (greedy, seeded over the vocabulary and among a top-k, penalties,
+    min_tokens, logprobs, a JSON grammar)."""
+    from moeferry.scheduler.grammar import StructuredOutput
+    from moeferry.server.structured import compile_schema
+
     g = SamplingParams(temperature=0.0, max_tokens=12)
-    return [(PROMPTS[0], g.replace(stop_token_ids=(stop_at[0],))),
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 22, 333]}}, "required": ["n"]}
+    json_out = StructuredOutput(compile_schema(schema), str(model_dir))
+    return [(PROMPTS[1], g.replace(temperature=1.0, seed=5, structured=json_out, max_tokens=16)),
+            (PROMPTS[0], g.replace(stop_token_ids=(stop_at[0],))),
             (PROMPTS[1], g.replace(max_tokens=1)),
             (PROMPTS[2], g.replace(temperature=0.8, seed=3, logprobs=2)),
             (PROMPTS[3], g.replace(temperature=0.7, top_k=5, seed=4, max_tokens=9)),
@@ -209,8 +215,9 @@ def test_overlapped_steps_change_no_output(name, checkpoint):
             return plain(chunks, feed)
 
         llm.engine.forward = forward
-        work = overlap_workload(stop_at)
+        work = overlap_workload(stop_at, checkpoint(name))
         outs = llm.generate([p for p, _ in work], [s for _, s in work])
+        assert outs[0].text.lstrip().startswith('{"n"') or outs[0].text.lstrip().startswith('{ "n"'), outs[0].text
         runs[overlap] = [(o.token_ids, o.finish_reason, [(lp.token_id, [t for t, _ in lp.top]) for lp in o.logprobs or ()],
                           [lp.logprob for lp in o.logprobs or ()]) for o in outs]
         assert llm.scheduler.num_preemptions > 0
@@ -218,7 +225,7 @@ def test_overlapped_steps_change_no_output(name, checkpoint):
         assert llm.scheduler.stats()["kv_tokens_used"] == 0 and not llm.scheduler.has_work
     assert [r[:3] for r in runs[True]] == [r[:3] for r in runs[False]]  # (batches differ: logprobs to 1e-5)
     assert all(r[3] == pytest.approx(q[3], rel=1e-5) for r, q in zip(runs[True], runs[False]))
-    assert [r[1] for r in runs[True]][:2] == ["stop", "length"]
+    assert [r[1] for r in runs[True]][1:3] == ["stop", "length"]
     assert not fed[False] and len(fed[True]) > 20
 
 

@@ -2,10 +2,8 @@
 
 Sampling is launched (`launch_sampling`: the tokens are drawn where the logits are, and start
 their copy to the host) apart from being read (`SampledStep.read`: wait for the copy, feed the
-grammars), so that an overlapped scheduler can start the next step, fed from the tokens on the
-device, before the host has them. A request whose sampling reads its own earlier tokens on the
-host (`reads_history`: a grammar, a penalty, min_tokens not yet reached) cannot be sampled
-again before its previous token is read.
+grammars), so that an overlapped scheduler can start the next step's forward, fed from the
+tokens on the device, before the host has them (it reads them before that step's sampling).
 """
 from __future__ import annotations
 
@@ -18,17 +16,12 @@ from moeferry.scheduler.grammar import advance_grammars, grammar_banned
 from moeferry.scheduler.request import Request, TokenLogprob
 
 
-def reads_history(req: Request) -> bool:
-    """Whether the request's next sampling reads its earlier tokens on the host (its grammar's
-    state, penalties over its output, min_tokens not reached yet)."""
-    p = req.params
-    return (p.structured is not None or len(req.output_ids) < p.min_tokens
-            or bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0))
-
-
 def adjusts_logits(reqs: list[Request]) -> bool:
-    """Whether some row's logits change before the draw (history, or a logit bias)."""
-    return any(reads_history(r) or r.params.logit_bias for r in reqs)
+    """Whether some row's logits change before the draw (a grammar, min_tokens not reached yet,
+    a penalty or a logit bias)."""
+    return any(r.params.structured is not None or len(r.output_ids) < r.params.min_tokens
+               or r.params.presence_penalty or r.params.frequency_penalty or r.params.repetition_penalty != 1.0
+               or r.params.logit_bias for r in reqs)
 
 
 def build_sampling_batch(reqs: list[Request], vocab: int, eos_ids: set[int], device,

@@ -6,12 +6,12 @@ actually free. KV grows with the sequence; when pages run out the youngest runni
 is preempted (its computed tokens go to the prefix cache, it is re-queued and recomputed).
 
 Overlap (`EngineConfig.overlap_schedule`, on by default): a step's tokens are sampled on the
-device and read on the host only after the next step is launched, fed from them on the device
-(`SeqChunk.fed`), so the host's work between steps (reading tokens, events, scheduling, the next
-step's inputs) runs while the device computes. So a request may run one step past its end
-(EOS or a stop token, found when its token is read): that token is dropped. A request whose
-sampling reads its own earlier tokens on the host (`reads_history`) is read before the next
-step is scheduled, and a request is not admitted while a token of it is on its way.
+device and read on the host only after the next step's forward is launched, fed from them on the
+device (`SeqChunk.fed`), so the host's work between steps (reading tokens, events, scheduling,
+the next step's inputs) runs while the device computes. The read comes before the next step's
+sampling is launched, so grammars, penalties and min_tokens see every earlier token, and a
+request that ended on the token just read (EOS, a stop token) is not sampled again: its one
+extra forward row is dropped. A request is not admitted while a token of it is on its way.
 
 Fairness (docs/reliability.md has the measurements behind it):
 - admission is first come, first served;
@@ -30,7 +30,7 @@ from collections import deque
 import torch
 
 from moeferry.model.batch import SeqChunk
-from moeferry.scheduler.batch_sampler import SampledStep, launch_sampling, reads_history
+from moeferry.scheduler.batch_sampler import SampledStep, launch_sampling
 from moeferry.scheduler.grammar import grammar_failure
 from moeferry.scheduler.request import Request, RequestState, TokenEvent
 
@@ -100,10 +100,8 @@ class Scheduler:
 
     def step(self) -> list[TokenEvent]:
         """Run one step; returns the events of the tokens read in it (with overlap: the previous
-        step's, read once this one is launched)."""
+        step's, read once this one's forward is launched)."""
         events, self._events = self._events, []
-        if self._sampled is not None and not self._may_overlap():
-            events += self._read()  # the next sampling reads these tokens on the host
         plan = self._schedule()
         if not plan:
             return events + self._read()
@@ -124,10 +122,10 @@ class Scheduler:
                 self._checkpoint(r)  # chunk boundary or prompt end
             if r.pending == 0:
                 ready.append((r, i))
-        sampled = self._launch(ready, logits) if ready else None
-        events += self._read()
-        self._sampled = sampled
-        for row, r in enumerate(sampled.reqs if sampled else ()):
+        events += self._read()  # the last step's tokens, while the device runs this step's forward
+        ready = [(r, i) for r, i in ready if not r.finished]  # (ended on a token just read)
+        self._sampled = self._launch(ready, logits) if ready else None
+        for row, r in enumerate(self._sampled.reqs if self._sampled else ()):
             r.fed = row
         if not self.cfg.overlap_schedule:
             events += self._read()
@@ -244,11 +242,6 @@ class Scheduler:
         req.blocks, req.num_computed = None, 0
 
     # --- sampling and finishing -----------------------------------------------------------
-    def _may_overlap(self) -> bool:
-        """Whether the next step may be scheduled before the last step's tokens are read."""
-        return self.cfg.overlap_schedule and not any(
-            reads_history(r) for r in self._sampled.reqs if not r.finished)
-
     def _launch(self, ready: list[tuple[Request, int]], logits: torch.Tensor) -> SampledStep:
         """Sample the ready requests from their rows of the step's logits (all of them, in
         order, as a decode step has it: no copy); the tokens are read by `_read`."""
