@@ -83,3 +83,39 @@ def test_decode_graphs_in_use(preset, backend, tmp_path):
     for s, (a, b) in enumerate(zip(graphed, eager)):
         err = ((a - b).norm() / b.norm()).item()
         assert err < 2e-2, f"{preset} step {s}: graph vs eager logits rel err {err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["resident", "offload-partial"])
+def test_overlapped_steps_feed_the_graphs(backend, tmp_path):
+    """The overlapped scheduler feeds each decode graph from the tokens the step before sampled on
+    the device: greedy outputs equal reading every step first (the same batches: every request
+    runs to max_tokens), the graphs in use, the decode chunks fed; a seeded top-k row, drawn on
+    the device, stays among its k best (its logprobs' top list)."""
+    from moeferry import LLM
+    from moeferry.checkpoint.synthetic import make_model
+    from moeferry.scheduler.sampling import SamplingParams
+    path = make_model(tmp_path / "m", arch="qwen3_5_moe", size="tiny", seed=2, dtype="bfloat16", quant="mixed_nvfp4")
+    extra = dict(moe_backend="offload", moe_cache_size=16) if backend != "resident" else {}
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (5, 11, 3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    drawn = SamplingParams(temperature=0.8, top_k=5, seed=3, logprobs=5, max_tokens=12, ignore_eos=True)
+    outs, fed = {}, {}
+    for overlap in (True, False):
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", num_tokens=256, num_state_slots=3,
+                  max_running_requests=3, prefix_cache=False, overlap_schedule=overlap, **extra)
+        plain, fed[overlap] = llm.engine.forward, []
+
+        def forward(chunks, feed=None, plain=plain, seen=fed[overlap]):
+            seen += [c.fed for c in chunks if c.fed >= 0]
+            return plain(chunks, feed)
+
+        llm.engine.forward = forward
+        outs[overlap] = [o.token_ids for o in llm.generate(prompts, greedy)]
+        sampled = llm.generate(prompts[:1], drawn)[0]
+        assert all(lp.token_id in [t for t, _ in lp.top] for lp in sampled.logprobs), sampled.logprobs
+        assert llm.engine.graphs.disabled is None and llm.engine.graphs.graphs
+    assert outs[True] == outs[False]
+    assert len(fed[True]) >= 3 * 10 and not fed[False]
