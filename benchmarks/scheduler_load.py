@@ -82,7 +82,8 @@ def workload(n: int, seed: int, max_tokens: list[int | None], prompt_range: tupl
 def run(args) -> dict:
     engine = FakeEngine(EngineConfig("(fake)", num_tokens=args.kv_tokens, max_running_requests=args.max_running,
                                      max_extend_tokens=args.max_extend_tokens, max_seq_len=args.context,
-                                     prefix_cache=True, max_wait_steps=args.max_wait_steps))
+                                     prefix_cache=True, max_wait_steps=args.max_wait_steps,
+                                     overlap_schedule=args.overlap_schedule))
     sched = Scheduler(engine)
     streams = {}
     for r in workload(args.streams, args.seed, args.max_tokens, (args.prompt_min, args.prompt_max)):
@@ -127,6 +128,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-wait-steps", type=int, default=EngineConfig.max_wait_steps,
                    help="0 = never make a running request yield (first come, first served to the end)")
     p.add_argument("--max-steps", type=int, default=200_000)
+    p.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_false",
+                   help="read each step's tokens before the next step (the scheduler before its overlap)")
     args = p.parse_args(argv)
     args.max_tokens = [None if x == "none" else int(x) for x in args.max_tokens.split(",")]
     for k, v in run(args).items():
