@@ -22,7 +22,7 @@ def load(**overrides) -> dict:
     to the end of the context (~1450 tokens), the others want 64 tokens."""
     args = dict(streams=8, kv_tokens=1536, context=1536, max_running=4, max_extend_tokens=512,
                 max_tokens=[None, 64], prompt_min=10, prompt_max=100, seed=3, max_steps=2000,
-                max_wait_steps=EngineConfig.max_wait_steps)
+                max_wait_steps=EngineConfig.max_wait_steps, overlap_schedule=EngineConfig.overlap_schedule)
     args.update(overrides)
     return run(argparse.Namespace(**args))
 
