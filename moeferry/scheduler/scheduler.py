@@ -111,10 +111,12 @@ class Scheduler:
             logits = self.engine.forward([self._chunk(r, n) for r, n in plan], feed)
         except Exception as e:  # a failed step fails its requests, never the scheduler
             log.exception("step failed for %d requests", len(plan))
+            events += self._read()  # the last step's tokens: computed before this failure
             for r, _ in plan:
-                self._finish(r, "error")
-                events.append(self._event(r, [], None, error=step_failure(e)))
-            return events + self._read()
+                if not r.finished:
+                    self._finish(r, "error")
+                    events.append(self._event(r, [], None, error=step_failure(e)))
+            return events
         ready = []
         for i, (r, n) in enumerate(plan):
             r.num_computed += n
