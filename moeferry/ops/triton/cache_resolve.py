@@ -63,28 +63,30 @@ def _resolve_kernel(ids_ptr, n, table_ptr, owner_ptr, stamp_ptr, flag_ptr, prio_
             tl.store(uses_ptr + hit_slot, uses, mask=hit)
             tl.store(prio_ptr + hit_slot, age + uses.to(tl.int64), mask=hit)
     tl.store(stamp_ptr + hit_slot, tl.zeros_like(hit_slot) + clock, mask=hit)
-    tl.debug_barrier()  # the stamps above, seen by every thread of the program below
-    s_offs = tl.arange(0, S)
-    in_cache = s_offs < num_slots
-    stamps = tl.load(stamp_ptr + s_offs, mask=in_cache, other=_BIG >> _SLOT_BITS)
-    # (stamp, slot) packed in one integer: one reduction finds the oldest stamp's lowest slot
-    order = stamps * _SLOTS + s_offs
-    if LFU:
-        prio = tl.load(prio_ptr + s_offs, mask=in_cache, other=_BIG)
-        prio = tl.where(stamps < clock - 1, prio, _BIG)  # this call's and the previous one's: kept
     misses = miss.to(tl.int32)
-    rank = tl.cumsum(misses, axis=0) - 1
+    num_misses = tl.sum(misses, axis=0)
     dst = tl.full([N], -1, tl.int64)
-    for i in range(0, tl.sum(misses, axis=0)):  # the i-th miss takes the next victim
+    if num_misses > 0:  # (a call that only hits reads no slot's stamp or priority)
+        tl.debug_barrier()  # the stamps above, seen by every thread of the program below
+        s_offs = tl.arange(0, S)
+        in_cache = s_offs < num_slots
+        stamps = tl.load(stamp_ptr + s_offs, mask=in_cache, other=_BIG >> _SLOT_BITS)
+        # (stamp, slot) packed in one integer: one reduction finds the oldest stamp's lowest slot
+        order = stamps * _SLOTS + s_offs
         if LFU:
-            least = tl.min(prio, axis=0)
-            victim = tl.min(tl.where(prio == least, order, _BIG), axis=0) & (_SLOTS - 1)
-            age = tl.maximum(age, tl.where(least < _BIG, least, age))
-            prio = tl.where(s_offs == victim, _BIG, prio)
-        else:
-            victim = tl.min(order, axis=0) & (_SLOTS - 1)
-        dst = tl.where(miss & (rank == i), victim, dst)
-        order = tl.where(s_offs == victim, _BIG, order)
+            prio = tl.load(prio_ptr + s_offs, mask=in_cache, other=_BIG)
+            prio = tl.where(stamps < clock - 1, prio, _BIG)  # this call's and the previous one's: kept
+        rank = tl.cumsum(misses, axis=0) - 1
+        for i in range(0, num_misses):  # the i-th miss takes the next victim
+            if LFU:
+                least = tl.min(prio, axis=0)
+                victim = tl.min(tl.where(prio == least, order, _BIG), axis=0) & (_SLOTS - 1)
+                age = tl.maximum(age, tl.where(least < _BIG, least, age))
+                prio = tl.where(s_offs == victim, _BIG, prio)
+            else:
+                victim = tl.min(order, axis=0) & (_SLOTS - 1)
+            dst = tl.where(miss & (rank == i), victim, dst)
+            order = tl.where(s_offs == victim, _BIG, order)
     dst_slot = tl.where(miss, dst, 0)
     old = tl.load(owner_ptr + dst_slot, mask=miss, other=-1).to(tl.int64)
     tl.store(table_ptr + tl.where(old >= 0, old, 0), tl.full([N], -1, tl.int32), mask=miss & (old >= 0))
