@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from moeferry.model.batch import ForwardBatch, SeqChunk, fed_positions, feed_tokens, int32_tensor
+from moeferry.model.batch import ForwardBatch, SeqChunk, feed_tokens, int32_tensor
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class DecodeGraphs:
             hm[m + 1 + b], hm[2 * m + 1 + b] = p + 1, c.state_slot
         self._fill_padding(len(chunks), size)
         self.tokens.copy_(ht)
-        feed_tokens(self.tokens[0], *fed_positions(chunks, range(1, len(chunks) + 1)), feed)
+        feed_tokens(self.tokens[0], chunks, range(1, len(chunks) + 1), feed)
         self.meta.copy_(hm)
         self.page_rows.load([c.pages for c in chunks])
 

@@ -29,24 +29,21 @@ class SeqChunk:
     #                still on the device; `tokens` holds a placeholder for it)
 
 
-def feed_tokens(ids: torch.Tensor, at: list[int], rows: list[int], feed: torch.Tensor | None) -> None:
-    """ids[at[i]] = feed[rows[i]] on ids' device, without the host reading `feed` (the tokens
-    the previous step sampled: an overlapped step starts before they reach the host)."""
-    if not at:
+def feed_tokens(ids: torch.Tensor, chunks: list[SeqChunk], ends, feed: torch.Tensor | None) -> None:
+    """Each fed chunk's last token (the flat batch's row `ends[b] - 1`: `ends` says where each
+    chunk's rows end) taken from its row of `feed` on ids' device, without the host reading
+    `feed` (the tokens the previous step sampled: an overlapped step starts before they reach
+    the host)."""
+    fed = [(end - 1, c.fed) for c, end in zip(chunks, ends) if c.fed >= 0]
+    if not fed:
         return
+    at, rows = [a for a, _ in fed], [r for _, r in fed]
     feed = feed.to(ids.device, non_blocking=True)
     if at == rows == list(range(len(at))):  # a decode batch in the previous step's order: one copy
         ids[: len(at)].copy_(feed[: len(at)])
         return
     where = torch.tensor([at, rows], dtype=torch.long).to(ids.device, non_blocking=True)
     ids.index_copy_(0, where[0], feed.index_select(0, where[1]))
-
-
-def fed_positions(chunks: list[SeqChunk], ends: list[int]) -> tuple[list[int], list[int]]:
-    """(flat positions, feed rows) of the fed tokens of `chunks`: the last of each chunk's rows
-    (`ends`: where each chunk's rows end in the flat batch)."""
-    fed = [(end - 1, c.fed) for c, end in zip(chunks, ends) if c.fed >= 0]
-    return [a for a, _ in fed], [r for _, r in fed]
 
 
 @dataclass
@@ -104,6 +101,6 @@ class ForwardBatch:
         pad = [0] * (w - b)
         meta = torch.tensor(cu + pad[1:] + kv_lens + pad + state_slots, dtype=torch.int32).to(device)
         input_ids = t(ids)
-        feed_tokens(input_ids, *fed_positions(chunks, cu[1:]), feed)
+        feed_tokens(input_ids, chunks, cu[1:], feed)
         return cls(input_ids, t(pos), q_lens, kv_lens, cu, table.to(device), t(slots), state_slots, t(rows), page_size,
                    meta[: b + 1], meta[w: w + b], meta[2 * w:], max(q_lens))

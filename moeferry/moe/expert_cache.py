@@ -186,7 +186,7 @@ class ExpertCache:
         # `count_on_device`; `DevicePolicy` steps): per layer, DEVICE_COUNTS in order
         self.device_counts = torch.zeros(len(self.layers), 4, dtype=torch.int64, device=device)
         self.on_device_state: DevicePolicy | None = None
-        self.device_owned = False  # the device's LRU state is the current one (the host's is stale)
+        self.device_owned = False  # the device's policy state is the current one (the host's is stale)
         self._seen = torch.zeros(len(self.layers), num_experts, dtype=torch.int32, device=device)
         self.gather = None  # fetch by the one-launch gather kernel in this config (set by the backend when it wins)
 
