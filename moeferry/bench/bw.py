@@ -59,7 +59,7 @@ def measure(model_dir: str, device: torch.device, layer: int | None = None) -> d
             "slot_bytes": bank.bytes_per_slot, "pinned_copy_Bps": pinned_copy_bandwidth(device),
             "fetch_s_per_expert": fetch_s, "fetch_Bps": bank.bytes_per_slot / fetch_s, **gather_times(bank, device),
             "cpu_s_per_expert_1_token": time_cpu_expert(bank, 1), "cpu_s_per_expert_8_tokens": time_cpu_expert(bank, 8),
-            "cpu_threads": torch.get_num_threads()}
+            "cpu_threads": torch.get_num_threads(), "cpu_lane": cpu_lane()}
 
 
 def gather_times(bank, device: torch.device) -> dict:
@@ -78,13 +78,22 @@ def gather_times(bank, device: torch.device) -> dict:
             "gather_s_per_expert": full, "gather_s_per_expert_prefetch": capped}
 
 
+def cpu_lane() -> str:
+    """What computes the CPU lane's experts: the C kernel, or the PyTorch reference."""
+    from moeferry.ops.cpu.experts import kernel
+    found = kernel()
+    return found.describe() if found is not None else "PyTorch reference (no C kernel)"
+
+
 def table(r: dict) -> str:
     gb = 1e9
     rows = [("format (layer)", f"{r['format']} ({r['layer']})"), ("expert slot", f"{r['slot_bytes'] / 2**20:.2f} MiB"),
             ("pinned copy, 256 MiB", f"{r['pinned_copy_Bps'] / gb:.1f} GB/s"),
             ("fetch one expert", f"{r['fetch_s_per_expert'] * 1e6:.0f} us ({r['fetch_Bps'] / gb:.1f} GB/s)"),
             *gather_rows(r),
-            ("CPU expert, 1 token", f"{r['cpu_s_per_expert_1_token'] * 1e6:.0f} us ({r['cpu_threads']} threads)"),
+            ("CPU lane", f"{r['cpu_lane']}, {r['cpu_threads']} threads"),
+            ("CPU expert, 1 token", f"{r['cpu_s_per_expert_1_token'] * 1e6:.0f} us "
+                                    f"({r['slot_bytes'] / r['cpu_s_per_expert_1_token'] / gb:.1f} GB/s of weights)"),
             ("CPU expert, 8 tokens", f"{r['cpu_s_per_expert_8_tokens'] * 1e6:.0f} us"),
             ("a fetch costs", f"{r['fetch_s_per_expert'] / r['cpu_s_per_expert_1_token']:.2f} CPU experts (1 token)")]
     width = max(len(k) for k, _ in rows)

@@ -126,19 +126,19 @@ def _gather_problem(bank: SlotBuffer, device: torch.device, config: tuple) -> st
     return None
 
 
-def time_cpu_expert(bank: SlotBuffer, tokens: int = 1, repeats: int = 3) -> float:
-    """Seconds to compute one expert for `tokens` tokens on the CPU from its bank (fp32)."""
+def time_cpu_expert(bank: SlotBuffer, tokens: int = 1, repeats: int = 3, experts: int = 8) -> float:
+    """Seconds per expert to compute `experts` experts (slots 0..), each for `tokens` tokens, on
+    the CPU from the bank in one call of the host lane (`SlotBuffer.run_host`), as a step does."""
+    experts = min(experts, bank.num_slots)
     x = torch.randn(tokens, bank.hidden)
-    ids = torch.zeros(tokens, 1, dtype=torch.long)
-    w = torch.ones(tokens, 1)
-    row = torch.full((bank.num_slots,), -1, dtype=torch.int32)
-    row[0] = 0
+    ids = torch.arange(experts).expand(tokens, experts)
+    w = torch.full((tokens, experts), 1.0 / experts)
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):  # the first call builds or loads the kernel
         t = time.perf_counter()
-        bank.run_reference(x, ids, w, row)
+        bank.run_host(x, ids, w, range(experts), torch.get_num_threads())
         times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+    return sorted(times[1:])[repeats // 2] / experts
 
 
 @dataclass(frozen=True)
@@ -149,11 +149,18 @@ class MissSplit:
     fetch_s: float       # one expert over PCIe
     cpu_s: float         # one expert for one token on the CPU
     max_fetch: int | None = None
+    cpu_token_s: float | None = None  # each further token of an expert on the CPU (None: cpu_s)
 
     @classmethod
     def measure(cls, backend, max_fetch: int | None) -> "MissSplit":
         bank = next(iter(backend.banks.values()))
-        return cls(time_fetch(bank, backend.device), time_cpu_expert(bank), max_fetch)
+        one, four = time_cpu_expert(bank, 1), time_cpu_expert(bank, 4)
+        return cls(time_fetch(bank, backend.device), one, max_fetch, max(0.0, (four - one) / 3))
+
+    def cpu_cost(self, tokens: int) -> float:
+        """Seconds for one expert of `tokens` tokens on the CPU (the weights are read once)."""
+        extra = self.cpu_s if self.cpu_token_s is None else self.cpu_token_s
+        return self.cpu_s + max(0, tokens - 1) * extra
 
     def fetch_count(self, cpu_costs: list[float]) -> int:
         """How many of the misses (CPU cost of each, most expensive first) to fetch."""
@@ -174,11 +181,13 @@ class MissSplit:
         """(experts to fetch, experts for the CPU)."""
         counts = torch.bincount(ids.reshape(-1).cpu(), minlength=max(misses) + 1)
         order = sorted(misses, key=lambda e: -int(counts[e]))
-        n = self.fetch_count([self.cpu_s * max(1, int(counts[e])) for e in order])
+        n = self.fetch_count([self.cpu_cost(int(counts[e])) for e in order])
         return order[:n], order[n:]
 
     def describe(self) -> str:
         ratio = self.fetch_s / self.cpu_s if self.cpu_s else math.inf
         cap = f", at most {self.max_fetch} fetches per layer" if self.max_fetch is not None else ""
-        return (f"fetch {self.fetch_s * 1e6:.0f} us/expert, CPU {self.cpu_s * 1e6:.0f} us/expert/token "
+        extra = self.cpu_s if self.cpu_token_s is None else self.cpu_token_s
+        return (f"fetch {self.fetch_s * 1e6:.0f} us/expert, CPU {self.cpu_s * 1e6:.0f} us/expert "
+                f"+ {extra * 1e6:.0f} us a further token "
                 f"(a fetch costs {ratio:.2f} CPU experts){cap}")

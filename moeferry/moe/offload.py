@@ -40,6 +40,7 @@ from moeferry.moe.expert_cache import ExpertCache, LayerCounters
 from moeferry.moe.layer_experts import LayerExperts
 from moeferry.moe.resident import use_kernels
 from moeferry.moe.slots import SlotBuffer
+from moeferry.ops.cpu.experts import kernel as cpu_kernel
 from moeferry.ops.moe import route_topk
 
 log = logging.getLogger("moeferry.moe")
@@ -295,6 +296,8 @@ class OffloadBackend:
         self._bind()
         if self.complete:
             log.info("expert cache holds every expert: steps read nothing on the host (decode graphs allowed)")
+        if self.name in ("cpu", "hybrid"):
+            cpu_kernel()  # built (or found) at boot, not in a request; its log line says what computes the lane
         if self.name == "hybrid":
             from moeferry.moe.bandwidth import MissSplit
             self.split = MissSplit.measure(self, self.cfg.moe_hybrid_max_fetch)
@@ -583,6 +586,5 @@ class OffloadExperts:
         hx, hids, hw, copied = inputs or self._to_host(x, ids, weights)
         if copied is not None:
             copied.synchronize()  # only the copies: the device's later work is not waited for
-        row = self._row({e: e for e in experts}, "cpu")  # bank slot e holds expert e
-        out = self.bank.run_reference(hx.float(), hids, hw.float(), row)
+        out = self.bank.run_host(hx, hids, hw, experts, torch.get_num_threads())
         return out.to(device=x.device, dtype=x.dtype, non_blocking=True)

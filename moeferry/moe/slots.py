@@ -16,6 +16,7 @@ import torch
 
 from moeferry.checkpoint.formats import FORMATS
 from moeferry.moe.layer_experts import ExpertWeights
+from moeferry.ops.cpu.experts import kernel as cpu_kernel
 from moeferry.ops.triton.moe_formats import DENSE, MoEKernel, SlotMatrix
 from moeferry.ops.triton.moe_decode import DecodeConfig
 from moeferry.ops.triton.moe_gemm import MoEConfig, decode_config, fused_moe
@@ -195,6 +196,18 @@ class SlotBuffer:
             config = decode_config(self.gate_up)
         return fused_moe(x, ids, weights, self.gate_up, self.down, table_row, self.scratch,
                          shared_slot, shared_gate, config)
+
+    def run_host(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Sequence[int],
+                 threads: int) -> torch.Tensor:
+        """The host lane of a host bank whose slot e holds expert e: the pairs routed to `experts`,
+        summed in fp32 [T, H] (x, ids, weights on the host). The C kernel (`ops.cpu.experts`)
+        reads each weight row once with `threads` threads; without it, `run_reference`."""
+        cpu = cpu_kernel()
+        if cpu is not None:
+            return cpu.run(self, x, ids, weights, {e: e for e in experts}, threads)
+        row = torch.full((self.num_slots,), -1, dtype=torch.int32)
+        row[list(experts)] = torch.as_tensor(list(experts), dtype=torch.int32)
+        return self.run_reference(x.float(), ids, weights.float(), row)
 
     # slots dequantized together by `run_reference` (a decode step touches <= top_k experts)
     REFERENCE_BATCH = 8

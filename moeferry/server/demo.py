@@ -7,20 +7,16 @@ in a temporary directory and renamed into place, so an interrupted build is neve
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from moeferry.paths import cache_dir
 
 log = logging.getLogger("moeferry.demo")
 
 DEMO = dict(arch="qwen3_5_moe", size="tiny", seed=0, dtype="float32")
 DEMO_DIR_NAME = "demo-{arch}-{size}-seed{seed}-{dtype}-v1".format(**DEMO)
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "moeferry"
 
 
 def ensure_demo_model() -> str:

@@ -1,0 +1,1 @@
+"""Kernels for the host CPU (the `cpu` and `hybrid` MoE backends' lane)."""

@@ -1,0 +1,370 @@
+/* SwiGLU experts on the CPU, read straight from their slot form (the bytes a GPU slot holds).
+ *
+ * The `cpu` and `hybrid` MoE backends compute misses from the pinned host banks. Dequantizing a
+ * whole expert to fp32 in PyTorch first costs milliseconds; this kernel streams each weight row
+ * once instead: a row is decoded into a small fp32 buffer (L1-resident) and multiplied with each
+ * of the expert's tokens, rows split among OpenMP threads. moeferry/ops/cpu/__init__.py builds
+ * it with the system C compiler on first use and calls it through ctypes (which releases the
+ * GIL). Slot layouts: moeferry/ops/triton/moe_formats.py. fp32 arithmetic throughout; the
+ * decoded weights equal the PyTorch reference's (`<form>_dequant`) bit for bit, only the
+ * summation order of the dot products differs.
+ *
+ * E2M1 and E4M3 codes are decoded through fp16 bit patterns (the trick of the Triton steps): the
+ * code's magnitude bits placed in an fp16's exponent and mantissa give value / 2^14 (E2M1) or
+ * value / 2^8 (E4M3), subnormals included, and the power of two is folded into the scale.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define MF_AVX2 1
+#endif
+
+enum { FORM_DENSE = 0, FORM_FP8_ROW = 1, FORM_FP8_BLOCK = 2, FORM_FP4 = 3, FORM_INT4 = 4 };
+enum { T_F32 = 0, T_BF16 = 1, T_F16 = 2 };
+
+/* One weight matrix [n, k] of a bank (mirrors SlotMatrix). Byte strides per slot. */
+typedef struct {
+    int32_t form;
+    int32_t dtype;      /* dense: the weights' type; int4: the scales' type */
+    int32_t n, k, part, group, group_n, s_cols;
+    const uint8_t *w, *s, *z, *rs;
+    int64_t w_slot, s_slot, z_slot, rs_slot;
+} matrix_t;
+
+#define E2M1_UNIT 16384.0f /* E2M1 through fp16 bits is value / 2^14 */
+#define E4M3_UNIT 256.0f   /* E4M3 through fp16 bits is value / 2^8 */
+
+static float half_bits_to_float(uint16_t h) {
+#ifdef MF_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 1023u, bits;
+    float v;
+    if (e == 0) {
+        v = ldexpf((float)m, -24);
+        memcpy(&bits, &v, 4);
+        bits |= sign;
+    } else if (e == 31) {
+        bits = sign | 0x7f800000u | (m << 13);
+    } else {
+        bits = sign | ((e + 112) << 23) | (m << 13);
+    }
+    memcpy(&v, &bits, 4);
+    return v;
+#endif
+}
+
+static float bf16_bits_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
+static uint16_t e2m1_half(uint32_t code) { return (uint16_t)(((code & 8u) << 12) | ((code & 7u) << 9)); }
+static uint16_t e4m3_half(uint32_t code) { return (uint16_t)(((code & 0x80u) << 8) | ((code & 0x7fu) << 7)); }
+static float e4m3(uint8_t code) { return half_bits_to_float(e4m3_half(code)) * E4M3_UNIT; }
+
+static int type_size(int dtype) { return dtype == T_F32 ? 4 : 2; }
+
+/* Element g of a row of fp32, bf16 or fp16 values. */
+static float element(const uint8_t *row, int dtype, int g) {
+    if (dtype == T_F32) {
+        float v;
+        memcpy(&v, row + 4 * (int64_t)g, 4);
+        return v;
+    }
+    uint16_t h;
+    memcpy(&h, row + 2 * (int64_t)g, 2);
+    return dtype == T_BF16 ? bf16_bits_to_float(h) : half_bits_to_float(h);
+}
+
+#ifdef MF_AVX2
+static inline __m128i nibble_half_e2m1(__m128i v) {
+    return _mm_or_si128(_mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(8)), 12),
+                        _mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(7)), 9));
+}
+
+/* 8 bytes -> 16 nibbles as u16, in element order (byte j: low nibble = element 2j). */
+static inline void nibbles16(const uint8_t *p, __m128i *a, __m128i *b) {
+    __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i lo = _mm_and_si128(w, _mm_set1_epi16(15)), hi = _mm_srli_epi16(w, 4);
+    *a = _mm_unpacklo_epi16(lo, hi);
+    *b = _mm_unpackhi_epi16(lo, hi);
+}
+
+static inline __m256 e4m3x8(const uint8_t *p) {
+    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                             _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+    return _mm256_cvtph_ps(h);
+}
+
+static inline __m256 u16x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(v)); }
+#endif
+
+/* An fp4 row of k elements (k even); `sc` = the row's e4m3 scales (one per 16 elements). */
+static void fp4_row(const uint8_t *w, const uint8_t *sc, float rs, int k, float *out) {
+    int k0 = 0;
+#ifdef MF_AVX2
+    /* an E2M1 code's fp16 bits have a zero low byte: the high byte, looked up by code */
+    const __m128i high = _mm_setr_epi8(0x00, 0x02, 0x04, 0x06, 0x08, 0x0a, 0x0c, 0x0e,
+                                       (char)0x80, (char)0x82, (char)0x84, (char)0x86,
+                                       (char)0x88, (char)0x8a, (char)0x8c, (char)0x8e);
+    const __m128i low4 = _mm_set1_epi8(15), zero = _mm_setzero_si128();
+    float scale[8];
+    const __m256 unit = _mm256_set1_ps(rs * E2M1_UNIT * E4M3_UNIT);
+    for (; k0 + 128 <= k; k0 += 128) {  /* eight groups: their scales decoded together */
+        _mm256_storeu_ps(scale, _mm256_mul_ps(e4m3x8(sc + k0 / 16), unit));
+        for (int g = 0; g < 8; g++) {
+            int at = k0 + 16 * g;
+            __m256 s = _mm256_broadcast_ss(scale + g);
+            __m128i b = _mm_loadl_epi64((const __m128i *)(w + at / 2));
+            __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4));
+            __m128i halves = _mm_shuffle_epi8(high, codes);
+            _mm256_storeu_ps(out + at, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, halves)), s));
+            _mm256_storeu_ps(out + at + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(zero, halves)), s));
+        }
+    }
+#endif
+    for (int i = k0; i < k; i += 2) {
+        float s = e4m3(sc[i / 16]) * rs * E2M1_UNIT;
+        uint8_t byte = w[i / 2];
+        out[i] = half_bits_to_float(e2m1_half(byte & 15u)) * s;
+        out[i + 1] = half_bits_to_float(e2m1_half(byte >> 4)) * s;
+    }
+}
+
+static void int4_span(const uint8_t *w, const uint8_t *sc, const uint8_t *zp, int dtype, int group,
+                      int k0, int k1, float *out) {
+    int k = k0;
+#ifdef MF_AVX2
+    for (; group % 16 == 0 && k + 16 <= k1 && k % 16 == 0; k += 16) {
+        int g = k / group;
+        __m256 s = _mm256_set1_ps(element(sc, dtype, g)), z = _mm256_set1_ps(zp ? (float)zp[g] : 8.0f);
+        __m128i a, b;
+        nibbles16(w + k / 2, &a, &b);
+        _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_sub_ps(u16x8(a), z), s));
+        _mm256_storeu_ps(out + k + 8, _mm256_mul_ps(_mm256_sub_ps(u16x8(b), z), s));
+    }
+#endif
+    for (; k < k1; k += 2) {
+        uint8_t byte = w[k / 2];
+        for (int j = 0; j < 2; j++) {
+            int g = (k + j) / group;
+            float z = zp ? (float)zp[g] : 8.0f;
+            out[k + j] = ((float)(j ? byte >> 4 : byte & 15u) - z) * element(sc, dtype, g);
+        }
+    }
+}
+
+/* Elements [k0, k1) of an e4m3 row times `scale` (the caller splits rows at scale groups). */
+static void fp8_span(const uint8_t *w, float scale, int k0, int k1, float *out) {
+    int k = k0;
+#ifdef MF_AVX2
+    __m256 s = _mm256_set1_ps(scale * E4M3_UNIT);
+    for (; k + 8 <= k1; k += 8)
+        _mm256_storeu_ps(out + k, _mm256_mul_ps(e4m3x8(w + k), s));
+#endif
+    for (; k < k1; k++) out[k] = e4m3(w[k]) * scale;
+}
+
+static void dense_span(const uint8_t *w, int dtype, int k0, int k1, float *out) {
+    int k = k0;
+    const uint16_t *h = (const uint16_t *)w;
+#ifdef MF_AVX2
+    for (; dtype != T_F32 && k + 8 <= k1; k += 8) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(h + k));
+        __m256 f = dtype == T_F16 ? _mm256_cvtph_ps(v)
+                                  : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+        _mm256_storeu_ps(out + k, f);
+    }
+#endif
+    for (; k < k1; k++)
+        out[k] = dtype == T_BF16 ? bf16_bits_to_float(h[k]) : half_bits_to_float(h[k]);
+}
+
+/* Row n of slot `slot`, decoded to fp32: a pointer into the bank for fp32 weights, else `buf`. */
+static const float *row(const matrix_t *m, int slot, int n, float *buf) {
+    int k = m->k;
+    if (m->form == FORM_DENSE) {
+        const uint8_t *w = m->w + slot * m->w_slot + (int64_t)n * k * type_size(m->dtype);
+        if (m->dtype == T_F32) return (const float *)w;
+        dense_span(w, m->dtype, 0, k, buf);
+        return buf;
+    }
+    if (m->form == FORM_FP4 || m->form == FORM_INT4) {
+        const uint8_t *w = m->w + slot * m->w_slot + (int64_t)n * (k / 2);
+        if (m->form == FORM_FP4) {
+            float rs;
+            memcpy(&rs, m->rs + slot * m->rs_slot + 4 * (int64_t)n, 4);
+            fp4_row(w, m->s + slot * m->s_slot + (int64_t)n * m->s_cols, rs, k, buf);
+        } else {
+            int64_t g = (int64_t)n * m->s_cols;
+            int4_span(w, m->s + slot * m->s_slot + type_size(m->dtype) * g, m->z ? m->z + slot * m->z_slot + g : NULL,
+                      m->dtype, m->group, 0, k, buf);
+        }
+        return buf;
+    }
+    const uint8_t *w = m->w + slot * m->w_slot + (int64_t)n * k;
+    if (m->form == FORM_FP8_ROW) {
+        float rs;
+        memcpy(&rs, m->rs + slot * m->rs_slot + 4 * (int64_t)n, 4);
+        fp8_span(w, rs, 0, k, buf);
+        return buf;
+    }
+    /* fp8_block: parts of `part` rows, each with ceil(part / group_n) scale rows */
+    int brow = (n / m->part) * ((m->part + m->group_n - 1) / m->group_n) + (n % m->part) / m->group_n;
+    const float *s = (const float *)(m->s + slot * m->s_slot) + (int64_t)brow * m->s_cols;
+    for (int k0 = 0, g = 0; k0 < k; k0 += m->group, g++)
+        fp8_span(w, s[g], k0, k0 + m->group < k ? k0 + m->group : k, buf);
+    return buf;
+}
+
+static float dot(const float *a, const float *b, int k) {
+    int i = 0;
+    float sum = 0.0f;
+#ifdef MF_AVX2
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+    for (; i + 32 <= k; i += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
+    }
+    __m256 s = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    sum = _mm_cvtss_f32(h);
+#else
+    float lanes[8] = {0};
+    for (; i + 8 <= k; i += 8)
+        for (int j = 0; j < 8; j++) lanes[j] += a[i + j] * b[i + j];
+    for (int j = 0; j < 8; j++) sum += lanes[j];
+#endif
+    for (; i < k; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+#define TOKEN_BLOCK 4
+
+/* out[j] = dot(w, xs[j]) for j < count <= TOKEN_BLOCK: the weight row is loaded once for the
+ * block (a lone token takes `dot`). */
+static void dots(const float *w, const float *const *xs, int count, int k, float *out) {
+    if (count == 1) {
+        out[0] = dot(w, xs[0], k);
+        return;
+    }
+    const float *x[TOKEN_BLOCK];
+    for (int j = 0; j < TOKEN_BLOCK; j++) x[j] = xs[j < count ? j : 0];
+    int i = 0;
+    float sum[TOKEN_BLOCK] = {0};
+#ifdef MF_AVX2
+    __m256 a[TOKEN_BLOCK][2];
+    for (int j = 0; j < TOKEN_BLOCK; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();
+    for (; i + 16 <= k; i += 16) {
+        __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
+        for (int j = 0; j < TOKEN_BLOCK; j++) {
+            a[j][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[j] + i), a[j][0]);
+            a[j][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[j] + i + 8), a[j][1]);
+        }
+    }
+    for (int j = 0; j < TOKEN_BLOCK; j++) {
+        __m256 v = _mm256_add_ps(a[j][0], a[j][1]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        sum[j] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    }
+#endif
+    for (; i < k; i++)
+        for (int j = 0; j < TOKEN_BLOCK; j++) sum[j] += w[i] * x[j][i];
+    for (int j = 0; j < count; j++) out[j] = sum[j];
+}
+
+/* The expert in bank slot `slot` for its `te` tokens: out[tok] += w * down(silu(gate x) * up x).
+ * Called by every thread of a team; rows are shared out, and `h` ([te, I]) is shared. */
+static void expert(const matrix_t *gu, const matrix_t *dn, int slot, const float *x, int te,
+                   const int32_t *tok, const float *pw, float *h, float *out, float *buf) {
+    int hidden = gu->k, inter = gu->part;
+    float *gbuf = buf, *ubuf = buf + hidden + 16, gv[TOKEN_BLOCK], uv[TOKEN_BLOCK];
+    const float *xs[TOKEN_BLOCK];
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int i = 0; i < inter; i++) {
+        const float *g = row(gu, slot, i, gbuf), *u = row(gu, slot, inter + i, ubuf);
+        for (int t0 = 0; t0 < te; t0 += TOKEN_BLOCK) {
+            int count = te - t0 < TOKEN_BLOCK ? te - t0 : TOKEN_BLOCK;
+            for (int j = 0; j < count; j++) xs[j] = x + (int64_t)tok[t0 + j] * hidden;
+            dots(g, xs, count, hidden, gv);
+            dots(u, xs, count, hidden, uv);
+            for (int j = 0; j < count; j++) h[(int64_t)(t0 + j) * inter + i] = gv[j] / (1.0f + expf(-gv[j])) * uv[j];
+        }
+    }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int n = 0; n < hidden; n++) {
+        const float *d = row(dn, slot, n, gbuf);
+        for (int t0 = 0; t0 < te; t0 += TOKEN_BLOCK) {
+            int count = te - t0 < TOKEN_BLOCK ? te - t0 : TOKEN_BLOCK;
+            for (int j = 0; j < count; j++) xs[j] = h + (int64_t)(t0 + j) * inter;
+            dots(d, xs, count, inter, gv);
+            for (int j = 0; j < count; j++) out[(int64_t)tok[t0 + j] * hidden + n] += pw[t0 + j] * gv[j];
+        }
+    }
+}
+
+/* Experts `slots[0..count)`; expert e's tokens are pairs [start[e], start[e+1]) of `pair_tok`
+ * (rows of x [T, hidden]) with routing weights `pair_w`. Adds into out [T, hidden] (fp32).
+ * Returns 0, or -1 when memory for the buffers could not be had. */
+int moe_cpu_experts(const matrix_t *gu, const matrix_t *dn, const float *x, int count,
+                    const int32_t *slots, const int32_t *start, const int32_t *pair_tok,
+                    const float *pair_w, float *out, int threads) {
+    int most = 0, failed = 0;
+    for (int e = 0; e < count; e++)
+        if (start[e + 1] - start[e] > most) most = start[e + 1] - start[e];
+    float *h = malloc(sizeof(float) * ((size_t)most * gu->part + 1));
+    if (!h) return -1;
+    size_t buf_floats = 2 * ((size_t)(gu->k > dn->k ? gu->k : dn->k) + 16);
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads > 0 ? threads : omp_get_max_threads())
+#endif
+    {
+        float *buf = malloc(sizeof(float) * buf_floats);
+        int ok = buf != NULL, all_ok = ok;
+#ifdef _OPENMP
+#pragma omp atomic update
+        failed += !ok;
+#pragma omp barrier
+#pragma omp atomic read
+        all_ok = failed;
+        all_ok = !all_ok;
+#endif
+        for (int e = 0; all_ok && e < count; e++)
+            expert(gu, dn, slots[e], x, start[e + 1] - start[e], pair_tok + start[e], pair_w + start[e], h,
+                   out, buf);
+        free(buf);
+    }
+    free(h);
+    return failed ? -1 : 0;
+}
+
+/* 1 when built with the AVX2/F16C paths, 0 for the portable loops; bit 1: OpenMP. */
+int moe_cpu_features(void) {
+    int f = 0;
+#ifdef MF_AVX2
+    f |= 1;
+#endif
+#ifdef _OPENMP
+    f |= 2;
+#endif
+    return f;
+}

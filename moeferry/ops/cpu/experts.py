@@ -1,0 +1,158 @@
+"""SwiGLU experts computed on the CPU straight from a bank's slot form (`experts.c`).
+
+The C source is built once per machine with the system C compiler (`$CC`, else `cc`) with
+`-O3 -march=native -fopenmp`, falling back to fewer flags where the compiler refuses one, into
+the user cache directory under a name that hashes the source, the flags and the CPU. ctypes
+calls it (and releases the GIL meanwhile). Without a compiler, or with MOEFERRY_CPU_KERNEL=0,
+`kernel()` is None and callers keep the PyTorch reference (`SlotBuffer.run_reference`); the
+log says which one runs and why.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from moeferry.paths import cache_dir
+
+log = logging.getLogger("moeferry.cpu_kernel")
+
+SOURCE = Path(__file__).with_name("experts.c")
+FORMS = {"dense": 0, "fp8_row": 1, "fp8_block": 2, "fp4": 3, "int4": 4}
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# tried in order: the first set the compiler accepts is kept
+FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
+
+
+class _Matrix(ctypes.Structure):
+    """experts.c's matrix_t: one SlotMatrix's pointers, geometry and per-slot byte strides."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in ("form", "dtype", "n", "k", "part", "group", "group_n", "s_cols")] + \
+               [(name, ctypes.c_void_p) for name in ("w", "s", "z", "rs")] + \
+               [(name, ctypes.c_int64) for name in ("w_slot", "s_slot", "z_slot", "rs_slot")]
+
+
+def _matrix(m) -> _Matrix:
+    """The C view of a SlotMatrix (its tensors must stay alive while the view is used)."""
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+
+    def stride(t):
+        return 0 if t is None else t[0].numel() * t.element_size()
+
+    for name, t in m.tensors().items():
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"CPU expert kernel: slot tensor {name} must be contiguous on the host")
+    dtype = m.w.dtype if m.kernel.name == "dense" else (m.s.dtype if m.kernel.name == "int4" else torch.float32)
+    if dtype not in DTYPES:
+        raise ValueError(f"CPU expert kernel: no path for {m.kernel.name} weights in {dtype}")
+    return _Matrix(FORMS[m.kernel.name], DTYPES[dtype], m.n, m.k, m.part, min(m.group, m.k), m.group_n,
+                   m.s.shape[-1] if m.s is not None else 0, ptr(m.w), ptr(m.s), ptr(m.z), ptr(m.rs),
+                   stride(m.w), stride(m.s), stride(m.z), stride(m.rs))
+
+
+class CpuExperts:
+    """The loaded kernel: `run` adds the chosen experts' outputs for their tokens."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path, flags: list[str]):
+        self.lib, self.path, self.flags = lib, path, flags
+        lib.moe_cpu_experts.restype = ctypes.c_int
+        lib.moe_cpu_experts.argtypes = [ctypes.POINTER(_Matrix), ctypes.POINTER(_Matrix)] + [ctypes.c_void_p] + \
+            [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int]
+        features = lib.moe_cpu_features()
+        self.simd, self.openmp = bool(features & 1), bool(features & 2)
+
+    def describe(self) -> str:
+        return (f"C kernel ({'AVX2/F16C' if self.simd else 'portable loops'}, "
+                f"{'OpenMP' if self.openmp else 'one thread'})")
+
+    def run(self, bank, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: dict[int, int],
+            threads: int) -> torch.Tensor:
+        """fp32 [T, H]: sum over the (token, choice) pairs whose expert is in `slot_of` (expert ->
+        bank slot) of weight * expert(x[token]). x [T, H], ids / weights [T, k], on the host."""
+        x = x.float().contiguous()
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        experts = list(slot_of)
+        if not experts:
+            return out
+        tok, choice = torch.where(torch.isin(ids, torch.tensor(experts, dtype=ids.dtype)))
+        chosen = ids[tok, choice]
+        order = torch.argsort(chosen, stable=True)
+        tok, chosen = tok[order].int(), chosen[order]
+        pair_w = weights.float()[tok.long(), choice[order]].contiguous()
+        present, counts = torch.unique_consecutive(chosen, return_counts=True)
+        start = torch.zeros(len(present) + 1, dtype=torch.int32)
+        start[1:] = counts.cumsum(0)
+        slots = torch.tensor([slot_of[int(e)] for e in present], dtype=torch.int32)
+        gu, dn = _matrix(bank.gate_up), _matrix(bank.down)
+        rc = self.lib.moe_cpu_experts(ctypes.byref(gu), ctypes.byref(dn), x.data_ptr(), len(present),
+                                      slots.data_ptr(), start.data_ptr(), tok.contiguous().data_ptr(),
+                                      pair_w.data_ptr(), out.data_ptr(), threads)
+        if rc != 0:
+            raise MemoryError("CPU expert kernel: could not allocate its buffers")
+        return out
+
+
+def build(out: Path, flag_sets=FLAG_SETS) -> list[str]:
+    """Compile SOURCE into `out` with the first flag set the compiler accepts; returns it.
+    Raises OSError with the compiler's words when none works."""
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise OSError(f"no C compiler ({cc!r} not found; set CC)")
+    errors = []
+    for flags in flag_sets:
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            target = Path(tmp) / out.name
+            r = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", str(target), str(SOURCE), "-lm"],
+                               capture_output=True, text=True)
+            if r.returncode == 0:
+                os.replace(target, out)  # atomic: a concurrent build never loads half a file
+                return flags
+            errors.append(f"{' '.join(flags)}: {(r.stderr.strip().splitlines() or [r.returncode])[-1]}")
+    raise OSError("the C compiler refused every flag set: " + "; ".join(errors))
+
+
+def load(path: Path, flags: list[str]) -> CpuExperts:
+    """A built kernel, loaded (OSError when it cannot be)."""
+    return CpuExperts(ctypes.CDLL(str(path)), path, flags)
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the machine and, on Linux, the CPU's feature flags."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return platform.machine() + flags
+
+
+@functools.cache
+def kernel() -> CpuExperts | None:
+    """The built kernel, or None (the reason is logged once): MOEFERRY_CPU_KERNEL=0, or no compiler."""
+    if os.environ.get("MOEFERRY_CPU_KERNEL", "1") == "0":
+        log.info("CPU experts: PyTorch reference (MOEFERRY_CPU_KERNEL=0)")
+        return None
+    digest = hashlib.sha256(SOURCE.read_bytes() + repr(FLAG_SETS).encode() + _cpu_id().encode()).hexdigest()[:16]
+    path = cache_dir() / "cpu_kernels" / f"experts-{digest}.so"
+    flags_file = path.with_suffix(".flags")
+    try:
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            flags_file.write_text(" ".join(build(path)))
+        flags = flags_file.read_text().split() if flags_file.is_file() else []
+        found = load(path, flags)
+    except OSError as e:
+        log.warning("CPU experts: the C kernel could not be built (%s); the PyTorch reference computes "
+                    "them, several times slower", e)
+        return None
+    log.info("CPU experts: %s, %s", found.describe(), path)
+    return found
