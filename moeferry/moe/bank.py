@@ -2,7 +2,7 @@
 
 A layer's bank is a `SlotBuffer` on the CPU with one slot per expert (slot e = expert e), in
 exactly the layout a device slot of the same format holds, so a cache miss is a few
-contiguous copies and the CPU lane computes straight from it (`SlotBuffer.run_reference`).
+contiguous copies and the CPU lane computes straight from it (`SlotBuffer.run_host`).
 Banks are built while the checkpoint streams in, one layer at a time.
 """
 from __future__ import annotations
