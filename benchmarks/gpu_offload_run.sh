@@ -30,6 +30,8 @@
 #   sampling  sampling.py: the sampler's general path against the top-k short path, Qwen3.6's vocabulary
 #   inputs    graph_inputs.py: a decode step's page-table host time against context length (PageRows)
 #   gputests  pytest -m gpu over the files with the gpu marker (GPUTESTS: other pytest arguments), -v
+#   lanes     the miss lanes on a 4-layer skewed (1.0) checkpoint: `moeferry bench bw`, cpu_experts.py (the CPU
+#             lane's C kernel against the PyTorch reference) and offload_engine.py offload / hybrid / cpu at 25%
 # Returned under $OUT: results.md (every table), results.json, logs.tgz (server, ballast and
 # make-model logs), driver.log, gpu.txt.
 # Knobs (env): BUDGET_S, RUNS, SEED_EST_S (the seed run's estimate, default 150), SEED_MAX_S / OFFLOAD_MAX_S (those runs' limits, default 360 / 400: FreeToken 0.1.2 boots in 70-110 s), LEAVE_GIB (empty: no ballast), CACHE_SIZE, SKEW, SKEW_FT, FT_ARGS,
@@ -164,7 +166,7 @@ export T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFFLOAD_
 print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__)' || exit 4
   fi
   needs_ckpt=0  # prep13 makes the checkpoint itself, alongside other work; some runs do not read it
-  for run in $RUNS; do case $run in prep13) needs_ckpt=0; break ;; bf16_12|gputests|moe|sampling|inputs|skew) ;;
+  for run in $RUNS; do case $run in prep13) needs_ckpt=0; break ;; bf16_12|gputests|moe|sampling|inputs|skew|lanes) ;;
     *) needs_ckpt=1 ;; esac; done
   if [ "$needs_ckpt" = 1 ]; then
     step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; }
@@ -196,6 +198,12 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       sampling) step sampling 30 90 bash -c "mkdir -p $WORK/sampling; python3 benchmarks/sampling.py --device cuda > $WORK/sampling/sampling.md" ;;
       inputs)   step inputs 20 90 bash -c "mkdir -p $WORK/inputs; python3 benchmarks/graph_inputs.py --device cuda > $WORK/inputs/graph_inputs.md" ;;
       gputests) step gputests 120 ${GPUTESTS_MAX_S:-300} gputests ;;
+      lanes)    step make_lanes 60 200 make_ckpt "$WORK/ckpt_lanes" 1.0 mixed_nvfp4 4 \
+                  && step lanes 150 300 bash -c "mkdir -p $WORK/lanes && cd $PWD \
+                  && python3 -m moeferry.cli bench bw --model $WORK/ckpt_lanes > $WORK/lanes/bw.md \
+                  && python3 benchmarks/cpu_experts.py --formats nvfp4,int4_awq > $WORK/lanes/cpu_experts.md \
+                  && python3 benchmarks/offload_engine.py --model $WORK/ckpt_lanes --out $WORK/lanes \
+                     --backends offload-25% hybrid-25% cpu-25%" ;;
       offload)  step offload 250 ${OFFLOAD_MAX_S:-400} offload offload "$WORK/ckpt" ;;
       offload_nopf) step offload_nopf 150 240 offload offload_nopf "$WORK/ckpt" --engines moeferry \
                   --ours-args "--disable-moe-decode-prefetch" ;;

@@ -87,7 +87,7 @@ class CpuExperts:
         tok, choice = torch.where(torch.isin(ids, torch.tensor(experts, dtype=ids.dtype)))
         chosen = ids[tok, choice]
         order = torch.argsort(chosen, stable=True)
-        tok, chosen = tok[order].int(), chosen[order]
+        tok, chosen = tok[order].int().contiguous(), chosen[order]  # kept alive across the call
         pair_w = weights.float()[tok.long(), choice[order]].contiguous()
         present, counts = torch.unique_consecutive(chosen, return_counts=True)
         start = torch.zeros(len(present) + 1, dtype=torch.int32)
@@ -95,7 +95,7 @@ class CpuExperts:
         slots = torch.tensor([slot_of[int(e)] for e in present], dtype=torch.int32)
         gu, dn = _matrix(bank.gate_up), _matrix(bank.down)
         rc = self.lib.moe_cpu_experts(ctypes.byref(gu), ctypes.byref(dn), x.data_ptr(), len(present),
-                                      slots.data_ptr(), start.data_ptr(), tok.contiguous().data_ptr(),
+                                      slots.data_ptr(), start.data_ptr(), tok.data_ptr(),
                                       pair_w.data_ptr(), out.data_ptr(), threads)
         if rc != 0:
             raise MemoryError("CPU expert kernel: could not allocate its buffers")
