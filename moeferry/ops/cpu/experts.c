@@ -3,9 +3,9 @@
  * The `cpu` and `hybrid` MoE backends compute misses from the pinned host banks. Dequantizing a
  * whole expert to fp32 in PyTorch first costs milliseconds; this kernel streams each weight row
  * once instead: a row is decoded into a small fp32 buffer (L1-resident) and multiplied with each
- * of the expert's tokens, rows split among OpenMP threads. moeferry/ops/cpu/__init__.py builds
- * it with the system C compiler on first use and calls it through ctypes (which releases the
- * GIL). Slot layouts: moeferry/ops/triton/moe_formats.py. fp32 arithmetic throughout; the
+ * of the expert's tokens (up to four at a time), rows split among OpenMP threads in two passes
+ * (gate/up, then down) for all of a call's experts. moeferry/ops/cpu/experts.py builds it with
+ * the system C compiler on first use and calls it through ctypes (which releases the GIL). Slot layouts: moeferry/ops/triton/moe_formats.py. fp32 arithmetic throughout; the
  * decoded weights equal the PyTorch reference's (`<form>_dequant`) bit for bit, only the
  * summation order of the dot products differs.
  *
@@ -86,11 +86,6 @@ static float element(const uint8_t *row, int dtype, int g) {
 }
 
 #ifdef MF_AVX2
-static inline __m128i nibble_half_e2m1(__m128i v) {
-    return _mm_or_si128(_mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(8)), 12),
-                        _mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(7)), 9));
-}
-
 /* 8 bytes -> 16 nibbles as u16, in element order (byte j: low nibble = element 2j). */
 static inline void nibbles16(const uint8_t *p, __m128i *a, __m128i *b) {
     __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
@@ -288,36 +283,42 @@ static void dots(const float *w, const float *const *xs, int count, int k, float
     for (int j = 0; j < count; j++) out[j] = sum[j];
 }
 
-/* The expert in bank slot `slot` for its `te` tokens: out[tok] += w * down(silu(gate x) * up x).
- * Called by every thread of a team; rows are shared out, and `h` ([te, I]) is shared. */
-static void expert(const matrix_t *gu, const matrix_t *dn, int slot, const float *x, int te,
-                   const int32_t *tok, const float *pw, float *h, float *out, float *buf) {
+/* The call's experts: expert e (bank slot slots[e]) has pairs [start[e], start[e+1]), pair p
+ * being token pair_tok[p] with routing weight pair_w[p]. out[tok] += w * down(silu(gate x) * up x).
+ * Called by every thread of a team. Two passes, one barrier each: the gate/up rows of every
+ * expert, shared out, give h [pairs, I]; then each output feature n is one thread's, which adds
+ * every expert's down row n in expert order (so the result does not depend on the thread count). */
+static void experts(const matrix_t *gu, const matrix_t *dn, const float *x, int count, const int32_t *slots,
+                    const int32_t *start, const int32_t *tok, const float *pw, float *h, float *out, float *buf) {
     int hidden = gu->k, inter = gu->part;
     float *gbuf = buf, *ubuf = buf + hidden + 16, gv[TOKEN_BLOCK], uv[TOKEN_BLOCK];
     const float *xs[TOKEN_BLOCK];
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-    for (int i = 0; i < inter; i++) {
-        const float *g = row(gu, slot, i, gbuf), *u = row(gu, slot, inter + i, ubuf);
-        for (int t0 = 0; t0 < te; t0 += TOKEN_BLOCK) {
-            int count = te - t0 < TOKEN_BLOCK ? te - t0 : TOKEN_BLOCK;
-            for (int j = 0; j < count; j++) xs[j] = x + (int64_t)tok[t0 + j] * hidden;
-            dots(g, xs, count, hidden, gv);
-            dots(u, xs, count, hidden, uv);
-            for (int j = 0; j < count; j++) h[(int64_t)(t0 + j) * inter + i] = gv[j] / (1.0f + expf(-gv[j])) * uv[j];
+    for (int64_t item = 0; item < (int64_t)count * inter; item++) {
+        int e = (int)(item / inter), i = (int)(item % inter);
+        const float *g = row(gu, slots[e], i, gbuf), *u = row(gu, slots[e], inter + i, ubuf);
+        for (int p0 = start[e]; p0 < start[e + 1]; p0 += TOKEN_BLOCK) {
+            int n = start[e + 1] - p0 < TOKEN_BLOCK ? start[e + 1] - p0 : TOKEN_BLOCK;
+            for (int j = 0; j < n; j++) xs[j] = x + (int64_t)tok[p0 + j] * hidden;
+            dots(g, xs, n, hidden, gv);
+            dots(u, xs, n, hidden, uv);
+            for (int j = 0; j < n; j++) h[(int64_t)(p0 + j) * inter + i] = gv[j] / (1.0f + expf(-gv[j])) * uv[j];
         }
     }
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-    for (int n = 0; n < hidden; n++) {
-        const float *d = row(dn, slot, n, gbuf);
-        for (int t0 = 0; t0 < te; t0 += TOKEN_BLOCK) {
-            int count = te - t0 < TOKEN_BLOCK ? te - t0 : TOKEN_BLOCK;
-            for (int j = 0; j < count; j++) xs[j] = h + (int64_t)(t0 + j) * inter;
-            dots(d, xs, count, inter, gv);
-            for (int j = 0; j < count; j++) out[(int64_t)tok[t0 + j] * hidden + n] += pw[t0 + j] * gv[j];
+    for (int feature = 0; feature < hidden; feature++) {
+        for (int e = 0; e < count; e++) {
+            const float *d = row(dn, slots[e], feature, gbuf);
+            for (int p0 = start[e]; p0 < start[e + 1]; p0 += TOKEN_BLOCK) {
+                int n = start[e + 1] - p0 < TOKEN_BLOCK ? start[e + 1] - p0 : TOKEN_BLOCK;
+                for (int j = 0; j < n; j++) xs[j] = h + (int64_t)(p0 + j) * inter;
+                dots(d, xs, n, inter, gv);
+                for (int j = 0; j < n; j++) out[(int64_t)tok[p0 + j] * hidden + feature] += pw[p0 + j] * gv[j];
+            }
         }
     }
 }
@@ -328,10 +329,8 @@ static void expert(const matrix_t *gu, const matrix_t *dn, int slot, const float
 int moe_cpu_experts(const matrix_t *gu, const matrix_t *dn, const float *x, int count,
                     const int32_t *slots, const int32_t *start, const int32_t *pair_tok,
                     const float *pair_w, float *out, int threads) {
-    int most = 0, failed = 0;
-    for (int e = 0; e < count; e++)
-        if (start[e + 1] - start[e] > most) most = start[e + 1] - start[e];
-    float *h = malloc(sizeof(float) * ((size_t)most * gu->part + 1));
+    int failed = 0;
+    float *h = malloc(sizeof(float) * ((size_t)start[count] * gu->part + 1));
     if (!h) return -1;
     size_t buf_floats = 2 * ((size_t)(gu->k > dn->k ? gu->k : dn->k) + 16);
 #ifdef _OPENMP
@@ -339,18 +338,19 @@ int moe_cpu_experts(const matrix_t *gu, const matrix_t *dn, const float *x, int 
 #endif
     {
         float *buf = malloc(sizeof(float) * buf_floats);
-        int ok = buf != NULL, all_ok = ok;
+        int all_ok = buf != NULL;
 #ifdef _OPENMP
 #pragma omp atomic update
-        failed += !ok;
+        failed += !all_ok;
 #pragma omp barrier
 #pragma omp atomic read
         all_ok = failed;
         all_ok = !all_ok;
+#else
+        (void)threads;
+        failed = !all_ok;
 #endif
-        for (int e = 0; all_ok && e < count; e++)
-            expert(gu, dn, slots[e], x, start[e + 1] - start[e], pair_tok + start[e], pair_w + start[e], h,
-                   out, buf);
+        if (all_ok) experts(gu, dn, x, count, slots, start, pair_tok, pair_w, h, out, buf);
         free(buf);
     }
     free(h);
