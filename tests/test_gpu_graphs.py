@@ -46,24 +46,30 @@ def _decode(engine, prompts, steps):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset,backend", [(p, "resident") for p in ALL]
                          + [("mixed_nvfp4", "offload"), ("mixed_nvfp4", "offload-partial"),
-                            ("mixed_nvfp4", "offload-piecewise"), ("mixed_nvfp4", "offload-lfu")])
+                            ("mixed_nvfp4", "offload-piecewise"), ("mixed_nvfp4", "offload-lfu"),
+                            ("mixed_nvfp4", "cpu"), ("mixed_nvfp4", "hybrid")])
 def test_decode_graphs_in_use(preset, backend, tmp_path):
     """(offload: a cache of every expert, which reads nothing on the host, is captured whole;
     offload-partial: half the experts cached, managed on the device: captured whole, the misses
     looked up and fetched inside the graph; offload-piecewise: the same cache managed on the
     host, captured piecewise, the misses fetched between the graphs; offload-lfu: 24 of the 32
-    experts managed on the device by LFU, which needs three steps' experts.)"""
+    experts managed on the device by LFU, which needs three steps' experts; cpu and hybrid: 16
+    slots, captured piecewise, the CPU lane computed between the graphs; hybrid fetching at most
+    one expert a layer, so that both lanes work.)"""
     from moeferry.checkpoint.synthetic import make_model
     from moeferry.engine.config import EngineConfig
     from moeferry.engine.engine import Engine
     path = make_model(tmp_path / preset, arch="qwen3_5_moe", size="tiny", seed=1, dtype="bfloat16",
                       quant=None if preset == "bf16" else preset)
-    extra = {"offload": dict(moe_cache_rate=1.0), "offload-lfu": dict(moe_cache_size=24, moe_cache_policy="lfu")}.get(
-        backend, dict(moe_cache_size=16) if "-" in backend else {})
+    extra = {"offload": dict(moe_cache_rate=1.0), "offload-lfu": dict(moe_cache_size=24, moe_cache_policy="lfu"),
+             "hybrid": dict(moe_cache_size=16, moe_hybrid_max_fetch=1)}.get(
+        backend, dict(moe_cache_size=16) if "-" in backend or backend == "cpu" else {})
+    piecewise = backend in ("offload-piecewise", "cpu", "hybrid")
     engine = Engine.build(EngineConfig(str(path), "cuda", "bfloat16", moe_backend=backend.split("-")[0],
                                        num_tokens=256, num_state_slots=4, **extra))
-    if backend.startswith("offload-"):
-        assert engine.experts.graph_mode(4) == "device", engine.experts.graph_mode(4)
+    if backend.startswith("offload-") or piecewise:
+        want = "piecewise" if backend in ("cpu", "hybrid") else "device"
+        assert engine.experts.graph_mode(4) == want, engine.experts.graph_mode(4)
     if backend == "offload-piecewise":
         engine.experts.device_managed = False
         engine.graphs.invalidate()
@@ -73,10 +79,11 @@ def test_decode_graphs_in_use(preset, backend, tmp_path):
     assert engine.graphs.disabled is None, f"{preset}: {engine.graphs.disabled}"
     assert engine.graphs.graphs, f"{preset}: no decode graph captured"
     pieces = {len(step.graphs) for step, _ in engine.graphs.graphs.values()}
-    assert pieces == ({1} if backend != "offload-piecewise" else {engine.spec.num_layers + 1}), pieces
-    if backend.startswith("offload-"):
+    assert pieces == ({engine.spec.num_layers + 1} if piecewise else {1}), pieces
+    if backend.startswith("offload-") or piecewise:
         s = engine.stats()["experts"]
         assert s["misses"] > 0 and s["hits"] > 0, s
+        assert (s["cpu_experts"] > 0) == (backend in ("cpu", "hybrid")), s
     graphs, engine.graphs = engine.graphs, None
     eager = _decode(engine, prompts, STEPS)
     engine.graphs = graphs

@@ -464,6 +464,86 @@ def test_cut_step_equals_eager(arch, preset, ckpt, ref_logits):
     assert_same_contents(runs[True][2], runs[False][2])
 
 
+def cut_decode_steps(llm, monkeypatch, capture) -> list:
+    """Run every all-decode step through `capture` (a RunAtOnce-like stand-in for a piecewise
+    graph's cuts), as a decode graph would; prefill chunks stay eager. Returns the captures used."""
+    engine, backend, used = llm.engine, llm.engine.experts, []
+    plain = engine.run_batch
+
+    def run(chunks, feed=None):
+        if not all(len(c.tokens) == 1 for c in chunks):
+            return plain(chunks, feed)
+        backend.capturing = capture()
+        used.append(backend.capturing)
+        try:
+            return plain(chunks, feed)
+        finally:
+            backend.capturing = None
+
+    monkeypatch.setattr(engine, "run_batch", run)
+    return used
+
+
+LANE_CUTS = [("qwen3_5_moe", "mixed_nvfp4", "cpu"), ("qwen3_moe", "int4_awq", "hybrid"),
+             ("qwen3_5_moe", "bf16", "hybrid-max1"), ("qwen3_moe", "fp8_block", "cpu")]
+
+
+@pytest.mark.parametrize("arch,preset,variant", LANE_CUTS)
+def test_cpu_lanes_at_the_cut_equal_resident(arch, preset, variant, ckpt, ref_logits, monkeypatch):
+    """cpu and hybrid decode captured piecewise: at each MoE layer's cut the host reads the
+    choices, fetches the split's share and writes the CPU lane's output into the buffer the next
+    graph adds. Resident's logits alone and batched, and the eager step's hits and misses (with
+    hybrid-max1, an expert the single slot cannot take goes to the CPU instead of the staging
+    area, so only there the CPU's count differs)."""
+    runs = {}
+    for cut in (False, True):
+        llm = build(ckpt, arch, preset, variant)
+        backend = llm.engine.experts
+        if backend.split is not None:  # the same split in both runs, not two boots' timings
+            backend.split = MissSplit(fetch_s=1.0, cpu_s=1.0, max_fetch=backend.split.max_fetch)
+        used = cut_decode_steps(llm, monkeypatch, RunAtOnce) if cut else []
+        got = llm.logits_batch(BATCH, CHUNKS)
+        for g, w in zip(got, ref_logits(arch, preset, BATCH, CHUNKS)):
+            assert rel_err(g, w) <= TOL
+        stats = llm.engine.stats()["experts"]
+        runs[cut] = ({k: stats[k] for k in ("hits", "misses")}, stats["cpu_experts"], contents(llm))
+        check_all(llm)
+        monkeypatch.undo()
+        if cut:
+            assert used and all(c.cuts == len(backend.executors) for c in used)  # every MoE layer of every decode step
+    assert runs[True][0] == runs[False][0] and runs[True][1] > 0
+    assert_same_contents(runs[True][2], runs[False][2])
+    if variant != "hybrid-max1":
+        assert runs[True][1] == runs[False][1]
+
+
+def test_lane_cut_reads_only_the_real_rows(ckpt):
+    """A padded graph batch: the rows past the real ones are neither looked up nor computed,
+    and the lane's buffer is zero there."""
+    llm = build(ckpt, "qwen3_moe", "bf16", "cpu", moe_cache_size=2)
+    backend = llm.engine.experts
+    ex = next(iter(backend.executors.values()))
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, ex.bank.hidden, generator=gen)
+    ids = torch.tensor([[0, 1], [1, 2], [0, 2], [5, 6]])  # row 3 is padding: experts 5 and 6 only there
+    weights = torch.rand(4, 2, generator=gen)
+
+    class ThreeRows:
+        def cut(self, work):
+            work(3)
+
+    before = llm.engine.stats()["experts"]
+    backend.capturing = ThreeRows()
+    try:
+        out = ex(x, ids, weights)
+    finally:
+        backend.capturing = None
+    after = llm.engine.stats()["experts"]
+    assert after["hits"] + after["misses"] - before["hits"] - before["misses"] == 3  # experts 0, 1, 2
+    assert rel_err(out[:3], ex(x[:3], ids[:3], weights[:3])) <= TOL
+    assert not torch.isnan(out[3]).any()
+
+
 def decode_on_device(llm, monkeypatch) -> list[int]:
     """Run every all-decode step the way a graph managing the cache on the device does (here
     eagerly: the CPU is the device): the state handed over first, the layers inside a "capture"
@@ -573,10 +653,10 @@ def test_split_choices_reads_only_the_real_rows():
 
 
 def test_graph_mode_needs_a_steps_working_set(ckpt, monkeypatch):
-    """Graphs of a partial cache only for the offload lane on CUDA: managed on the device when
-    the gather kernel works and every cache holds two steps' experts, else piecewise with every
+    """Graphs of a partial cache only on CUDA. The offload lane: managed on the device when the
+    gather kernel works and every cache holds two steps' experts, else piecewise with every
     cache holding max_batch x top_k experts (a step's experts could not be left over to stream
-    inside a graph)."""
+    inside a graph). cpu and hybrid: piecewise at any size (the CPU lane takes what finds no slot)."""
     llm = build(ckpt, "qwen3_5_moe", "bf16", "offload-25%")  # 8 of 32 slots, top_k 2
     backend = llm.engine.experts
     assert backend.graph_mode(1) is None  # the CPU
@@ -586,7 +666,10 @@ def test_graph_mode_needs_a_steps_working_set(ckpt, monkeypatch):
     assert backend.graph_mode(2) == "device" and backend.graph_mode(3) == "piecewise"
     backend.device_managed = False
     assert backend.graph_mode(2) == "piecewise"
-    backend.name = "hybrid"
+    for name in ("hybrid", "cpu"):
+        backend.name = name
+        assert backend.graph_mode(1) == backend.graph_mode(64) == "piecewise"
+    monkeypatch.setattr(backend, "device", torch.device("cpu"))
     assert backend.graph_mode(1) is None
 
 

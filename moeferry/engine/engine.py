@@ -81,7 +81,8 @@ GRAPH_MODES = {
     "whole": "captured whole",
     "device": "captured whole, the expert cache managed on the device (lookup, eviction and fetches "
               "of each MoE layer in the graph)",
-    "piecewise": "piecewise (cut at each MoE layer: the host reads its experts and fetches the misses)",
+    "piecewise": "piecewise (cut at each MoE layer: the host reads its experts, fetches the misses and "
+                 "computes the CPU lane's)",
 }
 
 
@@ -89,8 +90,8 @@ def _decode_graphs(cfg: EngineConfig, model, cache: CacheManager, sizes: EngineS
                    experts, plan: MemoryPlan | None) -> DecodeGraphs | None:
     """CUDA graphs of the decode step: whole with resident experts or an offload cache holding
     every expert; whole with a partial offload cache managed on the device during decode, else
-    piecewise (cut at each layer's host part); none for cpu and hybrid or where the plan
-    reserved no graph pool (`experts.graph_mode`)."""
+    piecewise (cut at each layer's host part, which is where cpu and hybrid run their CPU
+    lane); none where the plan reserved no graph pool (`experts.graph_mode`)."""
     planned = not cfg.offloads_experts or plan is None or plan.graphs.bytes > 0
     max_batch = min(cfg.max_running_requests, sizes.num_state_slots)  # the scheduler's largest decode batch
     mode = experts.graph_mode(max_batch)

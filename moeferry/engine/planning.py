@@ -94,8 +94,7 @@ def make_engine_plan(cfg: EngineConfig, spec, model, experts, device: torch.devi
     context = context_limit(cfg, spec.max_position_embeddings)
     transients = probe_transients(model, spec, cfg, context, dtype, device)
     weights = used_memory(device, free_at_start)  # after the probe: the kernels it loaded stay
-    capturable = cfg.moe_backend in ("resident", "offload")  # cpu / hybrid decode computes on the host
-    graphs = transients.decode if (device.type == "cuda" and cfg.cuda_graphs and capturable) else 0
+    graphs = transients.decode if (device.type == "cuda" and cfg.cuda_graphs) else 0
     where = "device" if device.type == "cuda" else "host (CPU mode)"
     inputs = PlanInputs(
         usable=usable_memory(free_at_start if cfg.gpu_memory_limit is None or device.type == "cuda" else None,

@@ -166,10 +166,15 @@ class OffloadBackend:
         when every expert is cached; for the offload lane on CUDA, "device" when the device can
         manage the cache (`steps_on_device`), else "piecewise" when every cache holds a step's
         whole working set (max_batch x top_k experts: nothing is left over to stream, which a
-        graph could not); None otherwise (cpu and hybrid compute on the host)."""
+        graph could not); "piecewise" for cpu and hybrid on CUDA (their CPU lane runs at each MoE
+        layer's cut, which also takes the misses no slot is left for); None otherwise."""
         if self.complete:
             return "whole"
-        if self.name != "offload" or self.device.type != "cuda" or not self.caches:
+        if self.device.type != "cuda":
+            return None
+        if self.name != "offload":
+            return "piecewise"
+        if not self.caches:
             return None
         if self.steps_on_device(max_batch):
             return "device"
@@ -403,6 +408,8 @@ class OffloadExperts:
         ahead = self.b.prefetch and self.next is not None and x.shape[0] <= STAGING_SLOTS
         if self.b.capturing is not None and self.b.steps_on_device(x.shape[0]):
             return self._on_device(x, ids, weights, ahead)
+        if self.b.capturing is not None and self.b.name != "offload":
+            return self._cut_lanes(x, ids, weights)
         guess = self._guess(x, ids) if ahead else None
         if self.b.capturing is not None:  # a graph-captured decode step: the host part runs at the cut
             flat, k = choices(ids, guess), ids.shape[-1]  # concatenated inside the graph
@@ -440,6 +447,34 @@ class OffloadExperts:
             self.cpu_experts += len(on_cpu)
             out = out + self._on_cpu(x, ids, weights, on_cpu, inputs)
         return out
+
+    def _cut_lanes(self, x, ids, weights) -> torch.Tensor:
+        """A captured decode step of the cpu and hybrid backends: the graph ends after the router,
+        the host part runs at the cut (`_lanes_at_cut`) and writes the CPU lane's output into
+        `lane`, which the next graph adds to the cached experts' output."""
+        lane = torch.empty_like(x)
+        self.b.capturing.cut(lambda rows: self._lanes_at_cut(x, ids, weights, rows, lane))
+        out = self._run_cached(x, ids, weights) if self.cache is not None else torch.zeros_like(x)
+        return out + lane
+
+    def _lanes_at_cut(self, x, ids, weights, rows: int, lane: torch.Tensor) -> None:
+        """Read the real rows' choices (the first `rows`; the layer's one host sync), fetch what
+        the hybrid split sends over the link (queued on the stream, so the copies run while the
+        CPU computes), and compute the other misses on the CPU, with any expert that found no
+        cache slot: a graph cannot stream it through the staging area."""
+        rows = min(rows, x.shape[0])
+        host_ids = ids[:rows].cpu()
+        needed, _ = distinct_experts(host_ids)
+        on_cpu = needed
+        if self.cache is not None:
+            misses = self._lookup(needed)
+            fetch, on_cpu = self.b.split.divide(misses, host_ids) if self.b.name == "hybrid" and misses else ([], misses)
+            on_cpu = on_cpu + self._fetch(fetch, needed, [])
+        self.cpu_experts += len(on_cpu)
+        lane.zero_()
+        if on_cpu:
+            out = self.bank.run_host(x[:rows].cpu(), host_ids, weights[:rows].cpu(), on_cpu, torch.get_num_threads())
+            lane[:rows].copy_(out)
 
     def _guess(self, x, ids) -> torch.Tensor:
         """The next MoE layer's experts predicted: its router applied to this layer's input (one kernel on CUDA)."""
