@@ -74,7 +74,6 @@ def _int_at_least(least: int) -> Callable[[str], int]:
 
 
 _positive_int = _int_at_least(1)
-_non_negative_int = _int_at_least(0)
 
 
 def _port(text: str) -> int:
@@ -161,11 +160,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "layer l+1's router applied to layer l's input predicts its experts, and the predicted "
                    "misses are copied on a copy stream while layer l computes)")
     g.add_argument("--moe-cpu-threads", type=_positive_int, metavar="N",
-                   help="cpu/hybrid backends: threads computing experts on the CPU (the worker's torch "
+                   help="cpu/hybrid backends and --moe-cpu-layers: threads computing experts on the CPU (the worker's torch "
                    "thread count, so on a CPU device every op's; default: torch's, the physical cores)")
-    g.add_argument("--moe-cpu-layers", type=_non_negative_int, default=0, metavar="N",
-                   help="cpu backend: the first N MoE layers keep no device slots and compute every expert "
-                   "on the CPU (default: 0)")
+    g.add_argument("--moe-cpu-layers", metavar="SPEC",
+                   help="offload/cpu backends: MoE layers that keep no device slots; their decode experts run on "
+                   "the CPU, their prefill chunks stream through the staging area. MoE-layer ids ('3,7,11', from "
+                   "0), a count ('8': spread evenly over the depth) or a fraction ('0.5') (default: none)")
     g.add_argument("--moe-hybrid-max-fetch", type=_positive_int, metavar="N",
                    help="hybrid backend: at most N experts copied over PCIe per layer and step (default: no cap)")
     g.add_argument("--expert-load", choices=EXPERT_LOADS, default="auto",

@@ -81,7 +81,7 @@ def test_defaults_and_aliases(model):
     a = parse("--model", model)
     assert (a.host, a.port) == (DEFAULT_HOST, DEFAULT_PORT) == ("127.0.0.1", 1919)
     assert a.max_extend_tokens == 8192 and a.page_size == 1 and a.moe_backend == "auto"
-    assert a.moe_cache_policy == "lru" and a.moe_prefill_overlap and a.moe_decode_prefetch and a.cuda_graphs and a.moe_cpu_layers == 0
+    assert a.moe_cache_policy == "lru" and a.moe_prefill_overlap and a.moe_decode_prefetch and a.cuda_graphs and a.moe_cpu_layers is None
     assert parse("--max-prefill-length", "512").max_extend_tokens == 512
     assert parse("--max-extend-tokens", "256").max_extend_tokens == 256
     cfg = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--num-tokens", "1000",
@@ -187,7 +187,8 @@ def test_bench_has_subcommands_and_needs_prompts(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--moe-cpu-layers", "2"], "applies to the cpu backend"),
+    (["--moe-backend", "hybrid", "--moe-cpu-layers", "2"], "applies to the offload and cpu backends"),
+    (["--moe-backend", "offload", "--moe-cpu-layers", "two"], "give MoE-layer ids"),
     (["--moe-backend", "offload", "--moe-hybrid-max-fetch", "2"], "applies to the hybrid backend"),
     (["--moe-backend", "offload", "--moe-cpu-threads", "2"], "applies to the cpu and hybrid backends"),
 ])

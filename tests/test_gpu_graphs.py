@@ -47,7 +47,7 @@ def _decode(engine, prompts, steps):
 @pytest.mark.parametrize("preset,backend", [(p, "resident") for p in ALL]
                          + [("mixed_nvfp4", "offload"), ("mixed_nvfp4", "offload-partial"),
                             ("mixed_nvfp4", "offload-piecewise"), ("mixed_nvfp4", "offload-lfu"),
-                            ("mixed_nvfp4", "cpu"), ("mixed_nvfp4", "hybrid")])
+                            ("mixed_nvfp4", "cpu"), ("mixed_nvfp4", "hybrid"), ("mixed_nvfp4", "offload-cpulayer")])
 def test_decode_graphs_in_use(preset, backend, tmp_path):
     """(offload: a cache of every expert, which reads nothing on the host, is captured whole;
     offload-partial: half the experts cached, managed on the device: captured whole, the misses
@@ -55,14 +55,16 @@ def test_decode_graphs_in_use(preset, backend, tmp_path):
     host, captured piecewise, the misses fetched between the graphs; offload-lfu: 24 of the 32
     experts managed on the device by LFU, which needs three steps' experts; cpu and hybrid: 16
     slots, captured piecewise, the CPU lane computed between the graphs; hybrid fetching at most
-    one expert a layer, so that both lanes work.)"""
+    one expert a layer, so that both lanes work; offload-cpulayer: offload-partial with MoE layer 1
+    on the CPU (`--moe-cpu-layers 1,`): managed on the device, cut once, at that layer.)"""
     from moeferry.checkpoint.synthetic import make_model
     from moeferry.engine.config import EngineConfig
     from moeferry.engine.engine import Engine
     path = make_model(tmp_path / preset, arch="qwen3_5_moe", size="tiny", seed=1, dtype="bfloat16",
                       quant=None if preset == "bf16" else preset)
     extra = {"offload": dict(moe_cache_rate=1.0), "offload-lfu": dict(moe_cache_size=24, moe_cache_policy="lfu"),
-             "hybrid": dict(moe_cache_size=16, moe_hybrid_max_fetch=1)}.get(
+             "hybrid": dict(moe_cache_size=16, moe_hybrid_max_fetch=1),
+             "offload-cpulayer": dict(moe_cache_size=16, moe_cpu_layers="1,")}.get(
         backend, dict(moe_cache_size=16) if "-" in backend or backend == "cpu" else {})
     piecewise = backend in ("offload-piecewise", "cpu", "hybrid")
     engine = Engine.build(EngineConfig(str(path), "cuda", "bfloat16", moe_backend=backend.split("-")[0],
@@ -79,11 +81,11 @@ def test_decode_graphs_in_use(preset, backend, tmp_path):
     assert engine.graphs.disabled is None, f"{preset}: {engine.graphs.disabled}"
     assert engine.graphs.graphs, f"{preset}: no decode graph captured"
     pieces = {len(step.graphs) for step, _ in engine.graphs.graphs.values()}
-    assert pieces == ({engine.spec.num_layers + 1} if piecewise else {1}), pieces
+    assert pieces == ({engine.spec.num_layers + 1} if piecewise else {2} if backend == "offload-cpulayer" else {1}), pieces
     if backend.startswith("offload-") or piecewise:
         s = engine.stats()["experts"]
         assert s["misses"] > 0 and s["hits"] > 0, s
-        assert (s["cpu_experts"] > 0) == (backend in ("cpu", "hybrid")), s
+        assert (s["cpu_experts"] > 0) == (backend in ("cpu", "hybrid", "offload-cpulayer")), s
     graphs, engine.graphs = engine.graphs, None
     eager = _decode(engine, prompts, STEPS)
     engine.graphs = graphs

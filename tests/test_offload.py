@@ -547,7 +547,8 @@ def test_lane_cut_reads_only_the_real_rows(ckpt):
 def decode_on_device(llm, monkeypatch) -> list[int]:
     """Run every all-decode step the way a graph managing the cache on the device does (here
     eagerly: the CPU is the device): the state handed over first, the layers inside a "capture"
-    that must never be cut. Returns the batch sizes of the steps run that way."""
+    cut only at the layers without slots (`--moe-cpu-layers`). Returns the batch sizes of the
+    steps run that way."""
     engine, backend = llm.engine, llm.engine.experts
     plain, steps = engine.run_batch, []
 
@@ -560,24 +561,30 @@ def decode_on_device(llm, monkeypatch) -> list[int]:
             return plain(chunks, feed)
         finally:
             backend.capturing = None
-            assert never.cuts == 0
+            assert never.cuts == len(backend.cpu_layers)
             steps.append(len(chunks))
 
     monkeypatch.setattr(engine, "run_batch", run)
     return steps
 
 
-DEVICE_CASES = [("qwen3_5_moe", "mixed_nvfp4", "after", "lru"), ("qwen3_moe", "bf16", "after", "lru"),
-                ("qwen3_5_moe", "bf16", "none", "lru"), ("qwen3_moe", "int4_awq", "before", "lru"),
-                ("qwen3_5_moe", "mixed_nvfp4", "before", "lfu"), ("qwen3_moe", "bf16", "none", "lfu")]
+DEVICE_CASES = [("qwen3_5_moe", "mixed_nvfp4", "after", "lru", None), ("qwen3_moe", "bf16", "after", "lru", None),
+                ("qwen3_5_moe", "bf16", "none", "lru", None), ("qwen3_moe", "int4_awq", "before", "lru", None),
+                ("qwen3_5_moe", "mixed_nvfp4", "before", "lfu", None), ("qwen3_moe", "bf16", "none", "lfu", None),
+                ("qwen3_5_moe", "mixed_nvfp4", "after", "lru", "2,"), ("qwen3_moe", "bf16", "before", "lfu", "3,")]
 
 
-@pytest.mark.parametrize("arch,preset,prefetch,policy", DEVICE_CASES, ids=["-".join(map(str, c)) for c in DEVICE_CASES])
-def test_device_managed_decode_equals_resident(arch, preset, prefetch, policy, ckpt, ref_logits, monkeypatch):
+@pytest.mark.parametrize("arch,preset,prefetch,policy,cpu_layers", DEVICE_CASES,
+                         ids=["-".join(map(str, c)) for c in DEVICE_CASES])
+def test_device_managed_decode_equals_resident(arch, preset, prefetch, policy, cpu_layers, ckpt, ref_logits,
+                                               monkeypatch):
     """Decode steps that look up, evict and fetch on the device (`DevicePolicy`), between
     prefill chunks managed on the host: resident's logits, alone and batched; the state handed
-    back and forth stays whole (owners, table, eviction order, free list); the counters add up."""
-    llm = build(ckpt, arch, preset, "offload-25%", moe_cache_size=24, moe_cache_policy=policy)
+    back and forth stays whole (owners, table, eviction order, free list); the counters add up.
+    With --moe-cpu-layers, those layers cut the step and run on the CPU between the pieces."""
+    slots = 24 if not cpu_layers else {"lru": 16, "lfu": 20}[policy]  # partial, and >= graph_steps x 3 rows x top-2
+    llm = build(ckpt, arch, preset, "offload-25%", moe_cache_size=slots, moe_cache_policy=policy,
+                moe_cpu_layers=cpu_layers)
     backend = llm.engine.experts
     backend.prefetch, backend.prefetch_first = prefetch != "none", prefetch == "before"  # before / after the own gather
     calls = []
@@ -596,9 +603,10 @@ def test_device_managed_decode_equals_resident(arch, preset, prefetch, policy, c
     assert 1 in steps and max(steps) > 1, steps  # alone and batched, on the device
     check_all(llm)  # (takes the state back from the device first)
     s = llm.engine.stats()["experts"]
-    assert s["hits"] + s["misses"] == sum(calls) and s["misses"] > 0
+    assert s["hits"] + s["misses"] + s["cpu_experts"] == sum(calls) and s["misses"] > 0
     assert s["bytes_fetched"] == (s["misses"] + s["prefetched"]) * backend.slot_bytes
     assert (s["prefetched"] > 0) == (prefetch != "none")
+    assert (s["cpu_experts"] > 0) == bool(cpu_layers)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
@@ -711,13 +719,13 @@ def test_complete_cache_reads_nothing_on_the_host(ckpt, ref_logits, trace, monke
     check_all(llm)
 
 
-# -- 6. cpu backend, first layer entirely on the CPU ---------------------------------------------
+# -- 6. --moe-cpu-layers: layers without device slots ------------------------------------------
 @pytest.mark.parametrize("arch,preset", [("qwen3_moe", "bf16"), ("qwen3_5_moe", "mixed_nvfp4")])
 def test_cpu_layers(arch, preset, ckpt, ref_logits, trace):
     llm = build(ckpt, arch, preset, "cpu", moe_cpu_layers=1, moe_cache_size=6)
     backend = llm.engine.experts
     first = min(backend.banks)
-    assert backend.cpu_layers == {first}
+    assert backend.cpu_layers == {first}  # a count of 1: the first MoE layer
     assert first not in backend.caches and backend.executors[first].cache is None
     assert all(first not in c.layers for c in caches(llm))
     assert backend.expert_slots == 6
@@ -730,9 +738,63 @@ def test_cpu_layers(arch, preset, ckpt, ref_logits, trace):
     assert s["cpu_experts"] == on_first + s["misses"]
 
 
-def test_negative_cpu_layers_is_refused(ckpt):
-    with pytest.raises(ValueError, match="moe_cpu_layers"):  # sorted(banks)[:-1] would be every layer but one
+def test_cpu_layer_specs():
+    """FreeToken 0.1.2's spellings: MoE-layer ids, a count spread over the depth, a fraction."""
+    from moeferry.moe.cpu_layers import check, resolve
+    assert resolve(check("3,1,3"), 8) == [1, 3] and resolve(check("5,"), 8) == [5]
+    assert resolve(check("4"), 8) == [0, 2, 4, 6] and resolve(check(3), 8) == [0, 2, 5]
+    assert resolve(check("0.5"), 40) == list(range(0, 40, 2)) and resolve(check("1.0"), 5) == [0, 1, 2, 3, 4]
+    assert check(None) is check("") is check(0) is check("0") is None and resolve(None, 8) == []
+    for bad, said in (("x", "give MoE-layer ids"), ("-1", "at least 0"), ("1.5", "in \\[0, 1\\]"),
+                      ("1,-2", "start at 0")):
+        with pytest.raises(ValueError, match=said):
+            check(bad)
+    with pytest.raises(ValueError, match="out of range: the model has 8 MoE layers"):
+        resolve("7,8", 8)
+    with pytest.raises(ValueError, match="has 8 MoE layers"):
+        resolve("9", 8)
+
+
+LONG = _prompt(90, 8)
+LONG_CHUNKS = [40, 45, 1]  # prefill chunks past a staging half (32), then decode-sized steps
+
+
+@pytest.mark.parametrize("arch,preset,variant,spec", [("qwen3_moe", "bf16", "offload-25%", "1,3"),
+                                                      ("qwen3_5_moe", "mixed_nvfp4", "offload-25%", "0.5"),
+                                                      ("qwen3_moe", "int4_awq", "cpu", "2")])
+def test_cpu_layers_stream_prefill_and_decode_on_the_cpu(arch, preset, variant, spec, ckpt, ref_logits, trace):
+    """--moe-cpu-layers as FreeToken spells it, with offload (its meaning) and cpu: the chosen
+    layers hold no slots; their prefill chunks stream through the staging area (the CPU would
+    take far longer over hundreds of tokens) and their decode steps run on the CPU. The cpu
+    backend's own misses in a prefill chunk stream too, and its cache stays as the boot filled it."""
+    llm = build(ckpt, arch, preset, variant, moe_cpu_layers=spec)
+    backend = llm.engine.experts
+    moe = sorted(backend.banks)
+    want = {"1,3": [1, 3], "0.5": [0, 2], "2": [0, 2]}[spec]
+    assert backend.cpu_layers == {moe[i] for i in want}
+    assert all(backend.executors[layer].cache is None for layer in backend.cpu_layers) and backend.staging
+    filled = contents(llm)
+    got = llm.logits(LONG, chunk_size=LONG_CHUNKS)
+    assert rel_err(got, ref_logits(arch, preset, [LONG], LONG_CHUNKS)[0]) <= TOL
+    s = llm.engine.stats()["experts"]
+    decode = sum(len(n) for layer, n, t in trace if layer in backend.cpu_layers and t <= 32)
+    prefill = sum(len(n) for layer, n, t in trace if layer in backend.cpu_layers and t > 32)
+    on_cpu = sum(backend.executors[layer].cpu_experts for layer in backend.cpu_layers)
+    assert on_cpu == decode > 0 and prefill > 0
+    assert backend.streamed.bytes_fetched == prefill * backend.slot_bytes
+    if variant == "cpu":
+        assert_same_contents(contents(llm), filled)
+        assert s["bytes_fetched"] > backend.streamed.bytes_fetched  # the cached layers' misses streamed too
+    check_all(llm)
+
+
+def test_cpu_layer_spec_errors_before_loading(ckpt):
+    with pytest.raises(ValueError, match="moe-cpu-layers"):
         LLM(str(ckpt("qwen3_moe", "bf16")), **COMMON, moe_backend="cpu", moe_cache_size=4, moe_cpu_layers=-1)
+    with pytest.raises(ValueError, match="applies to the offload and cpu backends"):
+        LLM(str(ckpt("qwen3_moe", "bf16")), **COMMON, moe_backend="hybrid", moe_cache_size=4, moe_cpu_layers="1")
+    with pytest.raises(ValueError, match="out of range: the model has 4 MoE layers"):
+        LLM(str(ckpt("qwen3_moe", "bf16")), **COMMON, moe_backend="offload", moe_cache_size=4, moe_cpu_layers="2,4")
 
 
 # -- 7. hybrid: the split ------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moeferry.moe import cpu_layers
+
 MOE_BACKENDS = ("resident", "offload", "cpu", "hybrid")  # plus "auto": decided at load (Engine.build)
 EXPERT_LOADS = ("auto", "serial", "parallel")
 
@@ -28,7 +30,7 @@ class EngineConfig:
     moe_prefill_overlap: bool = True    # stream layer l+1's experts while layer l computes
     moe_decode_prefetch: bool = True    # offload decode: fetch layer l+1's predicted misses while layer l computes
     moe_cpu_threads: int | None = None  # None: the physical cores
-    moe_cpu_layers: int = 0             # cpu backend: the first N MoE layers compute every expert on the CPU
+    moe_cpu_layers: str | None = None   # offload / cpu: MoE layers with no device slots, on the CPU (moe.cpu_layers)
     moe_hybrid_max_fetch: int | None = None  # hybrid: most PCIe fetches per layer and step
     expert_load: str = "auto"           # auto, serial or parallel
     # memory budget (the plan's inputs)
@@ -65,10 +67,10 @@ class EngineConfig:
                              "the KV size exactly: give one")
         if self.moe_cache_rate is not None and not 0 < self.moe_cache_rate <= 1:
             raise ValueError(f"moe_cache_rate must be in (0, 1], got {self.moe_cache_rate}")
-        if self.moe_cpu_layers < 0:
-            raise ValueError(f"moe_cpu_layers must be at least 0, got {self.moe_cpu_layers}")
-        if self.moe_cpu_layers and self.moe_backend != "cpu":
-            raise ValueError("moe_cpu_layers (--moe-cpu-layers) applies to the cpu backend (--moe-backend cpu)")
+        object.__setattr__(self, "moe_cpu_layers", cpu_layers.check(self.moe_cpu_layers))  # "8" and 8 alike
+        if self.moe_cpu_layers and self.moe_backend not in ("offload", "cpu", "auto"):
+            raise ValueError("moe_cpu_layers (--moe-cpu-layers) applies to the offload and cpu backends "
+                             f"(--moe-backend offload or cpu), not {self.moe_backend}")
         if self.moe_hybrid_max_fetch is not None and self.moe_backend != "hybrid":
             raise ValueError("moe_hybrid_max_fetch (--moe-hybrid-max-fetch) applies to the hybrid backend "
                              "(--moe-backend hybrid)")
@@ -76,8 +78,9 @@ class EngineConfig:
             value = getattr(self, field)
             if value != default and self.moe_backend not in backends + ("auto",):
                 raise ValueError(refusal.format(value=value))
-        if self.moe_cpu_threads is not None and self.moe_backend not in ("cpu", "hybrid"):
-            raise ValueError("moe_cpu_threads (--moe-cpu-threads) applies to the cpu and hybrid backends")
+        if self.moe_cpu_threads is not None and self.moe_backend not in ("cpu", "hybrid") and not self.moe_cpu_layers:
+            raise ValueError("moe_cpu_threads (--moe-cpu-threads) applies to the cpu and hybrid backends "
+                             "and to --moe-cpu-layers")
         if self.memory_ratio is not None and not 0 < self.memory_ratio <= 1:
             raise ValueError(f"memory_ratio must be in (0, 1], got {self.memory_ratio}")
         for name in ("moe_cache_size", "num_tokens", "num_state_slots", "page_size", "max_seq_len",

@@ -53,8 +53,9 @@ def choose_backend(cfg: EngineConfig, reader, device: torch.device, free_at_star
     memory, or --gpu-memory-limit) and offload with a planned cache otherwise; on the CPU resident."""
     if cfg.moe_backend != "auto":
         return cfg
-    if cfg.sizes_expert_cache:
-        log.info("--moe-backend auto: offload (an expert cache flag was given)")
+    if cfg.sizes_expert_cache or cfg.moe_cpu_layers:
+        log.info("--moe-backend auto: offload (%s was given)",
+                 "--moe-cpu-layers" if cfg.moe_cpu_layers else "an expert cache flag")
         return replace(cfg, moe_backend="offload")
     budget = free_at_start if cfg.gpu_memory_limit is None else min(free_at_start, cfg.gpu_memory_limit)
     files = {info.file for info in reader.tensors.values()}

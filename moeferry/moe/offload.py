@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from moeferry.moe.bank import build_bank, pinnable, plan_loading
+from moeferry.moe.cpu_layers import resolve as resolve_cpu_layers
 from moeferry.moe.expert_cache import ExpertCache, LayerCounters
 from moeferry.moe.layer_experts import LayerExperts
 from moeferry.moe.resident import use_kernels
@@ -120,7 +121,10 @@ class OffloadBackend:
         self.join_late = True
         self.prefetch_first = False  # device-managed: the next layer's prefetch started before this layer's own gather
         self.transfer_chosen = False
-        self.cpu_layers = set()
+        self.cpu_layers = set()                       # --moe-cpu-layers (model layer ids), resolved in finish()
+        moe_layers = sum(spec.is_moe_layer(i) for i in range(spec.num_layers))
+        resolve_cpu_layers(cfg.moe_cpu_layers, moe_layers)  # a spec the model cannot take fails now, not after loading
+        self.streamed = LayerCounters()               # prefill chunks of the layers without slots, through staging
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # decode prefetch: only the offload lane, and only where copies can overlap compute
         self.prefetch = cfg.moe_decode_prefetch and name == "offload" and device.type == "cuda"
@@ -254,8 +258,7 @@ class OffloadBackend:
 
     @property
     def staging_bytes(self) -> int:
-        if self.name == "cpu":
-            return 0
+        """The prefill staging area: two halves of STAGING_SLOTS slots per slot layout."""
         return sum(2 * STAGING_SLOTS * self.banks[layers[0]].bytes_per_slot for layers in self.groups.values())
 
     def requested_slots(self) -> int | None:
@@ -272,8 +275,8 @@ class OffloadBackend:
 
     def finish(self, expert_slots: int | None = None) -> None:
         """Allocate the device cache (`expert_slots` in all, split over layout groups by layer
-        count; the first `moe_cpu_layers` MoE layers of the cpu backend get none), the staging
-        area, fill the cache evenly, and (hybrid) measure the lanes."""
+        count; the `--moe-cpu-layers` get none), the staging area, fill the cache evenly, and
+        (hybrid) measure the lanes."""
         total = expert_slots if expert_slots is not None else self.requested_slots()
         if total is None:
             raise ValueError("the offload backend needs an expert slot count (--moe-cache-size / -rate / -auto)")
@@ -281,27 +284,29 @@ class OffloadBackend:
         self._release_device()
         if not self.transfer_chosen:  # before the cache takes the device's memory
             self._choose_transfer()
-        if self.name == "cpu" and self.cfg.moe_cpu_layers:
-            self.cpu_layers = set(sorted(self.banks)[: self.cfg.moe_cpu_layers])
+        moe_layers = sorted(self.banks)
+        self.cpu_layers = {moe_layers[i] for i in resolve_cpu_layers(self.cfg.moe_cpu_layers, len(moe_layers))}
+        if self.cpu_layers:
+            log.info("MoE layers on the CPU (no device slots; decode experts computed on the CPU): %s",
+                     sorted(self.cpu_layers))
         cached_layers = {k: [x for x in v if x not in self.cpu_layers] for k, v in self.groups.items()}
         n_layers = sum(len(v) for v in cached_layers.values()) or 1
-        for key, layers in cached_layers.items():
-            if not layers:
-                continue
+        for key, layers in self.groups.items():
             first = self.banks[layers[0]]
-            slots = max(1, total * len(layers) // n_layers)
-            cache = ExpertCache(SlotBuffer.allocate_like(first, slots, device=self.device), layers,
+            self.staging[key] = SlotBuffer.allocate_like(first, 2 * STAGING_SLOTS, device=self.device)
+            if not cached_layers[key]:
+                continue
+            slots = max(1, total * len(cached_layers[key]) // n_layers)
+            cache = ExpertCache(SlotBuffer.allocate_like(first, slots, device=self.device), cached_layers[key],
                                 first.num_slots, self.cfg.moe_cache_policy)
             cache.gather = self.gather if self.name != "cpu" else None
             cache.fill(self.banks)
-            for layer in layers:
+            for layer in cached_layers[key]:
                 self.caches[layer] = cache
-            if self.name != "cpu":
-                self.staging[key] = SlotBuffer.allocate_like(first, 2 * STAGING_SLOTS, device=self.device)
         self._bind()
         if self.complete:
             log.info("expert cache holds every expert: steps read nothing on the host (decode graphs allowed)")
-        if self.name in ("cpu", "hybrid"):
+        if self.name in ("cpu", "hybrid") or self.cpu_layers:
             cpu_kernel()  # built (or found) at boot, not in a request; its log line says what computes the lane
         if self.name == "hybrid":
             from moeferry.moe.bandwidth import MissSplit
@@ -370,6 +375,7 @@ class OffloadBackend:
     def stats(self) -> dict:
         caches = self.distinct_caches
         total = LayerCounters()
+        total.add(self.streamed)
         for c in caches:
             total.add(c.totals())  # once per cache: it folds the device's hit counts into the layers'
         policy = caches[0].policy.name if caches else self.cfg.moe_cache_policy
@@ -406,10 +412,10 @@ class OffloadExperts:
             self.cache.count_on_device(self.layer, ids)
             return self._run_cached(x, ids, weights)
         ahead = self.b.prefetch and self.next is not None and x.shape[0] <= STAGING_SLOTS
+        if self.b.capturing is not None and (self.cache is None or self.b.name != "offload"):
+            return self._cut_lanes(x, ids, weights)
         if self.b.capturing is not None and self.b.steps_on_device(x.shape[0]):
             return self._on_device(x, ids, weights, ahead)
-        if self.b.capturing is not None and self.b.name != "offload":
-            return self._cut_lanes(x, ids, weights)
         guess = self._guess(x, ids) if ahead else None
         if self.b.capturing is not None:  # a graph-captured decode step: the host part runs at the cut
             flat, k = choices(ids, guess), ids.shape[-1]  # concatenated inside the graph
@@ -417,13 +423,18 @@ class OffloadExperts:
             return self._run_cached(x, ids, weights)
         needed, predicted = distinct_experts(ids, guess)  # the one host sync of the layer
         self.b.settle()  # the previous layer's prefetch has landed (table and slots)
-        if self.cache is None:  # a cpu-backend layer without device slots
+        prefill = self.staging is not None and x.shape[0] > STAGING_SLOTS  # a chunk the CPU would take long over
+        if self.cache is None:  # a --moe-cpu-layers layer: no device slots
+            if prefill:
+                return self._streamed(x, ids, weights, needed)
             self.cpu_experts += len(needed)
             return self._on_cpu(x, ids, weights, needed)
         misses = self._lookup(needed)
         if not misses:
             self._fetch([], needed, predicted)
             return self._run_cached(x, ids, weights)
+        if self.b.name == "cpu" and prefill:  # the cache keeps what the boot placed; the misses stream
+            return self._run_cached(x, ids, weights) + self._streamed(x, ids, weights, misses)
         if self.b.name == "cpu":
             fetch, on_cpu = [], misses
         elif self.b.name == "hybrid":
@@ -436,17 +447,27 @@ class OffloadExperts:
         if streaming:  # a big prefill chunk: hits in place, misses through staging, the cache untouched
             out = self._run_cached(x, ids, weights)
             leftover = fetch
-            self.cache.counters[self.layer].bytes_fetched += len(fetch) * self.bank.bytes_per_slot
+            self._count_streamed(len(fetch))
         else:
             leftover = self._fetch(fetch, needed, predicted)
             out = self._run_cached(x, ids, weights)
-            self.cache.counters[self.layer].bytes_fetched += len(leftover) * self.bank.bytes_per_slot
+            self._count_streamed(len(leftover))
         if leftover:
             out = out + self._stream(x, ids, weights, leftover)
         if on_cpu:  # the CPU computes while the device runs what was queued above
             self.cpu_experts += len(on_cpu)
             out = out + self._on_cpu(x, ids, weights, on_cpu, inputs)
         return out
+
+    def _streamed(self, x, ids, weights, experts: list[int]) -> torch.Tensor:
+        """`experts` through the staging area (none of them is placed in the cache)."""
+        self._count_streamed(len(experts))
+        return self._stream(x, ids, weights, experts)
+
+    def _count_streamed(self, experts: int) -> None:
+        """Bytes of experts copied through the staging area (a layer without slots: the backend's)."""
+        counters = self.cache.counters[self.layer] if self.cache is not None else self.b.streamed
+        counters.bytes_fetched += experts * self.bank.bytes_per_slot
 
     def _cut_lanes(self, x, ids, weights) -> torch.Tensor:
         """A captured decode step of the cpu and hybrid backends: the graph ends after the router,
@@ -595,7 +616,7 @@ class OffloadExperts:
         base = half * (self.staging.num_slots // 2)
         dst = list(range(base, base + len(chunk)))
         if stream is None:
-            self.staging.copy_slots(dst, self.bank, chunk, gather=self.cache.gather)
+            self.staging.copy_slots(dst, self.bank, chunk, gather=self.b.gather)
             return None
         compute = torch.cuda.current_stream()
         with torch.cuda.stream(stream):
@@ -603,7 +624,7 @@ class OffloadExperts:
                 stream.wait_stream(compute)
             else:
                 stream.wait_event(freed[half])
-            self.staging.copy_slots(dst, self.bank, chunk, gather=self.cache.gather)
+            self.staging.copy_slots(dst, self.bank, chunk, gather=self.b.gather)
             return stream.record_event()
 
     @staticmethod
