@@ -1,13 +1,15 @@
 """The CPU lane's C kernel (`moeferry/ops/cpu/experts.c`) against the slot forms' PyTorch
 reference (`SlotBuffer.run_reference`): every registry format, experts in scattered slots,
 token counts below, at and past the kernel's token block, row lengths with and without a
-scalar tail. Built twice from the source: with the AVX2/F16C paths (`-march=native`, where the
-CPU has them) and with the portable loops (`-O3` alone), so both paths are checked here.
+scalar tail. Built three times from the source: for this CPU (`-march=native`: AVX-512 where it
+has it), for AVX2/F16C alone, and with the portable loops (`-O3` alone), so every path that
+this CPU can run is checked here.
 """
 from __future__ import annotations
 
 import logging
 import os
+import platform
 import shutil
 from pathlib import Path
 
@@ -23,13 +25,19 @@ from tests.test_slot_reference import CASES, _buffer
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 
 
+BUILDS = {"native": ["-O3", "-march=native", "-fopenmp"], "portable": ["-O3"]}
+if platform.machine() in ("x86_64", "AMD64"):  # the AVX2 paths alone, also on a CPU with AVX-512
+    BUILDS["avx2"] = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+
+
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory) -> dict[str, cpu.CpuExperts]:
     out = {}
-    for name, flags in (("native", ["-O3", "-march=native", "-fopenmp"]), ("portable", ["-O3"])):
+    for name, flags in BUILDS.items():
         path = tmp_path_factory.mktemp(name) / "experts.so"
         out[name] = cpu.load(path, cpu.build(path, [flags]))
     assert not out["portable"].simd and not out["portable"].openmp
+    assert "avx2" not in out or (out["avx2"].simd and not out["avx2"].avx512)
     return out
 
 
@@ -61,14 +69,14 @@ def _check(kernel, buf, gen, tokens=(1, 3, 4, 9), experts=6, k=3, drop=2):
         assert _rel(got, want) <= 1e-5, f"T={t}: relative error {_rel(got, want):.3g}"
 
 
-@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_kernel_matches_reference(builds, build, case):
     buf, _, _, gen = _buffer(case, 0, 9, seed=hash(case) % 1000)
     _check(builds[build], buf, gen)
 
 
-@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dense_experts_in_every_dtype(builds, build, dtype):
     gen = torch.Generator().manual_seed(5)

@@ -470,9 +470,10 @@ class OffloadExperts:
         counters.bytes_fetched += experts * self.bank.bytes_per_slot
 
     def _cut_lanes(self, x, ids, weights) -> torch.Tensor:
-        """A captured decode step of the cpu and hybrid backends: the graph ends after the router,
-        the host part runs at the cut (`_lanes_at_cut`) and writes the CPU lane's output into
-        `lane`, which the next graph adds to the cached experts' output."""
+        """A captured decode step of the cpu and hybrid backends, or of a layer without slots
+        (`--moe-cpu-layers`): the graph ends after the router, the host part runs at the cut
+        (`_lanes_at_cut`) and writes the CPU lane's output into `lane`, which the next graph adds
+        to the cached experts' output (zeros without a cache)."""
         lane = torch.empty_like(x)
         self.b.capturing.cut(lambda rows: self._lanes_at_cut(x, ids, weights, rows, lane))
         out = self._run_cached(x, ids, weights) if self.cache is not None else torch.zeros_like(x)

@@ -23,6 +23,9 @@
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
 #define MF_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define MF_AVX512 1 /* 16-wide decode and dot products where the CPU has them; AVX2 covers the rest */
+#endif
 #endif
 
 enum { FORM_DENSE = 0, FORM_FP8_ROW = 1, FORM_FP8_BLOCK = 2, FORM_FP4 = 3, FORM_INT4 = 4 };
@@ -102,6 +105,12 @@ static inline __m256 e4m3x8(const uint8_t *p) {
 }
 
 static inline __m256 u16x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(v)); }
+
+/* 16 bytes -> their 32 nibbles as bytes, in element order (each u16 lane: low | high << 8). */
+static inline __m256i codes32(const uint8_t *p) {
+    __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_or_si256(_mm256_and_si256(w, _mm256_set1_epi16(15)), _mm256_slli_epi16(_mm256_srli_epi16(w, 4), 8));
+}
 #endif
 
 /* An fp4 row of k elements (k even); `sc` = the row's e4m3 scales (one per 16 elements). */
@@ -117,6 +126,18 @@ static void fp4_row(const uint8_t *w, const uint8_t *sc, float rs, int k, float 
     const __m256 unit = _mm256_set1_ps(rs * E2M1_UNIT * E4M3_UNIT);
     for (; k0 + 128 <= k; k0 += 128) {  /* eight groups: their scales decoded together */
         _mm256_storeu_ps(scale, _mm256_mul_ps(e4m3x8(sc + k0 / 16), unit));
+#ifdef MF_AVX512
+        for (int g = 0; g < 8; g += 2) {  /* two groups, 32 codes, a step */
+            int at = k0 + 16 * g;
+            __m256i halves = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(high), codes32(w + at / 2));
+            __m512i bits = _mm512_slli_epi16(_mm512_cvtepu8_epi16(halves), 8);
+            _mm512_storeu_ps(out + at, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(bits)),
+                                                     _mm512_set1_ps(scale[g])));
+            _mm512_storeu_ps(out + at + 16, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1)),
+                                                          _mm512_set1_ps(scale[g + 1])));
+        }
+        (void)low4, (void)zero;
+#else
         for (int g = 0; g < 8; g++) {
             int at = k0 + 16 * g;
             __m256 s = _mm256_broadcast_ss(scale + g);
@@ -126,6 +147,7 @@ static void fp4_row(const uint8_t *w, const uint8_t *sc, float rs, int k, float 
             _mm256_storeu_ps(out + at, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, halves)), s));
             _mm256_storeu_ps(out + at + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(zero, halves)), s));
         }
+#endif
     }
 #endif
     for (int i = k0; i < k; i += 2) {
@@ -139,6 +161,17 @@ static void fp4_row(const uint8_t *w, const uint8_t *sc, float rs, int k, float 
 static void int4_span(const uint8_t *w, const uint8_t *sc, const uint8_t *zp, int dtype, int group,
                       int k0, int k1, float *out) {
     int k = k0;
+#ifdef MF_AVX512
+    for (; group % 32 == 0 && k + 32 <= k1 && k % 32 == 0; k += 32) {
+        int g = k / group;
+        __m512 s = _mm512_set1_ps(element(sc, dtype, g)), z = _mm512_set1_ps(zp ? (float)zp[g] : 8.0f);
+        __m256i c = codes32(w + k / 2);
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(c)));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(c, 1)));
+        _mm512_storeu_ps(out + k, _mm512_mul_ps(_mm512_sub_ps(lo, z), s));
+        _mm512_storeu_ps(out + k + 16, _mm512_mul_ps(_mm512_sub_ps(hi, z), s));
+    }
+#endif
 #ifdef MF_AVX2
     for (; group % 16 == 0 && k + 16 <= k1 && k % 16 == 0; k += 16) {
         int g = k / group;
@@ -225,6 +258,16 @@ static const float *row(const matrix_t *m, int slot, int n, float *buf) {
 static float dot(const float *a, const float *b, int k) {
     int i = 0;
     float sum = 0.0f;
+#ifdef MF_AVX512
+    __m512 z0 = _mm512_setzero_ps(), z1 = _mm512_setzero_ps(), z2 = _mm512_setzero_ps(), z3 = _mm512_setzero_ps();
+    for (; i + 64 <= k; i += 64) {
+        z0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), z0);
+        z1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), z1);
+        z2 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 32), _mm512_loadu_ps(b + i + 32), z2);
+        z3 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 48), _mm512_loadu_ps(b + i + 48), z3);
+    }
+    sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(z0, z1), _mm512_add_ps(z2, z3)));
+#endif
 #ifdef MF_AVX2
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
     for (; i + 32 <= k; i += 32) {
@@ -237,7 +280,7 @@ static float dot(const float *a, const float *b, int k) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    sum = _mm_cvtss_f32(h);
+    sum += _mm_cvtss_f32(h);
 #else
     float lanes[8] = {0};
     for (; i + 8 <= k; i += 8)
@@ -261,6 +304,18 @@ static void dots(const float *w, const float *const *xs, int count, int k, float
     for (int j = 0; j < TOKEN_BLOCK; j++) x[j] = xs[j < count ? j : 0];
     int i = 0;
     float sum[TOKEN_BLOCK] = {0};
+#ifdef MF_AVX512
+    __m512 b[TOKEN_BLOCK][2];
+    for (int j = 0; j < TOKEN_BLOCK; j++) b[j][0] = b[j][1] = _mm512_setzero_ps();
+    for (; i + 32 <= k; i += 32) {
+        __m512 w0 = _mm512_loadu_ps(w + i), w1 = _mm512_loadu_ps(w + i + 16);
+        for (int j = 0; j < TOKEN_BLOCK; j++) {
+            b[j][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[j] + i), b[j][0]);
+            b[j][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[j] + i + 16), b[j][1]);
+        }
+    }
+    for (int j = 0; j < TOKEN_BLOCK; j++) sum[j] = _mm512_reduce_add_ps(_mm512_add_ps(b[j][0], b[j][1]));
+#endif
 #ifdef MF_AVX2
     __m256 a[TOKEN_BLOCK][2];
     for (int j = 0; j < TOKEN_BLOCK; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();
@@ -275,7 +330,7 @@ static void dots(const float *w, const float *const *xs, int count, int k, float
         __m256 v = _mm256_add_ps(a[j][0], a[j][1]);
         __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        sum[j] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+        sum[j] += _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
     }
 #endif
     for (; i < k; i++)
@@ -357,11 +412,14 @@ int moe_cpu_experts(const matrix_t *gu, const matrix_t *dn, const float *x, int 
     return failed ? -1 : 0;
 }
 
-/* 1 when built with the AVX2/F16C paths, 0 for the portable loops; bit 1: OpenMP. */
+/* Bit 0: built with the AVX2/F16C paths (else the portable loops); bit 1: OpenMP; bit 2: AVX-512. */
 int moe_cpu_features(void) {
     int f = 0;
 #ifdef MF_AVX2
     f |= 1;
+#endif
+#ifdef MF_AVX512
+    f |= 4;
 #endif
 #ifdef _OPENMP
     f |= 2;

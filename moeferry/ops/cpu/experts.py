@@ -69,11 +69,11 @@ class CpuExperts:
         lib.moe_cpu_experts.argtypes = [ctypes.POINTER(_Matrix), ctypes.POINTER(_Matrix)] + [ctypes.c_void_p] + \
             [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int]
         features = lib.moe_cpu_features()
-        self.simd, self.openmp = bool(features & 1), bool(features & 2)
+        self.simd, self.openmp, self.avx512 = bool(features & 1), bool(features & 2), bool(features & 4)
 
     def describe(self) -> str:
-        return (f"C kernel ({'AVX2/F16C' if self.simd else 'portable loops'}, "
-                f"{'OpenMP' if self.openmp else 'one thread'})")
+        simd = "AVX-512 + AVX2/F16C" if self.avx512 else "AVX2/F16C" if self.simd else "portable loops"
+        return f"C kernel ({simd}, {'OpenMP' if self.openmp else 'one thread'})"
 
     def run(self, bank, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: dict[int, int],
             threads: int) -> torch.Tensor:
