@@ -136,6 +136,19 @@ def test_run_host_uses_the_kernel_and_falls_back(monkeypatch, tmp_path, caplog):
         cpu.kernel.cache_clear()
 
 
+def test_an_unusable_cache_builds_in_the_temporary_directory(monkeypatch, tmp_path):
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "moeferry").write_text("a file where the cache directory would be")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    cpu.kernel.cache_clear()
+    try:
+        found = cpu.kernel()
+        assert found is not None and found.path.parent == tmp_path / "tmp" / f"moeferry-cpu-kernels-{os.getuid()}"
+    finally:
+        cpu.kernel.cache_clear()
+
+
 def test_kernel_is_built_once_into_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     cpu.kernel.cache_clear()

@@ -135,24 +135,37 @@ def _cpu_id() -> str:
     return platform.machine() + flags
 
 
+def _found_or_built(path: Path) -> CpuExperts:
+    """The kernel at `path`, built there first if missing (OSError when neither works)."""
+    flags_file = path.with_suffix(".flags")
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        flags_file.write_text(" ".join(build(path)))
+    return load(path, flags_file.read_text().split() if flags_file.is_file() else [])
+
+
 @functools.cache
 def kernel() -> CpuExperts | None:
-    """The built kernel, or None (the reason is logged once): MOEFERRY_CPU_KERNEL=0, or no compiler."""
+    """The built kernel, or None (the reason is logged once): MOEFERRY_CPU_KERNEL=0, or no
+    compiler. Built in the user cache directory, or in the temporary directory when that one is
+    not writable."""
     if os.environ.get("MOEFERRY_CPU_KERNEL", "1") == "0":
         log.info("CPU experts: PyTorch reference (MOEFERRY_CPU_KERNEL=0)")
         return None
     digest = hashlib.sha256(SOURCE.read_bytes() + repr(FLAG_SETS).encode() + _cpu_id().encode()).hexdigest()[:16]
-    path = cache_dir() / "cpu_kernels" / f"experts-{digest}.so"
-    flags_file = path.with_suffix(".flags")
-    try:
-        if not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            flags_file.write_text(" ".join(build(path)))
-        flags = flags_file.read_text().split() if flags_file.is_file() else []
-        found = load(path, flags)
-    except OSError as e:
-        log.warning("CPU experts: the C kernel could not be built (%s); the PyTorch reference computes "
-                    "them, several times slower", e)
-        return None
-    log.info("CPU experts: %s, %s", found.describe(), path)
-    return found
+    name = f"experts-{digest}.so"
+    places = (cache_dir() / "cpu_kernels", Path(tempfile.gettempdir()) / f"moeferry-cpu-kernels-{os.getuid()}")
+    errors = []
+    for place in places:
+        try:
+            found = _found_or_built(place / name)
+        except OSError as e:
+            errors.append(f"{place}: {e}")
+            if "compiler" in str(e):  # no compiler, or it refused every flag set: another place will not help
+                break
+            continue
+        log.info("CPU experts: %s, %s", found.describe(), found.path)
+        return found
+    log.warning("CPU experts: the C kernel could not be built (%s); the PyTorch reference computes them, "
+                "several times slower", "; ".join(errors))
+    return None
