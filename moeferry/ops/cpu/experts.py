@@ -2,7 +2,8 @@
 
 The C source is built once per machine with the system C compiler (`$CC`, else `cc`) with
 `-O3 -march=native -fopenmp`, falling back to fewer flags where the compiler refuses one, into
-the user cache directory under a name that hashes the source, the flags and the CPU. ctypes
+the user cache directory (the temporary directory when that cannot be written) under a name that
+hashes the source, the flags and the CPU. ctypes
 calls it (and releases the GIL meanwhile). Without a compiler, or with MOEFERRY_CPU_KERNEL=0,
 `kernel()` is None and callers keep the PyTorch reference (`SlotBuffer.run_reference`); the
 log says which one runs and why.
@@ -154,7 +155,8 @@ def kernel() -> CpuExperts | None:
         return None
     digest = hashlib.sha256(SOURCE.read_bytes() + repr(FLAG_SETS).encode() + _cpu_id().encode()).hexdigest()[:16]
     name = f"experts-{digest}.so"
-    places = (cache_dir() / "cpu_kernels", Path(tempfile.gettempdir()) / f"moeferry-cpu-kernels-{os.getuid()}")
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    places = (cache_dir() / "cpu_kernels", Path(tempfile.gettempdir()) / f"moeferry-cpu-kernels-{uid}")
     errors = []
     for place in places:
         try:
