@@ -5,9 +5,10 @@
  * once instead: a row is decoded into a small fp32 buffer (L1-resident) and multiplied with each
  * of the expert's tokens (up to four at a time), rows split among OpenMP threads in two passes
  * (gate/up, then down) for all of a call's experts. moeferry/ops/cpu/experts.py builds it with
- * the system C compiler on first use and calls it through ctypes (which releases the GIL). Slot layouts: moeferry/ops/triton/moe_formats.py. fp32 arithmetic throughout; the
- * decoded weights equal the PyTorch reference's (`<form>_dequant`) bit for bit, only the
- * summation order of the dot products differs.
+ * the system C compiler on first use and calls it through ctypes (which releases the GIL).
+ * Slot layouts: moeferry/ops/triton/moe_formats.py. fp32 arithmetic throughout; the decoded
+ * weights equal the PyTorch reference's (`<form>_dequant`) bit for bit (but for E4M3's NaN codes,
+ * which no weight holds: they decode as 480), only the summation order of the dot products differs.
  *
  * E2M1 and E4M3 codes are decoded through fp16 bit patterns (the trick of the Triton steps): the
  * code's magnitude bits placed in an fp16's exponent and mantissa give value / 2^14 (E2M1) or
@@ -109,7 +110,8 @@ static inline __m256 u16x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu1
 /* 16 bytes -> their 32 nibbles as bytes, in element order (each u16 lane: low | high << 8). */
 static inline __m256i codes32(const uint8_t *p) {
     __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_or_si256(_mm256_and_si256(w, _mm256_set1_epi16(15)), _mm256_slli_epi16(_mm256_srli_epi16(w, 4), 8));
+    return _mm256_or_si256(_mm256_and_si256(w, _mm256_set1_epi16(15)),
+                           _mm256_slli_epi16(_mm256_srli_epi16(w, 4), 8));
 }
 #endif
 
