@@ -31,7 +31,8 @@
 #   inputs    graph_inputs.py: a decode step's page-table host time against context length (PageRows)
 #   gputests  pytest -m gpu over the files with the gpu marker (GPUTESTS: other pytest arguments), -v
 #   lanes     the miss lanes on a 4-layer skewed (1.0) checkpoint: `moeferry bench bw`, cpu_experts.py (the CPU
-#             lane's C kernel against the PyTorch reference) and offload_engine.py offload / hybrid / cpu at 25%
+#             lane's C kernel against the PyTorch reference) and offload_engine.py offload / hybrid / cpu at 25%,
+#             and offload with 2 of the 4 MoE layers on the CPU (--moe-cpu-layers 2)
 # Returned under $OUT: results.md (every table), results.json, logs.tgz (server, ballast and
 # make-model logs), driver.log, gpu.txt.
 # Knobs (env): BUDGET_S, RUNS, SEED_EST_S (the seed run's estimate, default 150), SEED_MAX_S / OFFLOAD_MAX_S (those runs' limits, default 360 / 400: FreeToken 0.1.2 boots in 70-110 s), LEAVE_GIB (empty: no ballast), CACHE_SIZE, SKEW, SKEW_FT, FT_ARGS,
@@ -203,7 +204,7 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
                   && python3 -m moeferry.cli bench bw --model $WORK/ckpt_lanes > $WORK/lanes/bw.md \
                   && python3 benchmarks/cpu_experts.py --formats nvfp4,int4_awq > $WORK/lanes/cpu_experts.md \
                   && python3 benchmarks/offload_engine.py --model $WORK/ckpt_lanes --out $WORK/lanes \
-                     --backends offload-25% hybrid-25% cpu-25%" ;;
+                     --backends offload-25% hybrid-25% cpu-25% offload-25%-cpu-layers-2" ;;
       offload)  step offload 250 ${OFFLOAD_MAX_S:-400} offload offload "$WORK/ckpt" ;;
       offload_nopf) step offload_nopf 150 240 offload offload_nopf "$WORK/ckpt" --engines moeferry \
                   --ours-args "--disable-moe-decode-prefetch" ;;

@@ -30,6 +30,7 @@ CONFIGS = {
     "offload-25%": dict(moe_backend="offload", moe_cache_rate=0.25),
     "hybrid-25%": dict(moe_backend="hybrid", moe_cache_rate=0.25),
     "cpu-25%": dict(moe_backend="cpu", moe_cache_rate=0.25),
+    "offload-25%-cpu-layers-2": dict(moe_backend="offload", moe_cache_rate=0.25, moe_cpu_layers="2"),
 }
 
 
