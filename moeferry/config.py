@@ -111,7 +111,7 @@ def _device(text: str) -> str:
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", metavar="DIR", help="Hugging Face model directory (config.json, safetensors, "
+    g.add_argument("--model", "--model-path", dest="model", metavar="DIR", help="Hugging Face model directory (config.json, safetensors, "
                    "tokenizer). Without it the built-in random-weight demo model is made in the user cache "
                    "directory on first use and served.")
     g.add_argument("--served-model-name", metavar="NAME",
@@ -200,7 +200,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running-requests", type=_positive_int, default=8, metavar="N",
                    help="sequences decoding at once (default: 8); recurrent-state slots are this, or "
                    "2N + 8 with the prefix cache (it keeps state checkpoints)")
-    g.add_argument("--max-extend-tokens", "--max-prefill-length", dest="max_extend_tokens", type=_positive_int,
+    g.add_argument("--max-extend-tokens", "--max-prefill-length", "--max-extend-length", dest="max_extend_tokens",
+                   type=_positive_int,
                    default=8192, metavar="TOKENS",
                    help="new prompt tokens per step; longer prompts are prefilled in chunks (default: 8192)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",

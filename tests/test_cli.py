@@ -83,6 +83,8 @@ def test_defaults_and_aliases(model):
     assert a.max_extend_tokens == 8192 and a.page_size == 1 and a.moe_backend == "auto"
     assert a.moe_cache_policy == "lru" and a.moe_prefill_overlap and a.moe_decode_prefetch and a.cuda_graphs and a.moe_cpu_layers is None
     assert parse("--max-prefill-length", "512").max_extend_tokens == 512
+    assert parse("--max-extend-length", "384").max_extend_tokens == 384  # FreeToken's other spelling
+    assert parse("--model-path", model).model == model
     assert parse("--max-extend-tokens", "256").max_extend_tokens == 256
     cfg = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--num-tokens", "1000",
                                       "--page-size", "16", "--no-prefix-cache", "--max-running-requests", "3"))
