@@ -193,6 +193,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV page (default: 1)")
     g.add_argument("--disable-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every decode step eagerly (default: decode runs in CUDA graphs where it can)")
+    g.add_argument("--cuda-graph-max-bs", "--graph", type=_positive_int, metavar="N",
+                   help="largest decode batch captured in CUDA graphs; larger batches run eagerly (default: "
+                   "--max-running-requests; fewer sizes capture faster at boot)")
 
     g = p.add_argument_group("scheduling")
     g.add_argument("--max-seq-len-override", type=_positive_int, metavar="TOKENS",
@@ -442,6 +445,7 @@ def _engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
             kv_reserve_tokens=args.kv_reserve_tokens, num_tokens=num_tokens, page_size=args.page_size,
             max_seq_len=args.max_seq_len_override, max_running_requests=args.max_running_requests,
             max_extend_tokens=args.max_extend_tokens, prefix_cache=args.prefix_cache, cuda_graphs=args.cuda_graphs,
+            cuda_graph_max_bs=args.cuda_graph_max_bs,
             overlap_schedule=args.overlap_schedule, progress=True)
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -49,6 +49,7 @@ class EngineConfig:
     overlap_schedule: bool = True       # launch the next step before the host reads this step's tokens
     # CUDA graphs
     cuda_graphs: bool = True
+    cuda_graph_max_bs: int | None = None  # largest decode batch captured (None: max_running_requests); larger run eagerly
     progress: bool = False              # progress bars while loading
 
     def __post_init__(self):
@@ -85,10 +86,13 @@ class EngineConfig:
             raise ValueError(f"memory_ratio must be in (0, 1], got {self.memory_ratio}")
         for name in ("moe_cache_size", "num_tokens", "num_state_slots", "page_size", "max_seq_len",
                      "max_running_requests", "max_extend_tokens", "kv_reserve_tokens", "moe_cpu_threads",
-                     "moe_hybrid_max_fetch"):
+                     "moe_hybrid_max_fetch", "cuda_graph_max_bs"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.cuda_graph_max_bs is not None and not self.cuda_graphs:
+            raise ValueError("cuda_graph_max_bs (--cuda-graph-max-bs) sizes the decode CUDA graphs, which "
+                             "--disable-cuda-graphs turns off: give one")
         if self.moe_cache_policy not in CACHE_POLICIES:
             raise ValueError(f"moe_cache_policy must be one of {', '.join(CACHE_POLICIES)}")
 

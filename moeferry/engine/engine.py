@@ -86,6 +86,13 @@ GRAPH_MODES = {
 }
 
 
+def graph_max_batch(cfg: EngineConfig, sizes: EngineSizes) -> int:
+    """The largest decode batch captured: the scheduler's largest (running requests, state
+    slots), at most --cuda-graph-max-bs; a larger batch runs eagerly."""
+    largest = min(cfg.max_running_requests, sizes.num_state_slots)
+    return largest if cfg.cuda_graph_max_bs is None else min(largest, cfg.cuda_graph_max_bs)
+
+
 def _decode_graphs(cfg: EngineConfig, model, cache: CacheManager, sizes: EngineSizes, device,
                    experts, plan: MemoryPlan | None) -> DecodeGraphs | None:
     """CUDA graphs of the decode step: whole with resident experts or an offload cache holding
@@ -93,7 +100,7 @@ def _decode_graphs(cfg: EngineConfig, model, cache: CacheManager, sizes: EngineS
     piecewise (cut at each layer's host part, which is where cpu and hybrid run their CPU
     lane); none where the plan reserved no graph pool (`experts.graph_mode`)."""
     planned = not cfg.offloads_experts or plan is None or plan.graphs.bytes > 0
-    max_batch = min(cfg.max_running_requests, sizes.num_state_slots)  # the scheduler's largest decode batch
+    max_batch = graph_max_batch(cfg, sizes)
     mode = experts.graph_mode(max_batch)
     if not (cfg.cuda_graphs and device.type == "cuda" and mode and planned):
         return None
