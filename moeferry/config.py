@@ -119,6 +119,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "demo: moeferry-demo-random-weights)")
     g.add_argument("--device", type=_device, default="auto", help="auto (cuda if available, else cpu), cpu, cuda, "
                    "cuda:N (default: auto)")
+    g.add_argument("--tensor-parallel-size", "--tp-size", type=_positive_int, default=1, metavar="N",
+                   help="GPUs one model is split over: 1 (moeferry serves a model from one GPU; default: 1)")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="weight and activation dtype; auto = bfloat16 on cuda, float32 on cpu (default: auto)")
 
@@ -346,6 +348,9 @@ class ServeConfig:
         if refused:
             raise ConfigError("\n".join(f"{n.flag} is not supported yet: it comes with {n.comes_with}"
                                         for n in refused))
+        if args.tensor_parallel_size != 1:
+            raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size}: moeferry serves a model from one "
+                              "GPU (its experts offloaded to host RAM); tensor parallelism is not supported")
         if args.model is None:
             if demo_model is None:
                 raise ConfigError("--model is required")

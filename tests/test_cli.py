@@ -85,6 +85,7 @@ def test_defaults_and_aliases(model):
     assert parse("--max-prefill-length", "512").max_extend_tokens == 512
     assert parse("--max-extend-length", "384").max_extend_tokens == 384  # FreeToken's other spelling
     assert parse("--model-path", model).model == model
+    assert parse("--tp-size", "1").tensor_parallel_size == parse().tensor_parallel_size == 1
     from moeferry.engine.engine import graph_max_batch
     for flags, largest in ((["--graph", "4"], 4), (["--cuda-graph-max-bs", "64"], 8), ([], 8)):
         cfg = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--no-prefix-cache", *flags))
@@ -198,6 +199,7 @@ def test_bench_has_subcommands_and_needs_prompts(capsys):
     (["--moe-backend", "offload", "--moe-hybrid-max-fetch", "2"], "applies to the hybrid backend"),
     (["--moe-backend", "offload", "--moe-cpu-threads", "2"], "applies to the cpu and hybrid backends"),
     (["--disable-cuda-graphs", "--cuda-graph-max-bs", "4"], "give one"),
+    (["--tp-size", "2"], "tensor parallelism is not supported"),
 ])
 def test_backend_specific_flags_need_their_backend(model, argv, message):
     with pytest.raises(ConfigError, match=message):
