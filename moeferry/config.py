@@ -155,7 +155,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "(the default), or lfu, the least frequently used with dynamic aging (fewer misses when a few "
                    "experts win most picks, as in trained models)")
     g.add_argument("--disable-moe-prefill-overlap", dest="moe_prefill_overlap", action="store_false",
-                   help="offload/hybrid on CUDA: copy the next staged experts of a prefill chunk only after the "
+                   help="offload/hybrid/cpu on CUDA: copy the next staged experts of a prefill chunk only after the "
                    "current ones are computed (default: overlapped on a copy stream)")
     g.add_argument("--disable-moe-decode-prefetch", dest="moe_decode_prefetch", action="store_false",
                    help="offload on CUDA: fetch a decode step's misses only when their layer routes (default: "

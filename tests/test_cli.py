@@ -63,7 +63,7 @@ def test_offload_flags_reach_the_engine(model):
     (["--kv-reserve-tokens", "100", "--num-tokens", "1000"], "give one"),
     (["--moe-backend", "resident", "--disable-moe-decode-prefetch"], "applies to the offload backend"),
     (["--moe-backend", "hybrid", "--disable-moe-decode-prefetch"], "applies to the offload backend"),
-    (["--moe-backend", "cpu", "--disable-moe-prefill-overlap"], "offload and hybrid"),
+    (["--moe-backend", "resident", "--disable-moe-prefill-overlap"], "offload, hybrid and cpu"),
     (["--moe-backend", "resident", "--moe-cache-policy", "lfu"], "applies to the offload and hybrid"),
     (["--moe-backend", "cpu", "--moe-cache-policy", "lfu"], "applies to the offload and hybrid"),
 ])

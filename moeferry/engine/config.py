@@ -120,8 +120,8 @@ CACHE_POLICIES = ("lru", "lfu")
 OFFLOAD_SETTINGS = (
     ("moe_decode_prefetch", True, ("offload",),
      "--disable-moe-decode-prefetch applies to the offload backend (--moe-backend offload)"),
-    ("moe_prefill_overlap", True, ("offload", "hybrid"),
-     "--disable-moe-prefill-overlap applies to the offload and hybrid backends (their prefill staging)"),
+    ("moe_prefill_overlap", True, ("offload", "hybrid", "cpu"),
+     "--disable-moe-prefill-overlap applies to the offload, hybrid and cpu backends (their prefill staging)"),
     ("moe_cache_policy", "lru", ("offload", "hybrid"),
      "--moe-cache-policy {value} applies to the offload and hybrid backends (the cpu backend's cache keeps "
      "what its boot fill placed; resident keeps every expert)"),
