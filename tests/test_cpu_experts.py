@@ -42,28 +42,21 @@ def builds(tmp_path_factory) -> dict[str, cpu.CpuExperts]:
 
 
 def _routing(buf, t, experts, k, gen):
-    """x [t, H], ids / weights [t, k] over expert ids 0..experts-1, and a scattered expert -> slot map."""
+    """x [t, H], ids / weights [t, k] over expert ids 0..experts-1, and a table row placing the
+    experts in scattered bank slots."""
     x = torch.randn(t, buf.hidden, generator=gen)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(t)])
     w = torch.rand(t, k, generator=gen)
-    slots = torch.randperm(buf.num_slots, generator=gen)[:experts].tolist()
-    return x, ids, w, dict(enumerate(slots))
-
-
-def _reference(buf, x, ids, w, slot_of):
-    row = torch.full((max([int(ids.max()), *slot_of]) + 1,), -1, dtype=torch.int32)
-    for e, s in slot_of.items():
-        row[e] = s
-    return buf.run_reference(x, ids, w, row)
+    row = torch.randperm(buf.num_slots, generator=gen)[:experts].to(torch.int32)
+    return x, ids, w, row
 
 
 def _check(kernel, buf, gen, tokens=(1, 3, 4, 9), experts=6, k=3, drop=2):
     for t in tokens:
-        x, ids, w, slot_of = _routing(buf, t, experts, k, gen)
-        for e in torch.randperm(experts, generator=gen)[:drop].tolist():  # experts not on this lane
-            del slot_of[e]
-        got = kernel.run(buf, x, ids, w, slot_of, 2)
-        want = _reference(buf, x, ids, w, slot_of)
+        x, ids, w, row = _routing(buf, t, experts, k, gen)
+        row[torch.randperm(experts, generator=gen)[:drop]] = -1  # experts not on this lane
+        got = kernel.run(buf, x, ids, w, row, 2)
+        want = buf.run_reference(x, ids, w, row)
         assert got.dtype == torch.float32 and got.shape == x.shape
         assert want.abs().max() > 0
         assert _rel(got, want) <= 1e-5, f"T={t}: relative error {_rel(got, want):.3g}"
@@ -91,32 +84,38 @@ def test_fp8_held_as_raw_bytes(builds):
     raw = SlotBuffer(*(type(m)(**{**m.__dict__, **{k: t.view(torch.uint8) for k, t in m.tensors().items()
                                                     if t.dtype == torch.float8_e4m3fn}})
                        for m in (buf.gate_up, buf.down)))
-    x, ids, w, slot_of = _routing(buf, 3, 5, 2, gen)
-    assert torch.equal(builds["native"].run(raw, x, ids, w, slot_of, 2), builds["native"].run(buf, x, ids, w, slot_of, 2))
+    x, ids, w, row = _routing(buf, 3, 5, 2, gen)
+    assert torch.equal(builds["native"].run(raw, x, ids, w, row, 2), builds["native"].run(buf, x, ids, w, row, 2))
 
 
 def test_thread_counts_agree_bit_for_bit(builds):
     """Each output row is one thread's work whatever the count: the results are identical."""
     buf, _, _, gen = _buffer("nvfp4", 0, 8, seed=8)
-    x, ids, w, slot_of = _routing(buf, 6, 8, 4, gen)
-    runs = [builds["native"].run(buf, x, ids, w, slot_of, n) for n in (1, 2, 3)]
+    x, ids, w, row = _routing(buf, 6, 8, 4, gen)
+    runs = [builds["native"].run(buf, x, ids, w, row, n) for n in (1, 2, 3)]
     assert all(torch.equal(runs[0], r) for r in runs[1:])
 
 
 def test_tokens_of_other_experts_get_nothing(builds):
+    """Pairs whose expert is -1 in the table, or past its end, are not computed."""
     buf, _, _, gen = _buffer("int4_awq", 0, 6, seed=9)
-    x, ids, w, slot_of = _routing(buf, 4, 6, 2, gen)
+    x, ids, w, row = _routing(buf, 4, 6, 2, gen)
     ids[0] = torch.tensor([4, 5])  # token 0 routed only to experts this lane does not hold
-    lane = {e: s for e, s in slot_of.items() if e < 4}
+    ids[1, 0] = 9  # past the table: skipped, the token's other expert still counts
+    lane = torch.where(torch.arange(6) < 4, row, -1).to(torch.int32)
     out = builds["native"].run(buf, x, ids, w, lane, 2)
     assert torch.equal(out[0], torch.zeros_like(out[0])) and out[1:].abs().max() > 0
-    assert torch.equal(builds["native"].run(buf, x, ids, w, {}, 2), torch.zeros_like(x))
+    keep = ids[1:].clone().masked_fill_(ids[1:] >= 6, 0)
+    want = buf.run_reference(x[1:], keep, w[1:].masked_fill(ids[1:] >= 6, 0.0), lane)
+    assert _rel(out[1:], want) <= 1e-5
+    assert torch.equal(builds["native"].run(buf, x, ids, w, torch.full((6,), -1, dtype=torch.int32), 2),
+                       torch.zeros_like(x))
 
 
 def test_run_host_uses_the_kernel_and_falls_back(monkeypatch, tmp_path, caplog):
     buf, _, _, gen = _buffer("nvfp4", 0, 6, seed=10)
     x, ids, w, _ = _routing(buf, 3, 6, 2, gen)
-    want = _reference(buf, x, ids, w, {e: e for e in range(6)})
+    want = buf.run_reference(x, ids, w, torch.arange(6, dtype=torch.int32))
     cpu.kernel.cache_clear()
     try:
         assert cpu.kernel() is not None  # a compiler is here: the lane is the C kernel

@@ -202,11 +202,11 @@ class SlotBuffer:
         """The host lane of a host bank whose slot e holds expert e: the pairs routed to `experts`,
         summed in fp32 [T, H] (x, ids, weights on the host). The C kernel (`ops.cpu.experts`)
         reads each weight row once with `threads` threads; without it, `run_reference`."""
-        cpu = cpu_kernel()
-        if cpu is not None:
-            return cpu.run(self, x, ids, weights, {e: e for e in experts}, threads)
         row = torch.full((self.num_slots,), -1, dtype=torch.int32)
         row[list(experts)] = torch.as_tensor(list(experts), dtype=torch.int32)
+        cpu = cpu_kernel()
+        if cpu is not None:
+            return cpu.run(self, x, ids, weights, row, threads)
         return self.run_reference(x.float(), ids, weights.float(), row)
 
     # slots dequantized together by `run_reference` (a decode step touches <= top_k experts)

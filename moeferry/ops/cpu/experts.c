@@ -380,16 +380,73 @@ static void experts(const matrix_t *gu, const matrix_t *dn, const float *x, int 
     }
 }
 
-/* Experts `slots[0..count)`; expert e's tokens are pairs [start[e], start[e+1]) of `pair_tok`
- * (rows of x [T, hidden]) with routing weights `pair_w`. Adds into out [T, hidden] (fp32).
- * Returns 0, or -1 when memory for the buffers could not be had. */
-int moe_cpu_experts(const matrix_t *gu, const matrix_t *dn, const float *x, int count,
-                    const int32_t *slots, const int32_t *start, const int32_t *pair_tok,
-                    const float *pair_w, float *out, int threads) {
+/* The routing pairs grouped by expert, in expert order and, within an expert, in token order. */
+typedef struct {
+    int count;                          /* experts on this lane with at least one pair */
+    int32_t *slots, *start, *tok;       /* [count] bank slot, [count + 1] first pair, [pairs] token */
+    float *w;                           /* [pairs] routing weight */
+} pairs_t;
+
+static void pairs_free(pairs_t *p) {
+    free(p->slots), free(p->start), free(p->tok), free(p->w);
+}
+
+/* A counting sort of the (token, choice) pairs whose expert has a slot in `table` ([experts],
+ * -1 = not on this lane; out-of-range ids are skipped). Returns -1 when out of memory. */
+static int group_pairs(const int64_t *ids, const float *weights, int tokens, int top_k, const int32_t *table,
+                       int experts, pairs_t *p) {
+    int64_t n = (int64_t)tokens * top_k;
+    int *first = calloc((size_t)experts + 1, sizeof(int));
+    p->slots = malloc(sizeof(int32_t) * ((size_t)experts + 1));
+    p->start = malloc(sizeof(int32_t) * ((size_t)experts + 2));
+    p->tok = malloc(sizeof(int32_t) * ((size_t)n + 1));
+    p->w = malloc(sizeof(float) * ((size_t)n + 1));
+    if (!first || !p->slots || !p->start || !p->tok || !p->w) {
+        free(first);
+        return -1;
+    }
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] >= 0 && ids[i] < experts && table[ids[i]] >= 0) first[ids[i] + 1]++;
+    p->count = 0;
+    p->start[0] = 0;
+    for (int e = 0; e < experts; e++) {
+        if (first[e + 1]) {
+            p->slots[p->count] = table[e];
+            p->start[p->count + 1] = p->start[p->count] + first[e + 1];
+            p->count++;
+        }
+        first[e + 1] += first[e]; /* first[e]: expert e's first pair */
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] >= 0 && ids[i] < experts && table[ids[i]] >= 0) {
+            int at = first[ids[i]]++;
+            p->tok[at] = (int32_t)(i / top_k);
+            p->w[at] = weights[i];
+        }
+    }
+    free(first);
+    return 0;
+}
+
+/* out [tokens, hidden] (fp32) += the experts of x [tokens, hidden] for the pairs of ids / weights
+ * ([tokens, top_k]) whose expert has a bank slot in `table` ([num_experts], -1 = none): the contract of
+ * SlotBuffer.run_reference. Returns 0, or -1 when memory for the buffers could not be had. */
+int moe_cpu_experts(const matrix_t *gu, const matrix_t *dn, const float *x, int tokens, int top_k,
+                    const int64_t *ids, const float *weights, const int32_t *table, int num_experts, float *out,
+                    int threads) {
+    pairs_t p = {0};
     int failed = 0;
-    float *h = malloc(sizeof(float) * ((size_t)start[count] * gu->part + 1));
-    if (!h) return -1;
+    if (group_pairs(ids, weights, tokens, top_k, table, num_experts, &p) != 0) {
+        pairs_free(&p);
+        return -1;
+    }
+    float *h = malloc(sizeof(float) * ((size_t)p.start[p.count] * gu->part + 1));
     size_t buf_floats = 2 * ((size_t)(gu->k > dn->k ? gu->k : dn->k) + 16);
+    if (!h || p.count == 0) {
+        free(h);
+        pairs_free(&p);
+        return h ? 0 : -1;
+    }
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads > 0 ? threads : omp_get_max_threads())
 #endif
@@ -407,10 +464,11 @@ int moe_cpu_experts(const matrix_t *gu, const matrix_t *dn, const float *x, int 
         (void)threads;
         failed = !all_ok;
 #endif
-        if (all_ok) experts(gu, dn, x, count, slots, start, pair_tok, pair_w, h, out, buf);
+        if (all_ok) experts(gu, dn, x, p.count, p.slots, p.start, p.tok, p.w, h, out, buf);
         free(buf);
     }
     free(h);
+    pairs_free(&p);
     return failed ? -1 : 0;
 }
 

@@ -19,6 +19,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -62,42 +63,37 @@ def _matrix(m) -> _Matrix:
 
 
 class CpuExperts:
-    """The loaded kernel: `run` adds the chosen experts' outputs for their tokens."""
+    """The loaded kernel: `run` computes a bank's experts for their tokens on the host."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path, flags: list[str]):
         self.lib, self.path, self.flags = lib, path, flags
         lib.moe_cpu_experts.restype = ctypes.c_int
-        lib.moe_cpu_experts.argtypes = [ctypes.POINTER(_Matrix), ctypes.POINTER(_Matrix)] + [ctypes.c_void_p] + \
-            [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int]
+        lib.moe_cpu_experts.argtypes = [ctypes.POINTER(_Matrix), ctypes.POINTER(_Matrix), ctypes.c_void_p,
+                                        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
         features = lib.moe_cpu_features()
         self.simd, self.openmp, self.avx512 = bool(features & 1), bool(features & 2), bool(features & 4)
+        self._views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # bank -> its matrices' C views
 
     def describe(self) -> str:
         simd = "AVX-512 + AVX2/F16C" if self.avx512 else "AVX2/F16C" if self.simd else "portable loops"
         return f"C kernel ({simd}, {'OpenMP' if self.openmp else 'one thread'})"
 
-    def run(self, bank, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: dict[int, int],
+    def run(self, bank, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table_row: torch.Tensor,
             threads: int) -> torch.Tensor:
-        """fp32 [T, H]: sum over the (token, choice) pairs whose expert is in `slot_of` (expert ->
-        bank slot) of weight * expert(x[token]). x [T, H], ids / weights [T, k], on the host."""
+        """fp32 [T, H]: `run_reference`'s contract on the host. The pairs of ids / weights [T, k]
+        whose expert has a bank slot in `table_row` ([experts] int32, -1 = none) are computed
+        and summed per token. The pairs are grouped in C: a step's host time is one call."""
         x = x.float().contiguous()
+        ids, weights = ids.long().contiguous(), weights.float().contiguous()
+        table_row = table_row.to(torch.int32).contiguous()
         out = torch.zeros(x.shape, dtype=torch.float32)
-        experts = list(slot_of)
-        if not experts:
-            return out
-        tok, choice = torch.where(torch.isin(ids, torch.tensor(experts, dtype=ids.dtype)))
-        chosen = ids[tok, choice]
-        order = torch.argsort(chosen, stable=True)
-        tok, chosen = tok[order].int().contiguous(), chosen[order]  # kept alive across the call
-        pair_w = weights.float()[tok.long(), choice[order]].contiguous()
-        present, counts = torch.unique_consecutive(chosen, return_counts=True)
-        start = torch.zeros(len(present) + 1, dtype=torch.int32)
-        start[1:] = counts.cumsum(0)
-        slots = torch.tensor([slot_of[int(e)] for e in present], dtype=torch.int32)
-        gu, dn = _matrix(bank.gate_up), _matrix(bank.down)
-        rc = self.lib.moe_cpu_experts(ctypes.byref(gu), ctypes.byref(dn), x.data_ptr(), len(present),
-                                      slots.data_ptr(), start.data_ptr(), tok.data_ptr(),
-                                      pair_w.data_ptr(), out.data_ptr(), threads)
+        if bank not in self._views:
+            self._views[bank] = (_matrix(bank.gate_up), _matrix(bank.down))
+        gu, dn = self._views[bank]
+        rc = self.lib.moe_cpu_experts(ctypes.byref(gu), ctypes.byref(dn), x.data_ptr(), x.shape[0], ids.shape[-1],
+                                      ids.data_ptr(), weights.data_ptr(), table_row.data_ptr(), table_row.numel(),
+                                      out.data_ptr(), threads)
         if rc != 0:
             raise MemoryError("CPU expert kernel: could not allocate its buffers")
         return out
