@@ -107,6 +107,12 @@ static inline __m256 e4m3x8(const uint8_t *p) {
 
 static inline __m256 u16x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(v)); }
 
+static inline float hsum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
 /* 16 bytes -> their 32 nibbles as bytes, in element order (each u16 lane: low | high << 8). */
 static inline __m256i codes32(const uint8_t *p) {
     __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
@@ -278,11 +284,7 @@ static float dot(const float *a, const float *b, int k) {
         s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
         s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
     }
-    __m256 s = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    sum += _mm_cvtss_f32(h);
+    sum += hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
 #else
     float lanes[8] = {0};
     for (; i + 8 <= k; i += 8)
@@ -328,12 +330,7 @@ static void dots(const float *w, const float *const *xs, int count, int k, float
             a[j][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[j] + i + 8), a[j][1]);
         }
     }
-    for (int j = 0; j < TOKEN_BLOCK; j++) {
-        __m256 v = _mm256_add_ps(a[j][0], a[j][1]);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        sum[j] += _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-    }
+    for (int j = 0; j < TOKEN_BLOCK; j++) sum[j] += hsum8(_mm256_add_ps(a[j][0], a[j][1]));
 #endif
     for (; i < k; i++)
         for (int j = 0; j < TOKEN_BLOCK; j++) sum[j] += w[i] * x[j][i];
