@@ -111,9 +111,9 @@ def _device(text: str) -> str:
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", "--model-path", dest="model", metavar="DIR", help="Hugging Face model directory (config.json, safetensors, "
-                   "tokenizer). Without it the built-in random-weight demo model is made in the user cache "
-                   "directory on first use and served.")
+    g.add_argument("--model", "--model-path", dest="model", metavar="DIR",
+                   help="Hugging Face model directory (config.json, safetensors, tokenizer). Without it the "
+                   "built-in random-weight demo model is made in the user cache directory on first use and served.")
     g.add_argument("--served-model-name", metavar="NAME",
                    help="model id clients send and /v1/models lists (default: the model directory's name; the "
                    "demo: moeferry-demo-random-weights)")
@@ -162,8 +162,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "layer l+1's router applied to layer l's input predicts its experts, and the predicted "
                    "misses are copied on a copy stream while layer l computes)")
     g.add_argument("--moe-cpu-threads", type=_positive_int, metavar="N",
-                   help="cpu/hybrid backends and --moe-cpu-layers: threads computing experts on the CPU (the worker's torch "
-                   "thread count, so on a CPU device every op's; default: torch's, the physical cores)")
+                   help="cpu/hybrid backends and --moe-cpu-layers: threads computing experts on the CPU (the "
+                   "worker's torch thread count, so on a CPU device every op's; default: torch's, the physical cores)")
     g.add_argument("--moe-cpu-layers", metavar="SPEC",
                    help="offload/cpu backends: MoE layers that keep no device slots; their decode experts run on "
                    "the CPU, their prefill chunks stream through the staging area. MoE-layer ids ('3,7,11', from "
@@ -206,8 +206,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences decoding at once (default: 8); recurrent-state slots are this, or "
                    "2N + 8 with the prefix cache (it keeps state checkpoints)")
     g.add_argument("--max-extend-tokens", "--max-prefill-length", "--max-extend-length", dest="max_extend_tokens",
-                   type=_positive_int,
-                   default=8192, metavar="TOKENS",
+                   type=_positive_int, default=8192, metavar="TOKENS",
                    help="new prompt tokens per step; longer prompts are prefilled in chunks (default: 8192)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="turn off the prefix cache (shared prompt prefixes are recomputed)")
