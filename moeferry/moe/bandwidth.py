@@ -127,16 +127,18 @@ def _gather_problem(bank: SlotBuffer, device: torch.device, config: tuple) -> st
 
 
 def time_cpu_expert(bank: SlotBuffer, tokens: int = 1, repeats: int = 3, experts: int = 8) -> float:
-    """Seconds per expert to compute `experts` experts (slots 0..), each for `tokens` tokens, on
-    the CPU from the bank in one call of the host lane (`SlotBuffer.run_host`), as a step does."""
+    """Seconds per expert to compute `experts` experts, each for `tokens` tokens, on the CPU from
+    the bank in one call of the host lane (`SlotBuffer.run_host`), as a step does. Each call
+    takes the next experts of the bank, so that their weights come from memory as a miss's do."""
     experts = min(experts, bank.num_slots)
     x = torch.randn(tokens, bank.hidden)
-    ids = torch.arange(experts).expand(tokens, experts)
     w = torch.full((tokens, experts), 1.0 / experts)
     times = []
-    for _ in range(repeats + 1):  # the first call builds or loads the kernel
+    for call in range(repeats + 1):  # the first call builds or loads the kernel
+        chosen = [(call * experts + j) % bank.num_slots for j in range(experts)]
+        ids = torch.tensor(chosen).expand(tokens, experts)
         t = time.perf_counter()
-        bank.run_host(x, ids, w, range(experts), torch.get_num_threads())
+        bank.run_host(x, ids, w, chosen, torch.get_num_threads())
         times.append(time.perf_counter() - t)
     return sorted(times[1:])[repeats // 2] / experts
 
