@@ -54,9 +54,10 @@ def test_decode_graphs_in_use(preset, backend, tmp_path):
     looked up and fetched inside the graph; offload-piecewise: the same cache managed on the
     host, captured piecewise, the misses fetched between the graphs; offload-lfu: 24 of the 32
     experts managed on the device by LFU, which needs three steps' experts; cpu and hybrid: 16
-    slots, captured piecewise, the CPU lane computed between the graphs; hybrid fetching at most
+    slots, captured piecewise, two cuts a layer, the CPU lane computed between them while the
+    cached experts run; hybrid fetching at most
     one expert a layer, so that both lanes work; offload-cpulayer: offload-partial with MoE layer 1
-    on the CPU (`--moe-cpu-layers 1,`): managed on the device, cut once, at that layer.)"""
+    on the CPU (`--moe-cpu-layers 1,`): managed on the device, cut twice, at that layer.)"""
     from moeferry.checkpoint.synthetic import make_model
     from moeferry.engine.config import EngineConfig
     from moeferry.engine.engine import Engine
@@ -81,7 +82,9 @@ def test_decode_graphs_in_use(preset, backend, tmp_path):
     assert engine.graphs.disabled is None, f"{preset}: {engine.graphs.disabled}"
     assert engine.graphs.graphs, f"{preset}: no decode graph captured"
     pieces = {len(step.graphs) for step, _ in engine.graphs.graphs.values()}
-    assert pieces == ({engine.spec.num_layers + 1} if piecewise else {2} if backend == "offload-cpulayer" else {1}), pieces
+    cuts = {"offload-piecewise": engine.spec.num_layers, "cpu": 2 * engine.spec.num_layers,
+            "hybrid": 2 * engine.spec.num_layers, "offload-cpulayer": 2}.get(backend, 0)  # (every tiny layer is MoE)
+    assert pieces == {cuts + 1}, pieces
     if backend.startswith("offload-") or piecewise:
         s = engine.stats()["experts"]
         assert s["misses"] > 0 and s["hits"] > 0, s

@@ -10,6 +10,7 @@ bookkeeping is a plain-Python LRU (or LFU) replaying the routing trace the execu
 from __future__ import annotations
 
 import functools
+import threading
 from collections import defaultdict
 
 import pytest
@@ -490,11 +491,12 @@ LANE_CUTS = [("qwen3_5_moe", "mixed_nvfp4", "cpu"), ("qwen3_moe", "int4_awq", "h
 
 @pytest.mark.parametrize("arch,preset,variant", LANE_CUTS)
 def test_cpu_lanes_at_the_cut_equal_resident(arch, preset, variant, ckpt, ref_logits, monkeypatch):
-    """cpu and hybrid decode captured piecewise: at each MoE layer's cut the host reads the
-    choices, fetches the split's share and writes the CPU lane's output into the buffer the next
-    graph adds. Resident's logits alone and batched, and the eager step's hits and misses (with
-    hybrid-max1, an expert the single slot cannot take goes to the CPU instead of the staging
-    area, so only there the CPU's count differs)."""
+    """cpu and hybrid decode captured piecewise, two cuts a MoE layer: after the router the host
+    reads the choices, fetches the split's share and starts the CPU lane on its worker thread;
+    after the cached experts it writes the lane's output into the buffer the next graph adds.
+    Resident's logits alone and batched, and the eager step's hits and misses (with hybrid-max1,
+    an expert the single slot cannot take goes to the CPU instead of the staging area, so only
+    there the CPU's count differs). The lane ran on the worker thread."""
     runs = {}
     for cut in (False, True):
         llm = build(ckpt, arch, preset, variant)
@@ -502,6 +504,14 @@ def test_cpu_lanes_at_the_cut_equal_resident(arch, preset, variant, ckpt, ref_lo
         if backend.split is not None:  # the same split in both runs, not two boots' timings
             backend.split = MissSplit(fetch_s=1.0, cpu_s=1.0, max_fetch=backend.split.max_fetch)
         used = cut_decode_steps(llm, monkeypatch, RunAtOnce) if cut else []
+        threads = set()
+        plain_run_host = SlotBuffer.run_host
+
+        def run_host(*args, **kw):
+            threads.add(threading.current_thread().name.split("_")[0])
+            return plain_run_host(*args, **kw)
+
+        monkeypatch.setattr(SlotBuffer, "run_host", run_host)
         got = llm.logits_batch(BATCH, CHUNKS)
         for g, w in zip(got, ref_logits(arch, preset, BATCH, CHUNKS)):
             assert rel_err(g, w) <= TOL
@@ -510,7 +520,8 @@ def test_cpu_lanes_at_the_cut_equal_resident(arch, preset, variant, ckpt, ref_lo
         check_all(llm)
         monkeypatch.undo()
         if cut:
-            assert used and all(c.cuts == len(backend.executors) for c in used)  # every MoE layer of every decode step
+            assert used and all(c.cuts == 2 * len(backend.executors) for c in used)  # two per MoE layer and step
+            assert "moe-cpu-lane" in threads  # (prefill chunks compute theirs eagerly, on the main thread)
     assert runs[True][0] == runs[False][0] and runs[True][1] > 0
     assert_same_contents(runs[True][2], runs[False][2])
     if variant != "hybrid-max1":
@@ -561,7 +572,7 @@ def decode_on_device(llm, monkeypatch) -> list[int]:
             return plain(chunks, feed)
         finally:
             backend.capturing = None
-            assert never.cuts == len(backend.cpu_layers)
+            assert never.cuts == 2 * len(backend.cpu_layers)
             steps.append(len(chunks))
 
     monkeypatch.setattr(engine, "run_batch", run)

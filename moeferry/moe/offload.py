@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -125,6 +126,7 @@ class OffloadBackend:
         moe_layers = sum(spec.is_moe_layer(i) for i in range(spec.num_layers))
         resolve_cpu_layers(cfg.moe_cpu_layers, moe_layers)  # a spec the model cannot take fails now, not after loading
         self.streamed = LayerCounters()               # prefill chunks of the layers without slots, through staging
+        self._cpu_worker: ThreadPoolExecutor | None = None
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # decode prefetch: only the offload lane, and only where copies can overlap compute
         self.prefetch = cfg.moe_decode_prefetch and name == "offload" and device.type == "cuda"
@@ -205,6 +207,13 @@ class OffloadBackend:
             self.settle()
             for c in self.distinct_caches:
                 c.on_device()
+
+    def cpu_worker(self) -> ThreadPoolExecutor:
+        """The thread that runs the CPU lane of a captured step while the device runs the cached
+        experts (the C kernel releases the GIL; made on first use)."""
+        if self._cpu_worker is None:
+            self._cpu_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-cpu-lane")
+        return self._cpu_worker
 
     def settle(self) -> None:
         """Wait (host) for the prefetch in flight: its table copy reads the host table."""
@@ -471,19 +480,22 @@ class OffloadExperts:
 
     def _cut_lanes(self, x, ids, weights) -> torch.Tensor:
         """A captured decode step of the cpu and hybrid backends, or of a layer without slots
-        (`--moe-cpu-layers`): the graph ends after the router, the host part runs at the cut
-        (`_lanes_at_cut`) and writes the CPU lane's output into `lane`, which the next graph adds
-        to the cached experts' output (zeros without a cache)."""
+        (`--moe-cpu-layers`), cut twice. After the router the host starts the lanes
+        (`_start_lanes`: the fetches queued, the CPU lane on the backend's worker thread); the
+        next graph runs the cached experts meanwhile; at the second cut the host waits for the
+        CPU lane and copies its output into `lane`, which the graph after adds."""
         lane = torch.empty_like(x)
-        self.b.capturing.cut(lambda rows: self._lanes_at_cut(x, ids, weights, rows, lane))
+        started: list = []  # the CPU lane in flight between the two cuts (a Future, or None)
+        self.b.capturing.cut(lambda rows: started.append(self._start_lanes(x, ids, weights, rows)))
         out = self._run_cached(x, ids, weights) if self.cache is not None else torch.zeros_like(x)
+        self.b.capturing.cut(lambda rows: self._finish_lanes(started.pop(), rows, lane))
         return out + lane
 
-    def _lanes_at_cut(self, x, ids, weights, rows: int, lane: torch.Tensor) -> None:
+    def _start_lanes(self, x, ids, weights, rows: int):
         """Read the real rows' choices (the first `rows`; the layer's one host sync), fetch what
-        the hybrid split sends over the link (queued on the stream, so the copies run while the
-        CPU computes), and compute the other misses on the CPU, with any expert that found no
-        cache slot: a graph cannot stream it through the staging area."""
+        the hybrid split sends over the link (queued on the stream), and start the CPU lane on the
+        other misses and on any expert that found no cache slot (a graph cannot stream it through
+        the staging area). Returns the CPU lane's Future, or None when it has nothing to do."""
         rows = min(rows, x.shape[0])
         host_ids = ids[:rows].cpu()
         needed, _ = distinct_experts(host_ids)
@@ -493,10 +505,18 @@ class OffloadExperts:
             fetch, on_cpu = self.b.split.divide(misses, host_ids) if self.b.name == "hybrid" and misses else ([], misses)
             on_cpu = on_cpu + self._fetch(fetch, needed, [])
         self.cpu_experts += len(on_cpu)
+        if not on_cpu:
+            return None
+        inputs = x[:rows].cpu(), host_ids, weights[:rows].cpu()
+        return self.b.cpu_worker().submit(self.bank.run_host, *inputs, on_cpu, torch.get_num_threads())
+
+    @staticmethod
+    def _finish_lanes(started, rows: int, lane: torch.Tensor) -> None:
+        """The CPU lane's output into `lane` (zeros where it had nothing)."""
         lane.zero_()
-        if on_cpu:
-            out = self.bank.run_host(x[:rows].cpu(), host_ids, weights[:rows].cpu(), on_cpu, torch.get_num_threads())
-            lane[:rows].copy_(out)
+        if started is not None:
+            out = started.result()
+            lane[:out.shape[0]].copy_(out)
 
     def _guess(self, x, ids) -> torch.Tensor:
         """The next MoE layer's experts predicted: its router applied to this layer's input (one kernel on CUDA)."""
