@@ -485,10 +485,10 @@ class OffloadExperts:
         next graph runs the cached experts meanwhile; at the second cut the host waits for the
         CPU lane and copies its output into `lane`, which the graph after adds."""
         lane = torch.empty_like(x)
-        started: list = []  # the CPU lane in flight between the two cuts (a Future, or None)
-        self.b.capturing.cut(lambda rows: started.append(self._start_lanes(x, ids, weights, rows)))
+        started: dict = {}  # "lane": the CPU lane in flight between the two cuts (a Future, or None)
+        self.b.capturing.cut(lambda rows: started.update(lane=self._start_lanes(x, ids, weights, rows)))
         out = self._run_cached(x, ids, weights) if self.cache is not None else torch.zeros_like(x)
-        self.b.capturing.cut(lambda rows: self._finish_lanes(started.pop(), rows, lane))
+        self.b.capturing.cut(lambda rows: self._finish_lanes(started.pop("lane", None), rows, lane))
         return out + lane
 
     def _start_lanes(self, x, ids, weights, rows: int):
