@@ -4,9 +4,13 @@ serve a miss.
     offload   copy the miss host -> slot (LRU or LFU eviction); big prefill chunks stream the layer's
               non-cached experts through a double-buffered staging area instead, so prefill
               never flushes the decode cache
-    cpu       compute the miss on the CPU from its bank (the cache holds what the boot fill put there)
+    cpu       compute the miss on the CPU from its bank (the cache holds what the boot fill put there;
+              a prefill chunk's misses stream through the staging area)
     hybrid    per step, fetch some misses and compute the rest on the CPU, split so both lanes
               finish together (bandwidths measured at boot, `moeferry.moe.bandwidth`)
+
+The CPU lane is `SlotBuffer.run_host` (the C kernel of `moeferry.ops.cpu`). `--moe-cpu-layers`
+(offload, cpu) gives layers no device slots: they decode on the CPU and stream their prefill.
 
 Per layer and step: the router's expert ids come to the host (one sync: the cache is managed
 on the host), hits run from their slots in place, misses go to their lane, and the layer's MoE
@@ -25,7 +29,9 @@ predicted experts are resolved the same way and gathered on the copy stream whil
 computes; the whole step is one graph and the host only replays it. Otherwise the step is
 captured piecewise: while `capturing` is set (`moeferry.engine.cuda_graph`), each layer cuts
 the step after its router, and its host part (read the ids, fetch the misses, start the
-prefetch) runs between two graphs at replay.
+prefetch) runs between two graphs at replay. cpu, hybrid and the slotless layers are captured
+piecewise at any cache size, cut twice a layer: the CPU lane runs on a worker thread between the
+two cuts, while the graph between them runs the cached experts.
 """
 from __future__ import annotations
 
