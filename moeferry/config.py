@@ -422,7 +422,8 @@ def _backend_row(e: EngineConfig) -> str:
         return "auto (resident if the checkpoint fits the device, else offload; decided at load)"
     size = (f"{e.moe_cache_size} slots" if e.moe_cache_size else f"{e.moe_cache_rate:g} of the experts"
             if e.moe_cache_rate else "sized by the memory plan")
-    return f"{e.moe_backend} (expert cache: {size}, policy {e.moe_cache_policy})"
+    on_cpu = f", MoE layers on the CPU: {e.moe_cpu_layers}" if e.moe_cpu_layers else ""
+    return f"{e.moe_backend} (expert cache: {size}, policy {e.moe_cache_policy}{on_cpu})"
 
 
 def _moe_backend(name: str) -> str:

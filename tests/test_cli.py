@@ -86,6 +86,9 @@ def test_defaults_and_aliases(model):
     assert parse("--max-extend-length", "384").max_extend_tokens == 384  # FreeToken's other spelling
     assert parse("--model-path", model).model == model
     assert parse("--tp-size", "1").tensor_parallel_size == parse().tensor_parallel_size == 1
+    cfg = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--moe-backend", "offload",
+                                      "--moe-cache-size", "8", "--moe-cpu-layers", "0.5"))
+    assert cfg.engine.moe_cpu_layers == "0.5" and "MoE layers on the CPU: 0.5" in cfg.table()
     from moeferry.engine.engine import graph_max_batch
     for flags, largest in ((["--graph", "4"], 4), (["--cuda-graph-max-bs", "64"], 8), ([], 8)):
         cfg = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--no-prefix-cache", *flags))
