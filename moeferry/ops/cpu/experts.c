@@ -339,9 +339,10 @@ static void dots(const float *w, const float *const *xs, int count, int k, float
 
 /* The call's experts: expert e (bank slot slots[e]) has pairs [start[e], start[e+1]), pair p
  * being token pair_tok[p] with routing weight pair_w[p]. out[tok] += w * down(silu(gate x) * up x).
- * Called by every thread of a team. Two passes, one barrier each: the gate/up rows of every
- * expert, shared out, give h [pairs, I]; then each output feature n is one thread's, which adds
- * every expert's down row n in expert order (so the result does not depend on the thread count). */
+ * Called by every thread of a team. Two passes: the gate/up rows of every expert, shared out,
+ * give h [pairs, I] (a barrier after); then each thread takes a range of output features and adds
+ * every expert's down rows for them, expert by expert, so each output gets its terms in expert
+ * order whatever the thread count (the result does not depend on it). */
 static void experts(const matrix_t *gu, const matrix_t *dn, const float *x, int count, const int32_t *slots,
                     const int32_t *start, const int32_t *tok, const float *pw, float *h, float *out, float *buf) {
     int hidden = gu->k, inter = gu->part;
@@ -361,11 +362,14 @@ static void experts(const matrix_t *gu, const matrix_t *dn, const float *x, int 
             for (int j = 0; j < n; j++) h[(int64_t)(p0 + j) * inter + i] = gv[j] / (1.0f + expf(-gv[j])) * uv[j];
         }
     }
+    /* this thread's output features, read expert by expert (one weight stream at a time) */
+    int team = 1, me = 0;
 #ifdef _OPENMP
-#pragma omp for schedule(static)
+    team = omp_get_num_threads(), me = omp_get_thread_num();
 #endif
-    for (int feature = 0; feature < hidden; feature++) {
-        for (int e = 0; e < count; e++) {
+    int first = (int)((int64_t)hidden * me / team), last = (int)((int64_t)hidden * (me + 1) / team);
+    for (int e = 0; e < count; e++) {
+        for (int feature = first; feature < last; feature++) {
             const float *d = row(dn, slots[e], feature, gbuf);
             for (int p0 = start[e]; p0 < start[e + 1]; p0 += TOKEN_BLOCK) {
                 int n = start[e + 1] - p0 < TOKEN_BLOCK ? start[e + 1] - p0 : TOKEN_BLOCK;
@@ -388,14 +392,14 @@ static void pairs_free(pairs_t *p) {
     free(p->slots), free(p->start), free(p->tok), free(p->w);
 }
 
-/* A counting sort of the (token, choice) pairs whose expert has a slot in `table` ([experts],
+/* A counting sort of the (token, choice) pairs whose expert has a slot in `table` ([num_experts],
  * -1 = not on this lane; out-of-range ids are skipped). Returns -1 when out of memory. */
 static int group_pairs(const int64_t *ids, const float *weights, int tokens, int top_k, const int32_t *table,
-                       int experts, pairs_t *p) {
+                       int num_experts, pairs_t *p) {
     int64_t n = (int64_t)tokens * top_k;
-    int *first = calloc((size_t)experts + 1, sizeof(int));
-    p->slots = malloc(sizeof(int32_t) * ((size_t)experts + 1));
-    p->start = malloc(sizeof(int32_t) * ((size_t)experts + 2));
+    int *first = calloc((size_t)num_experts + 1, sizeof(int));
+    p->slots = malloc(sizeof(int32_t) * ((size_t)num_experts + 1));
+    p->start = malloc(sizeof(int32_t) * ((size_t)num_experts + 2));
     p->tok = malloc(sizeof(int32_t) * ((size_t)n + 1));
     p->w = malloc(sizeof(float) * ((size_t)n + 1));
     if (!first || !p->slots || !p->start || !p->tok || !p->w) {
@@ -403,10 +407,10 @@ static int group_pairs(const int64_t *ids, const float *weights, int tokens, int
         return -1;
     }
     for (int64_t i = 0; i < n; i++)
-        if (ids[i] >= 0 && ids[i] < experts && table[ids[i]] >= 0) first[ids[i] + 1]++;
+        if (ids[i] >= 0 && ids[i] < num_experts && table[ids[i]] >= 0) first[ids[i] + 1]++;
     p->count = 0;
     p->start[0] = 0;
-    for (int e = 0; e < experts; e++) {
+    for (int e = 0; e < num_experts; e++) {
         if (first[e + 1]) {
             p->slots[p->count] = table[e];
             p->start[p->count + 1] = p->start[p->count] + first[e + 1];
@@ -415,7 +419,7 @@ static int group_pairs(const int64_t *ids, const float *weights, int tokens, int
         first[e + 1] += first[e]; /* first[e]: expert e's first pair */
     }
     for (int64_t i = 0; i < n; i++) {
-        if (ids[i] >= 0 && ids[i] < experts && table[ids[i]] >= 0) {
+        if (ids[i] >= 0 && ids[i] < num_experts && table[ids[i]] >= 0) {
             int at = first[ids[i]]++;
             p->tok[at] = (int32_t)(i / top_k);
             p->w[at] = weights[i];
