@@ -743,7 +743,7 @@ def test_cpu_layers(arch, preset, ckpt, ref_logits, trace):
     got = llm.logits(PROMPT, chunk_size=CHUNKS)
     assert rel_err(got, ref_logits(arch, preset, [PROMPT], CHUNKS)[0]) <= TOL
     s = llm.engine.stats()["experts"]
-    assert str(first) not in s["layers"] and s["bytes_fetched"] == 0
+    assert s["layers"][str(first)] == {"cpu_experts": backend.executors[first].cpu_experts} and s["bytes_fetched"] == 0
     on_first = sum(len(n) for layer, n, _ in trace if layer == first)
     assert backend.executors[first].cpu_experts == on_first > 0
     assert s["cpu_experts"] == on_first + s["misses"]
@@ -897,7 +897,7 @@ def test_counters_and_stats(ckpt, resident):
     assert s["misses"] == sum(v["misses"] for v in layers.values()) > 0
     assert s["hit_rate"] == round(s["hits"] / (s["hits"] + s["misses"]), 4)
     for v in layers.values():
-        assert set(v) == {"hits", "misses", "bytes_fetched", "hit_rate", "prefetched", "prefetch_hits"}
+        assert set(v) == {"hits", "misses", "bytes_fetched", "hit_rate", "prefetched", "prefetch_hits", "cpu_experts"}
         assert v["bytes_fetched"] == v["misses"] * backend.slot_bytes  # decode path: every miss one slot copy
         assert v["hit_rate"] == round(v["hits"] / (v["hits"] + v["misses"]), 4)
     assert s["bytes_fetched"] == s["misses"] * backend.slot_bytes

@@ -398,7 +398,14 @@ class OffloadBackend:
                 "slots_used": sum(c.slots_used for c in caches),
                 "device_bytes": self.device_bytes, "host_bytes": self.host_bytes, **total.as_dict(),
                 "cpu_experts": sum(ex.cpu_experts for ex in self.executors.values()),
-                "layers": {k: v for c in caches for k, v in c.layer_stats().items()}}
+                "layers": self._layer_stats(caches)}
+
+    def _layer_stats(self, caches: list[ExpertCache]) -> dict:
+        """Per layer: its cache counters (layers with slots) and the experts it computed on the CPU."""
+        layers = {k: v for c in caches for k, v in c.layer_stats().items()}
+        for layer, ex in sorted(self.executors.items()):
+            layers.setdefault(str(layer), {})["cpu_experts"] = ex.cpu_experts
+        return layers
 
 
 class OffloadExperts:
