@@ -158,3 +158,10 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"moeferry {__version__}"
+
+
+def test_worker_expert_counters_reach_the_metrics():
+    from moeferry.server.metrics import WORKER_COUNTERS, flat_worker_stats
+    flat = flat_worker_stats({"steps": 3, "experts": {"hits": 7, "misses": 2, "bytes_fetched": 64, "cpu_experts": 5}})
+    assert (flat["expert_cache_hits"], flat["expert_cache_misses"], flat["expert_bytes_fetched"]) == (7, 2, 64)
+    assert flat["experts_on_cpu"] == 5 and WORKER_COUNTERS["experts_on_cpu"][0] == "moeferry_experts_on_cpu"

@@ -34,6 +34,7 @@ WORKER_COUNTERS = {
     "expert_cache_hits": ("moeferry_expert_cache_hits", "Expert lookups served from the device cache"),
     "expert_cache_misses": ("moeferry_expert_cache_misses", "Expert lookups the device cache lacked"),
     "expert_bytes_fetched": ("moeferry_expert_fetched_bytes", "Expert bytes copied host -> device"),
+    "experts_on_cpu": ("moeferry_experts_on_cpu", "Experts computed on the CPU (cpu and hybrid lanes, --moe-cpu-layers)"),
     "oom_caught": ("moeferry_oom_errors", "Out-of-memory errors the OOM guard caught in a step"),
     "cache_shrinks": ("moeferry_expert_cache_shrinks", "Times the OOM guard shrank the expert cache"),
 }
@@ -45,7 +46,8 @@ def flat_worker_stats(worker: dict) -> dict:
     experts, memory = out.pop("experts", None) or {}, out.pop("memory", None) or {}
     out.update(expert_slots_total=experts.get("slots"), expert_slots_used=experts.get("slots_used"),
                expert_cache_hits=experts.get("hits"), expert_cache_misses=experts.get("misses"),
-               expert_bytes_fetched=experts.get("bytes_fetched"), oom_caught=memory.get("oom_caught"),
+               expert_bytes_fetched=experts.get("bytes_fetched"), experts_on_cpu=experts.get("cpu_experts"),
+               oom_caught=memory.get("oom_caught"),
                cache_shrinks=memory.get("cache_shrinks"))
     return out
 
