@@ -166,6 +166,41 @@ static void fp4_row(const uint8_t *w, const uint8_t *sc, float rs, int k, float 
     }
 }
 
+/* dot(fp4 row, x) for one token, without the decoded row: each group's products are summed
+ * unscaled and the group's scale multiplies the partial sum (a lone token's hot path). */
+static float fp4_dot(const uint8_t *w, const uint8_t *sc, float rs, const float *x, int k) {
+    int k0 = 0;
+    float sum = 0.0f;
+#ifdef MF_AVX2
+    const __m128i high = _mm_setr_epi8(0x00, 0x02, 0x04, 0x06, 0x08, 0x0a, 0x0c, 0x0e,
+                                       (char)0x80, (char)0x82, (char)0x84, (char)0x86,
+                                       (char)0x88, (char)0x8a, (char)0x8c, (char)0x8e);
+    const __m128i low4 = _mm_set1_epi8(15), zero = _mm_setzero_si128();
+    const __m256 unit = _mm256_set1_ps(rs * E2M1_UNIT * E4M3_UNIT);
+    __m256 total = _mm256_setzero_ps();
+    float scale[8];
+    for (; k0 + 128 <= k; k0 += 128) {
+        _mm256_storeu_ps(scale, _mm256_mul_ps(e4m3x8(sc + k0 / 16), unit));
+        for (int g = 0; g < 8; g++) {
+            int at = k0 + 16 * g;
+            __m128i b = _mm_loadl_epi64((const __m128i *)(w + at / 2));
+            __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4));
+            __m128i halves = _mm_shuffle_epi8(high, codes);
+            __m256 part = _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, halves)), _mm256_loadu_ps(x + at));
+            part = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(zero, halves)), _mm256_loadu_ps(x + at + 8), part);
+            total = _mm256_fmadd_ps(part, _mm256_broadcast_ss(scale + g), total);
+        }
+    }
+    sum = hsum8(total);
+#endif
+    for (int i = k0; i < k; i += 2) {
+        float s = e4m3(sc[i / 16]) * rs * E2M1_UNIT;
+        uint8_t byte = w[i / 2];
+        sum += (half_bits_to_float(e2m1_half(byte & 15u)) * x[i] + half_bits_to_float(e2m1_half(byte >> 4)) * x[i + 1]) * s;
+    }
+    return sum;
+}
+
 static void int4_span(const uint8_t *w, const uint8_t *sc, const uint8_t *zp, int dtype, int group,
                       int k0, int k1, float *out) {
     int k = k0;
@@ -263,6 +298,9 @@ static const float *row(const matrix_t *m, int slot, int n, float *buf) {
     return buf;
 }
 
+/* dot(row n of slot `slot`, x) for one token: fused for fp4 (no decoded row), else row + dot. */
+static float dot_row(const matrix_t *m, int slot, int n, const float *x, float *buf);
+
 static float dot(const float *a, const float *b, int k) {
     int i = 0;
     float sum = 0.0f;
@@ -337,6 +375,74 @@ static void dots(const float *w, const float *const *xs, int count, int k, float
     for (int j = 0; j < count; j++) out[j] = sum[j];
 }
 
+/* Sum of e4m3 codes [k0, k1) times x, by their fp16 bits (value / 2^8: the caller scales). */
+static float e4m3_dot(const uint8_t *w, const float *x, int k0, int k1) {
+    int k = k0;
+    float sum = 0.0f;
+#ifdef MF_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; k + 8 <= k1; k += 8) acc = _mm256_fmadd_ps(e4m3x8(w + k), _mm256_loadu_ps(x + k), acc);
+    sum = hsum8(acc);
+#endif
+    for (; k < k1; k++) sum += half_bits_to_float(e4m3_half(w[k])) * x[k];
+    return sum;
+}
+
+/* Sum of (u - z) x over one int4 group [k0, k1) (u the unsigned nibbles; the caller scales). */
+static float int4_group_dot(const uint8_t *w, float z, const float *x, int k0, int k1) {
+    int k = k0;
+    float sum = 0.0f;
+#ifdef MF_AVX2
+    __m256 acc = _mm256_setzero_ps(), vz = _mm256_set1_ps(z);
+    for (; k + 16 <= k1 && k % 2 == 0; k += 16) {
+        __m128i a, b;
+        nibbles16(w + k / 2, &a, &b);
+        acc = _mm256_fmadd_ps(_mm256_sub_ps(u16x8(a), vz), _mm256_loadu_ps(x + k), acc);
+        acc = _mm256_fmadd_ps(_mm256_sub_ps(u16x8(b), vz), _mm256_loadu_ps(x + k + 8), acc);
+    }
+    sum = hsum8(acc);
+#endif
+    for (; k < k1; k++) sum += ((float)(k % 2 ? w[k / 2] >> 4 : w[k / 2] & 15u) - z) * x[k];
+    return sum;
+}
+
+/* dot(row n of slot `slot`, x) for one token. The quantized forms skip the decoded row: each
+ * scale group's products are summed unscaled and the group's scale multiplies the sum. */
+static float dot_row(const matrix_t *m, int slot, int n, const float *x, float *buf) {
+    int k = m->k;
+    if (m->form == FORM_FP4) {
+        float rs;
+        memcpy(&rs, m->rs + slot * m->rs_slot + 4 * (int64_t)n, 4);
+        return fp4_dot(m->w + slot * m->w_slot + (int64_t)n * (k / 2), m->s + slot * m->s_slot + (int64_t)n * m->s_cols,
+                       rs, x, k);
+    }
+    if (m->form == FORM_INT4) {
+        const uint8_t *w = m->w + slot * m->w_slot + (int64_t)n * (k / 2);
+        const uint8_t *sc = m->s + slot * m->s_slot + type_size(m->dtype) * (int64_t)n * m->s_cols;
+        const uint8_t *zp = m->z ? m->z + slot * m->z_slot + (int64_t)n * m->s_cols : NULL;
+        float sum = 0.0f;
+        for (int k0 = 0, g = 0; k0 < k; k0 += m->group, g++)
+            sum += int4_group_dot(w, zp ? (float)zp[g] : 8.0f, x, k0, k0 + m->group < k ? k0 + m->group : k)
+                   * element(sc, m->dtype, g);
+        return sum;
+    }
+    if (m->form == FORM_FP8_ROW) {
+        float rs;
+        memcpy(&rs, m->rs + slot * m->rs_slot + 4 * (int64_t)n, 4);
+        return e4m3_dot(m->w + slot * m->w_slot + (int64_t)n * k, x, 0, k) * (rs * E4M3_UNIT);
+    }
+    if (m->form == FORM_FP8_BLOCK) {
+        const uint8_t *w = m->w + slot * m->w_slot + (int64_t)n * k;
+        int brow = (n / m->part) * ((m->part + m->group_n - 1) / m->group_n) + (n % m->part) / m->group_n;
+        const float *s = (const float *)(m->s + slot * m->s_slot) + (int64_t)brow * m->s_cols;
+        float sum = 0.0f;
+        for (int k0 = 0, g = 0; k0 < k; k0 += m->group, g++)
+            sum += e4m3_dot(w, x, k0, k0 + m->group < k ? k0 + m->group : k) * (s[g] * E4M3_UNIT);
+        return sum;
+    }
+    return dot(row(m, slot, n, buf), x, k);
+}
+
 /* The call's experts: expert e (bank slot slots[e]) has pairs [start[e], start[e+1]), pair p
  * being token pair_tok[p] with routing weight pair_w[p]. out[tok] += w * down(silu(gate x) * up x).
  * Called by every thread of a team. Two passes: the gate/up rows of every expert, shared out,
@@ -353,6 +459,12 @@ static void experts(const matrix_t *gu, const matrix_t *dn, const float *x, int 
 #endif
     for (int64_t item = 0; item < (int64_t)count * inter; item++) {
         int e = (int)(item / inter), i = (int)(item % inter);
+        if (start[e + 1] - start[e] == 1) {  /* a lone token: no decoded row */
+            const float *xt = x + (int64_t)tok[start[e]] * hidden;
+            float gl = dot_row(gu, slots[e], i, xt, gbuf), ul = dot_row(gu, slots[e], inter + i, xt, ubuf);
+            h[(int64_t)start[e] * inter + i] = gl / (1.0f + expf(-gl)) * ul;
+            continue;
+        }
         const float *g = row(gu, slots[e], i, gbuf), *u = row(gu, slots[e], inter + i, ubuf);
         for (int p0 = start[e]; p0 < start[e + 1]; p0 += TOKEN_BLOCK) {
             int n = start[e + 1] - p0 < TOKEN_BLOCK ? start[e + 1] - p0 : TOKEN_BLOCK;
@@ -370,6 +482,11 @@ static void experts(const matrix_t *gu, const matrix_t *dn, const float *x, int 
     int first = (int)((int64_t)hidden * me / team), last = (int)((int64_t)hidden * (me + 1) / team);
     for (int e = 0; e < count; e++) {
         for (int feature = first; feature < last; feature++) {
+            if (start[e + 1] - start[e] == 1) {  /* a lone token: no decoded row */
+                int p = start[e];
+                out[(int64_t)tok[p] * hidden + feature] += pw[p] * dot_row(dn, slots[e], feature, h + (int64_t)p * inter, gbuf);
+                continue;
+            }
             const float *d = row(dn, slots[e], feature, gbuf);
             for (int p0 = start[e]; p0 < start[e + 1]; p0 += TOKEN_BLOCK) {
                 int n = start[e + 1] - p0 < TOKEN_BLOCK ? start[e + 1] - p0 : TOKEN_BLOCK;
