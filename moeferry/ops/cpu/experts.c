@@ -3,12 +3,15 @@
  * The `cpu` and `hybrid` MoE backends compute misses from the pinned host banks. Dequantizing a
  * whole expert to fp32 in PyTorch first costs milliseconds; this kernel streams each weight row
  * once instead: a row is decoded into a small fp32 buffer (L1-resident) and multiplied with each
- * of the expert's tokens (up to four at a time), rows split among OpenMP threads in two passes
- * (gate/up, then down) for all of a call's experts. moeferry/ops/cpu/experts.py builds it with
+ * of the expert's tokens (up to four at a time), or, for an expert with a lone token (most of a
+ * decode step's), multiplied straight from the codes (`dot_row`: each scale group's products
+ * summed, then scaled). Rows are split among OpenMP threads in two passes (gate/up, then down)
+ * for all of a call's experts. moeferry/ops/cpu/experts.py builds it with
  * the system C compiler on first use and calls it through ctypes (which releases the GIL).
  * Slot layouts: moeferry/ops/triton/moe_formats.py. fp32 arithmetic throughout; the decoded
  * weights equal the PyTorch reference's (`<form>_dequant`) bit for bit (but for E4M3's NaN codes,
- * which no weight holds: they decode as 480), only the summation order of the dot products differs.
+ * which no weight holds: they decode as 480); only the order of the dot products' sums differs
+ * (and, on the lone-token path, where the group scale is applied).
  *
  * E2M1 and E4M3 codes are decoded through fp16 bit patterns (the trick of the Triton steps): the
  * code's magnitude bits placed in an fp16's exponent and mantissa give value / 2^14 (E2M1) or
