@@ -122,17 +122,28 @@ static inline __m256i codes32(const uint8_t *p) {
     return _mm256_or_si256(_mm256_and_si256(w, _mm256_set1_epi16(15)),
                            _mm256_slli_epi16(_mm256_srli_epi16(w, 4), 8));
 }
+
+/* An E2M1 code's fp16 bits have a zero low byte: the high byte, looked up by code. */
+static inline __m128i e2m1_high_bytes(void) {
+    return _mm_setr_epi8(0x00, 0x02, 0x04, 0x06, 0x08, 0x0a, 0x0c, 0x0e, (char)0x80, (char)0x82, (char)0x84,
+                         (char)0x86, (char)0x88, (char)0x8a, (char)0x8c, (char)0x8e);
+}
+
+/* 8 bytes of E2M1 codes -> their 16 values / 2^14, in element order (`lo`: elements 0-7). */
+static inline void e2m1x16(const uint8_t *p, __m256 *lo, __m256 *hi) {
+    const __m128i low4 = _mm_set1_epi8(15), zero = _mm_setzero_si128();
+    __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    __m128i halves = _mm_shuffle_epi8(e2m1_high_bytes(),
+                                      _mm_unpacklo_epi8(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4)));
+    *lo = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, halves));
+    *hi = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, halves));
+}
 #endif
 
 /* An fp4 row of k elements (k even); `sc` = the row's e4m3 scales (one per 16 elements). */
 static void fp4_row(const uint8_t *w, const uint8_t *sc, float rs, int k, float *out) {
     int k0 = 0;
 #ifdef MF_AVX2
-    /* an E2M1 code's fp16 bits have a zero low byte: the high byte, looked up by code */
-    const __m128i high = _mm_setr_epi8(0x00, 0x02, 0x04, 0x06, 0x08, 0x0a, 0x0c, 0x0e,
-                                       (char)0x80, (char)0x82, (char)0x84, (char)0x86,
-                                       (char)0x88, (char)0x8a, (char)0x8c, (char)0x8e);
-    const __m128i low4 = _mm_set1_epi8(15), zero = _mm_setzero_si128();
     float scale[8];
     const __m256 unit = _mm256_set1_ps(rs * E2M1_UNIT * E4M3_UNIT);
     for (; k0 + 128 <= k; k0 += 128) {  /* eight groups: their scales decoded together */
@@ -140,23 +151,20 @@ static void fp4_row(const uint8_t *w, const uint8_t *sc, float rs, int k, float 
 #ifdef MF_AVX512
         for (int g = 0; g < 8; g += 2) {  /* two groups, 32 codes, a step */
             int at = k0 + 16 * g;
-            __m256i halves = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(high), codes32(w + at / 2));
+            __m256i halves = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(e2m1_high_bytes()), codes32(w + at / 2));
             __m512i bits = _mm512_slli_epi16(_mm512_cvtepu8_epi16(halves), 8);
             _mm512_storeu_ps(out + at, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(bits)),
                                                      _mm512_set1_ps(scale[g])));
             _mm512_storeu_ps(out + at + 16, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1)),
                                                           _mm512_set1_ps(scale[g + 1])));
         }
-        (void)low4, (void)zero;
 #else
         for (int g = 0; g < 8; g++) {
             int at = k0 + 16 * g;
-            __m256 s = _mm256_broadcast_ss(scale + g);
-            __m128i b = _mm_loadl_epi64((const __m128i *)(w + at / 2));
-            __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4));
-            __m128i halves = _mm_shuffle_epi8(high, codes);
-            _mm256_storeu_ps(out + at, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, halves)), s));
-            _mm256_storeu_ps(out + at + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(zero, halves)), s));
+            __m256 s = _mm256_broadcast_ss(scale + g), lo, hi;
+            e2m1x16(w + at / 2, &lo, &hi);
+            _mm256_storeu_ps(out + at, _mm256_mul_ps(lo, s));
+            _mm256_storeu_ps(out + at + 8, _mm256_mul_ps(hi, s));
         }
 #endif
     }
@@ -175,10 +183,6 @@ static float fp4_dot(const uint8_t *w, const uint8_t *sc, float rs, const float 
     int k0 = 0;
     float sum = 0.0f;
 #ifdef MF_AVX2
-    const __m128i high = _mm_setr_epi8(0x00, 0x02, 0x04, 0x06, 0x08, 0x0a, 0x0c, 0x0e,
-                                       (char)0x80, (char)0x82, (char)0x84, (char)0x86,
-                                       (char)0x88, (char)0x8a, (char)0x8c, (char)0x8e);
-    const __m128i low4 = _mm_set1_epi8(15), zero = _mm_setzero_si128();
     const __m256 unit = _mm256_set1_ps(rs * E2M1_UNIT * E4M3_UNIT);
     __m256 total = _mm256_setzero_ps();
     float scale[8];
@@ -186,11 +190,9 @@ static float fp4_dot(const uint8_t *w, const uint8_t *sc, float rs, const float 
         _mm256_storeu_ps(scale, _mm256_mul_ps(e4m3x8(sc + k0 / 16), unit));
         for (int g = 0; g < 8; g++) {
             int at = k0 + 16 * g;
-            __m128i b = _mm_loadl_epi64((const __m128i *)(w + at / 2));
-            __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4));
-            __m128i halves = _mm_shuffle_epi8(high, codes);
-            __m256 part = _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, halves)), _mm256_loadu_ps(x + at));
-            part = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(zero, halves)), _mm256_loadu_ps(x + at + 8), part);
+            __m256 lo, hi;
+            e2m1x16(w + at / 2, &lo, &hi);
+            __m256 part = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + at + 8), _mm256_mul_ps(lo, _mm256_loadu_ps(x + at)));
             total = _mm256_fmadd_ps(part, _mm256_broadcast_ss(scale + g), total);
         }
     }
@@ -307,16 +309,6 @@ static float dot_row(const matrix_t *m, int slot, int n, const float *x, float *
 static float dot(const float *a, const float *b, int k) {
     int i = 0;
     float sum = 0.0f;
-#ifdef MF_AVX512
-    __m512 z0 = _mm512_setzero_ps(), z1 = _mm512_setzero_ps(), z2 = _mm512_setzero_ps(), z3 = _mm512_setzero_ps();
-    for (; i + 64 <= k; i += 64) {
-        z0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), z0);
-        z1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), z1);
-        z2 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 32), _mm512_loadu_ps(b + i + 32), z2);
-        z3 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 48), _mm512_loadu_ps(b + i + 48), z3);
-    }
-    sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(z0, z1), _mm512_add_ps(z2, z3)));
-#endif
 #ifdef MF_AVX2
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
     for (; i + 32 <= k; i += 32) {
@@ -349,18 +341,6 @@ static void dots(const float *w, const float *const *xs, int count, int k, float
     for (int j = 0; j < TOKEN_BLOCK; j++) x[j] = xs[j < count ? j : 0];
     int i = 0;
     float sum[TOKEN_BLOCK] = {0};
-#ifdef MF_AVX512
-    __m512 b[TOKEN_BLOCK][2];
-    for (int j = 0; j < TOKEN_BLOCK; j++) b[j][0] = b[j][1] = _mm512_setzero_ps();
-    for (; i + 32 <= k; i += 32) {
-        __m512 w0 = _mm512_loadu_ps(w + i), w1 = _mm512_loadu_ps(w + i + 16);
-        for (int j = 0; j < TOKEN_BLOCK; j++) {
-            b[j][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[j] + i), b[j][0]);
-            b[j][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[j] + i + 16), b[j][1]);
-        }
-    }
-    for (int j = 0; j < TOKEN_BLOCK; j++) sum[j] = _mm512_reduce_add_ps(_mm512_add_ps(b[j][0], b[j][1]));
-#endif
 #ifdef MF_AVX2
     __m256 a[TOKEN_BLOCK][2];
     for (int j = 0; j < TOKEN_BLOCK; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();
