@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeferry.moe.bandwidth import MissSplit
 from moeferry.moe.slots import SlotBuffer
 from moeferry.ops.cpu import experts as cpu
 from tests.test_moe_kernels import _rel
@@ -161,10 +160,3 @@ def test_kernel_is_built_once_into_the_cache(monkeypatch, tmp_path):
         assert cpu.kernel().path == first.path and made[1].stat().st_mtime_ns == stamp  # found, not rebuilt
     finally:
         cpu.kernel.cache_clear()
-
-
-def test_miss_split_charges_further_tokens_their_own_cost():
-    split = MissSplit(fetch_s=1.0, cpu_s=2.0, cpu_token_s=0.5)
-    assert [split.cpu_cost(t) for t in (0, 1, 3)] == [2.0, 2.0, 3.0]
-    assert MissSplit(fetch_s=1.0, cpu_s=2.0).cpu_cost(3) == 6.0  # unmeasured: each token costs a whole expert
-    assert "CPU 2000000 us/expert + 500000 us a further token" in split.describe()

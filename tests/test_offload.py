@@ -842,6 +842,13 @@ def test_miss_split_divide_fetches_the_busiest_experts():
     assert len(fetch) == 2 and fetch[0] == 4 and len(on_cpu) == 2
 
 
+def test_miss_split_charges_further_tokens_their_own_cost():
+    split = MissSplit(fetch_s=1.0, cpu_s=2.0, cpu_token_s=0.5)
+    assert [split.cpu_cost(t) for t in (0, 1, 3)] == [2.0, 2.0, 3.0]
+    assert MissSplit(fetch_s=1.0, cpu_s=2.0).cpu_cost(3) == 6.0  # unmeasured: each token costs a whole expert
+    assert "CPU 2000000 us/expert + 500000 us a further token" in split.describe()
+
+
 def test_hybrid_max_fetch_caps_fetches(ckpt, ref_logits, monkeypatch):
     arch = "qwen3_moe"
     fetched = []  # (misses, fetches) of every hybrid layer step
