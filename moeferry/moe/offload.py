@@ -128,9 +128,12 @@ class OffloadBackend:
         self.join_late = True
         self.prefetch_first = False  # device-managed: the next layer's prefetch started before this layer's own gather
         self.transfer_chosen = False
-        self.cpu_layers = set()                       # --moe-cpu-layers (model layer ids), resolved in finish()
-        moe_layers = sum(spec.is_moe_layer(i) for i in range(spec.num_layers))
-        resolve_cpu_layers(cfg.moe_cpu_layers, moe_layers)  # a spec the model cannot take fails now, not after loading
+        # --moe-cpu-layers as model layer ids, resolved now: a spec the model cannot take fails before loading
+        moe_layers = [i for i in range(spec.num_layers) if spec.is_moe_layer(i)]
+        self.cpu_layers = {moe_layers[i] for i in resolve_cpu_layers(cfg.moe_cpu_layers, len(moe_layers))}
+        if self.cpu_layers:
+            log.info("MoE layers on the CPU (no device slots; decode experts computed on the CPU): %s",
+                     sorted(self.cpu_layers))
         self.streamed = LayerCounters()               # prefill chunks of the layers without slots, through staging
         self._cpu_worker: ThreadPoolExecutor | None = None
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -299,11 +302,6 @@ class OffloadBackend:
         self._release_device()
         if not self.transfer_chosen:  # before the cache takes the device's memory
             self._choose_transfer()
-        moe_layers = sorted(self.banks)
-        self.cpu_layers = {moe_layers[i] for i in resolve_cpu_layers(self.cfg.moe_cpu_layers, len(moe_layers))}
-        if self.cpu_layers:
-            log.info("MoE layers on the CPU (no device slots; decode experts computed on the CPU): %s",
-                     sorted(self.cpu_layers))
         cached_layers = {k: [x for x in v if x not in self.cpu_layers] for k, v in self.groups.items()}
         n_layers = sum(len(v) for v in cached_layers.values()) or 1
         for key, layers in self.groups.items():
