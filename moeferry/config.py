@@ -3,7 +3,8 @@
 `add_serve_arguments` declares the flags (their help is the reference), `ServeConfig.from_args`
 turns a parsed namespace into the one config object the server uses. Flags whose feature is
 not built yet are listed in `NOT_BUILT` (the single table of them) and refused with the issue
-that will add them; nothing is accepted and ignored.
+that will add them; FreeToken flags with no moeferry meaning are refused with the reason
+(`moeferry/freetoken_flags.py`); nothing is accepted and ignored.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from moeferry.engine.config import CACHE_POLICIES, EXPERT_LOADS, MOE_BACKENDS, EngineConfig, EngineSizes, derive_sizes
+from moeferry.freetoken_flags import add_freetoken_arguments, refused_freetoken_flags
 from moeferry.text.reasoning import REASONING_PARSERS
 from moeferry.text.tool_parsers import TOOL_CALL_PARSERS
 
@@ -210,10 +212,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="new prompt tokens per step; longer prompts are prefilled in chunks (default: 8192)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="turn off the prefix cache (shared prompt prefixes are recomputed)")
+    g.add_argument("--cache-type", choices=("radix", "naive"),
+                   help="FreeToken's spelling of the prefix cache switch: radix = on (the default), naive = off "
+                   "(as --no-prefix-cache)")
     g.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_false",
                    help="read each step's tokens on the host before the next step starts (default: the next "
                    "step is launched first, fed from the tokens on the device, so the host's work between "
                    "steps overlaps the device's)")
+
+    g.add_argument("--decode-log-interval", type=_positive_int, default=40, metavar="STEPS",
+                   help="log one decode status line (running and queued requests, KV use, generated tokens/s, "
+                   "the expert cache's hit rate) every STEPS steps with decode tokens; every step with prompt "
+                   "tokens logs a prefill line (default: 40)")
 
     g = p.add_argument_group("api")
     g.add_argument("--max-output-tokens", type=_positive_int, metavar="TOKENS",
@@ -226,6 +236,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-cache-report", action="store_true",
                    help="report prefix-cache hits in usage.prompt_tokens_details.cached_tokens")
     _add_api_arguments(p)
+    add_freetoken_arguments(p)
     _mark_not_built(p)
     _environment_defaults(p)
 
@@ -343,10 +354,10 @@ class ServeConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace, demo_model: Callable[[], str] | None = None) -> "ServeConfig":
         """Validate and resolve. `demo_model()` makes (or finds) the demo checkpoint when --model is absent."""
-        refused = not_built_flags(args)
+        refused = [f"{n.flag} is not supported yet: it comes with {n.comes_with}" for n in not_built_flags(args)]
+        refused += refused_freetoken_flags(args)
         if refused:
-            raise ConfigError("\n".join(f"{n.flag} is not supported yet: it comes with {n.comes_with}"
-                                        for n in refused))
+            raise ConfigError("\n".join(refused))
         if args.tensor_parallel_size != 1:
             raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size}: moeferry serves a model from one "
                               "GPU (its experts offloaded to host RAM); tensor parallelism is not supported")
@@ -404,6 +415,7 @@ class ServeConfig:
             ("max output", f"{self.max_output_tokens} tokens" if self.max_output_tokens else "rest of the context"),
             ("sampling defaults", self.sampling_defaults),
             ("cache report", "on" if self.enable_cache_report else "off"),
+            ("status log", f"a line per prefill step, one per {e.decode_log_interval} decode steps"),
             ("worker watchdog", f"replaced after {self.worker_stall_timeout:g} s without progress"),
             ("listen", f"http://{self.host}:{self.port}"),
             ("tool calls", self.tool_call_parser or "off (text)"),
@@ -431,6 +443,14 @@ def _moe_backend(name: str) -> str:
     return "resident" if name == "fused" else name
 
 
+def _prefix_cache(args: argparse.Namespace) -> bool:
+    """--no-prefix-cache, or FreeToken's --cache-type naive, turns it off."""
+    if args.cache_type == "radix" and not args.prefix_cache:
+        raise ConfigError("--cache-type radix turns the prefix cache on and --no-prefix-cache turns it off: "
+                          "give one of them")
+    return args.prefix_cache and args.cache_type != "naive"
+
+
 def _engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     """The engine's half of the flags (pool sizes as given; the engine resolves the rest)."""
     device = _resolve_device(args.device)
@@ -449,8 +469,8 @@ def _engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
             expert_load=args.expert_load, memory_ratio=args.memory_ratio, gpu_memory_limit=args.gpu_memory_limit,
             kv_reserve_tokens=args.kv_reserve_tokens, num_tokens=num_tokens, page_size=args.page_size,
             max_seq_len=args.max_seq_len_override, max_running_requests=args.max_running_requests,
-            max_extend_tokens=args.max_extend_tokens, prefix_cache=args.prefix_cache, cuda_graphs=args.cuda_graphs,
-            cuda_graph_max_bs=args.cuda_graph_max_bs,
+            max_extend_tokens=args.max_extend_tokens, prefix_cache=_prefix_cache(args), cuda_graphs=args.cuda_graphs,
+            cuda_graph_max_bs=args.cuda_graph_max_bs, decode_log_interval=args.decode_log_interval,
             overlap_schedule=args.overlap_schedule, progress=True)
     except ValueError as e:
         raise ConfigError(str(e)) from None

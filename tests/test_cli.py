@@ -235,3 +235,68 @@ def test_a_cache_flag_makes_auto_offload(model):
     reader = type("Reader", (), {"tensors": {}})()
     resolved = choose_backend(cfg, reader, torch.device("cpu"), 0)
     assert resolved.moe_backend == "resident" and resolved.moe_cache_policy == "lru" and resolved.moe_decode_prefetch
+
+
+# Every flag of FreeToken 0.1.2's `ft serve --help` (its server/args.py), with a value where it takes one.
+FREETOKEN_FLAGS = {
+    "--model": None, "--model-path": None, "--served-model-name": "NAME", "--host": "0.0.0.0", "--port": "1919",
+    "--dtype": "bfloat16", "--tensor-parallel-size": "1", "--tp-size": "1", "--max-running-requests": "4",
+    "--max-seq-len-override": "4096", "--memory-ratio": "0.9", "--num-pages": "64", "--num-tokens": "64",
+    "--page-size": "1", "--max-prefill-length": "512", "--max-extend-length": "512", "--cuda-graph-max-bs": "4",
+    "--graph": "4", "--moe-backend": "offload", "--moe-cache-size": "8", "--moe-cache-rate": "0.5",
+    "--moe-cache-auto": "", "--moe-cache-policy": "lru", "--moe-cpu-layers": "1", "--moe-cpu-threads": "2",
+    "--moe-hybrid-max-fetch": "2", "--expert-load": "serial", "--kv-reserve-tokens": "64",
+    "--disable-moe-prefill-overlap": "", "--max-output-tokens": "64", "--sampling-defaults": "model",
+    "--enable-cache-report": "", "--cors-origins": "*", "--tool-call-parser": "auto", "--reasoning-parser": "auto",
+    "--decode-log-interval": "10", "--cache-type": "naive", "--attention-backend": "triton", "--attn": "auto",
+    "--nvfp4-backend": "triton", "--num-tokenizer": "0", "--tokenizer-count": "0", "--dummy-weight": "",
+    "--model-source": "huggingface", "--disable-pynccl": "", "--moe-prefill-hit-d2d": "",
+    "--enable-special-token-ckpt": "", "--shell-mode": "",
+}
+
+
+def test_every_freetoken_flag_parses(model):
+    """A FreeToken command line never meets argparse's bare 'unrecognized arguments': each flag
+    parses, and then acts or is refused with its reason."""
+    for flag, value in FREETOKEN_FLAGS.items():
+        argv = [flag] + ([model] if value is None else [value] if value else [])
+        parse(*argv)  # SystemExit here: a FreeToken flag we do not know
+
+
+@pytest.mark.parametrize("flag, reason", [
+    ("--dummy-weight", "moeferry make-model"), ("--disable-pynccl", "tensor parallelism"),
+    ("--moe-prefill-hit-d2d", "copies only the misses"), ("--enable-special-token-ckpt", "not supported yet"),
+    ("--shell-mode", "no terminal shell"), ("--model-source modelscope", "downloads nothing"),
+])
+def test_freetoken_flags_without_a_meaning_are_refused_with_the_reason(model, flag, reason, monkeypatch):
+    with pytest.raises(ConfigError, match=reason):
+        ServeConfig.from_args(parse("--model", model, "--device", "cpu", *flag.split()))
+    name = "MOEFERRY_" + flag.split()[0].lstrip("-").upper().replace("-", "_")
+    monkeypatch.setenv(name, flag.split()[1] if " " in flag else "1")
+    with pytest.raises(ConfigError, match=reason):  # the same flag given as a variable
+        ServeConfig.from_args(parse("--model", model, "--device", "cpu"))
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["--attention-backend", "fa"], "one attention implementation"),
+    (["--attn", "fi,triton"], "one attention implementation"),
+    (["--nvfp4-backend", "marlin"], "own Triton kernels"),
+    (["--num-tokenizer", "2"], "tokenizes and detokenizes in the API process"),
+    (["--cache-type", "paged"], "invalid choice"),
+    (["--decode-log-interval", "0"], "at least 1"),
+])
+def test_freetoken_values_moeferry_lacks_are_usage_errors(argv, reason, capsys):
+    with pytest.raises(SystemExit):
+        parse(*argv)
+    assert reason in capsys.readouterr().err
+
+
+def test_freetoken_flags_that_act(model):
+    base = ("--model", model, "--device", "cpu")
+    cfg = ServeConfig.from_args(parse(*base, "--attn", "triton", "--nvfp4-backend", "auto", "--num-tokenizer", "0",
+                                      "--cache-type", "radix", "--decode-log-interval", "7"))
+    assert cfg.engine.prefix_cache and cfg.engine.decode_log_interval == 7
+    assert not ServeConfig.from_args(parse(*base, "--cache-type", "naive")).engine.prefix_cache
+    assert ServeConfig.from_args(parse(*base)).engine.decode_log_interval == 40  # FreeToken's default
+    with pytest.raises(ConfigError, match="give one of them"):
+        ServeConfig.from_args(parse(*base, "--cache-type", "radix", "--no-prefix-cache"))

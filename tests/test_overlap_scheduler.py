@@ -101,3 +101,62 @@ def test_a_failed_step_fails_its_requests_only(overlap):
     assert outs[0] == ([6, 7], "length")
     assert outs[1] == ([51, 52], "error")
     assert set(errors) == {"r1"}
+
+
+@dataclass
+class LoggedEngine(CountingEngine):
+    """Records each forward's (prompt chunks, prompt tokens, decode rows, expert hits, misses): a
+    prompt chunk starts at position 0 (no prefix cache, no preemption here); a decode row hits
+    the expert cache when its position is even."""
+    steps: list = None
+    hits: int = 0
+    misses: int = 0
+
+    def forward(self, chunks, feed=None):
+        prompt = [len(c.tokens) for c in chunks if c.start == 0]
+        hits = sum(1 for c in chunks if c.start and c.start % 2 == 0)
+        misses = len(chunks) - len(prompt) - hits
+        self.steps = (self.steps or []) + [(len(prompt), sum(prompt), len(chunks) - len(prompt), hits, misses)]
+        self.hits, self.misses = self.hits + hits, self.misses + misses
+        return super().forward(chunks, feed)
+
+    def stats(self) -> dict:
+        return {"experts": {"hits": self.hits, "misses": self.misses}}
+
+
+def test_status_lines_say_what_the_steps_did(caplog):
+    """A prefill line per step with prompt tokens; a decode line per 2 decode steps (the interval)
+    with their tokens over their time (a clock that ticks 1 s a reading, one reading a step) and
+    the expert cache's hit rate over them. Idle waits never count."""
+    engine = LoggedEngine(EngineConfig("(counting)", num_tokens=256, max_running_requests=4, prefix_cache=False,
+                                       decode_log_interval=2, overlap_schedule=False))
+    sched = Scheduler(engine)
+    ticks = iter(range(10**6))
+    sched.status.clock = lambda: float(next(ticks))
+    work = [([5, 6, 7], GREEDY), ([50, 51], GREEDY.replace(max_tokens=3)), ([9], GREEDY.replace(max_tokens=2))]
+    for i, (prompt, params) in enumerate(work):
+        sched.add(Request(f"r{i}", prompt, params))
+    with caplog.at_level("INFO", logger="moeferry.scheduler"):
+        while sched.has_work:
+            sched.step()
+    lines = [r.getMessage() for r in caplog.records]
+    assert [ln.split(";")[0] for ln in lines if ln.startswith("prefill")] == ["prefill: 3 sequences, 6 prompt tokens"]
+    assert lines[0].endswith("; 3 running, 0 queued; KV 2% (6 of 256 tokens)")
+    decode = [s[2:] for s in engine.steps if s[2]]
+    expected = []
+    for (d1, h1, m1), (d2, h2, m2) in zip(decode[::2], decode[1::2]):
+        rate = f"{(h1 + h2) / (h1 + h2 + m1 + m2):.3f} ({m1 + m2} misses)"
+        expected.append((f"decode: 2 steps, {(d1 + d2) / 2:.1f} tokens/s", f"expert cache hit rate {rate}"))
+    got = [(ln.split(";")[0], ln.split("; ")[-1]) for ln in lines if ln.startswith("decode")]
+    assert got == expected and len(got) == len(decode) // 2 >= 2
+    assert {m for *_, m in decode} != {0} and {h for _, h, _ in decode} != {0}  # both kinds counted
+
+    caplog.clear()  # idle: the next step starts from its own start, not from the last step's end
+    idle_until = next(ticks) + 1000
+    sched.status.clock = lambda: float(idle_until + next(ticks))
+    sched.add(Request("late", [7], GREEDY.replace(max_tokens=3)))
+    with caplog.at_level("INFO", logger="moeferry.scheduler"):
+        while sched.has_work:
+            sched.step()
+    got = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode")]
+    assert got and float(got[0].split()[3]) >= 1.0  # 1 token a step, 1 s a step (with the 1000 s idle: 0.002)

@@ -47,6 +47,7 @@ class EngineConfig:
     prefix_cache: bool = True
     max_wait_steps: int = 256           # a queued request waits about this long for a running one to yield (0: off)
     overlap_schedule: bool = True       # launch the next step before the host reads this step's tokens
+    decode_log_interval: int = 40       # a decode status line every this many steps with decode tokens
     # CUDA graphs
     cuda_graphs: bool = True
     cuda_graph_max_bs: int | None = None  # largest decode batch captured (None: max_running_requests); larger run eagerly
@@ -86,7 +87,7 @@ class EngineConfig:
             raise ValueError(f"memory_ratio must be in (0, 1], got {self.memory_ratio}")
         for name in ("moe_cache_size", "num_tokens", "num_state_slots", "page_size", "max_seq_len",
                      "max_running_requests", "max_extend_tokens", "kv_reserve_tokens", "moe_cpu_threads",
-                     "moe_hybrid_max_fetch", "cuda_graph_max_bs"):
+                     "moe_hybrid_max_fetch", "cuda_graph_max_bs", "decode_log_interval"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")

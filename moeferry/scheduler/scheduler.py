@@ -33,6 +33,7 @@ from moeferry.model.batch import SeqChunk
 from moeferry.scheduler.batch_sampler import SampledStep, launch_sampling
 from moeferry.scheduler.grammar import grammar_failure
 from moeferry.scheduler.request import Request, RequestState, TokenEvent
+from moeferry.scheduler.status import StatusLog
 
 log = logging.getLogger("moeferry.scheduler")
 
@@ -69,6 +70,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0
         self.cached_prompt_tokens = 0  # prompt tokens clients were told came from the cache
+        self.status = StatusLog(self.cfg.decode_log_interval)
 
     # --- public API ---------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -101,6 +103,12 @@ class Scheduler:
     def step(self) -> list[TokenEvent]:
         """Run one step; returns the events of the tokens read in it (with overlap: the previous
         step's, read once this one's forward is launched)."""
+        self.status.started(self)
+        events = self._step()
+        self.status.done(self)
+        return events
+
+    def _step(self) -> list[TokenEvent]:
         events, self._events = self._events, []
         plan = self._schedule()
         if not plan:
@@ -117,6 +125,7 @@ class Scheduler:
                     self._finish(r, "error")
                     events.append(self._event(r, [], None, error=step_failure(e)))
             return events
+        self._report(plan)
         ready = []
         for i, (r, n) in enumerate(plan):
             r.num_computed += n
@@ -132,6 +141,12 @@ class Scheduler:
         if not self.cfg.overlap_schedule:
             events += self._read()
         return events
+
+    def _report(self, plan: list[tuple[Request, int]]) -> None:
+        """Tell the status log what the step computed: prompt chunks (more than one token, or
+        within the prompt; so a preempted request's recomputed outputs count) and decode tokens."""
+        prompt = [n for r, n in plan if n > 1 or r.num_computed < len(r.prompt_ids)]
+        self.status.ran(len(prompt), sum(prompt), len(plan) - len(prompt))
 
     def stats(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting), **self.cache.stats(),
