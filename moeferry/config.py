@@ -212,6 +212,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="new prompt tokens per step; longer prompts are prefilled in chunks (default: 8192)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="turn off the prefix cache (shared prompt prefixes are recomputed)")
+    g.add_argument("--enable-special-token-ckpt", dest="special_token_ckpt", action="store_true",
+                   help="save the recurrent (Gated DeltaNet) state just after each tool-call opener a response "
+                   "generates, so an agent's next turn, which repeats the conversation through it, resumes from "
+                   "the prefix cache there rather than at the previous prompt's end (needs the prefix cache and a "
+                   "tool-call parser whose opener is one token, as <tool_call> is in Qwen3.5/3.6)")
     g.add_argument("--cache-type", choices=("radix", "naive"),
                    help="FreeToken's spelling of the prefix cache switch: radix = on (the default), naive = off "
                    "(as --no-prefix-cache)")
@@ -373,7 +378,8 @@ class ServeConfig:
         if not (path / "config.json").is_file():
             raise ConfigError(f"--model {model_dir}: no config.json there (expected a Hugging Face model directory)")
         spec = _model_spec(path)
-        engine = _engine_config(args, str(path.resolve()))
+        api = _resolve_api(args, path)
+        engine = _engine_config(args, str(path.resolve()), _checkpoint_tokens(args, path, api["tool_call_parser"]))
         if engine.max_seq_len is not None and engine.max_seq_len > spec.max_position_embeddings:
             warn_beyond_positions(engine.max_seq_len, spec.max_position_embeddings, "--max-seq-len-override")
         if args.served_model_name:
@@ -385,8 +391,7 @@ class ServeConfig:
             is_demo=is_demo, host=args.host, port=args.port, log_level=args.log_level,
             model_max_seq_len=spec.max_position_embeddings, vocab_size=spec.vocab_size,
             max_output_tokens=args.max_output_tokens, sampling_defaults=args.sampling_defaults,
-            enable_cache_report=args.enable_cache_report,
-            **_resolve_api(args, path),
+            enable_cache_report=args.enable_cache_report, **api,
             worker_stall_timeout=args.worker_stall_timeout,
         )
 
@@ -411,7 +416,9 @@ class ServeConfig:
             ("state slots", str(z.num_state_slots)),
             ("running requests", f"at most {e.max_running_requests}"),
             ("prefill chunk", f"{e.max_extend_tokens} tokens"),
-            ("prefix cache", "on" if e.prefix_cache else "off"),
+            ("prefix cache", ("on" if e.prefix_cache else "off") + (
+                f", states saved after token {', '.join(map(str, e.checkpoint_token_ids))} (the tool-call opener)"
+                if e.checkpoint_token_ids else "")),
             ("max output", f"{self.max_output_tokens} tokens" if self.max_output_tokens else "rest of the context"),
             ("sampling defaults", self.sampling_defaults),
             ("cache report", "on" if self.enable_cache_report else "off"),
@@ -451,7 +458,24 @@ def _prefix_cache(args: argparse.Namespace) -> bool:
     return args.prefix_cache and args.cache_type != "naive"
 
 
-def _engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
+def _checkpoint_tokens(args: argparse.Namespace, path: Path, tool_parser: str | None) -> tuple[int, ...]:
+    """--enable-special-token-ckpt: the tool-call opener's token id."""
+    if not args.special_token_ckpt:
+        return ()
+    from moeferry.text.tokenizer import Tokenizer
+    from moeferry.text.tool_parsers import START
+
+    if tool_parser is None:
+        raise ConfigError("--enable-special-token-ckpt saves the state after the tool-call opener, and tool calls "
+                          "are off (--tool-call-parser off, or a chat template without tools)")
+    opener = Tokenizer.from_dir(path).added_token_id(START)
+    if opener is None:
+        raise ConfigError(f"--enable-special-token-ckpt: {START} is not one token in this model's tokenizer, so "
+                          "no step ends on it")
+    return (opener,)
+
+
+def _engine_config(args: argparse.Namespace, model_dir: str, checkpoint_token_ids: tuple[int, ...]) -> EngineConfig:
     """The engine's half of the flags (pool sizes as given; the engine resolves the rest)."""
     device = _resolve_device(args.device)
     from moeferry.engine.engine import resolve_dtype
@@ -471,6 +495,7 @@ def _engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
             max_seq_len=args.max_seq_len_override, max_running_requests=args.max_running_requests,
             max_extend_tokens=args.max_extend_tokens, prefix_cache=_prefix_cache(args), cuda_graphs=args.cuda_graphs,
             cuda_graph_max_bs=args.cuda_graph_max_bs, decode_log_interval=args.decode_log_interval,
+            checkpoint_token_ids=checkpoint_token_ids,
             overlap_schedule=args.overlap_schedule, progress=True)
     except ValueError as e:
         raise ConfigError(str(e)) from None

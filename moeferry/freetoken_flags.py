@@ -11,7 +11,7 @@ FreeToken 0.1.2's `ft serve --help` parses here, and one that cannot act is refu
   ignored.
 
 The flags with a moeferry meaning (`--moe-backend`, `--cache-type`, `--decode-log-interval`,
-...) are declared with the others in `moeferry/config.py`.
+`--enable-special-token-ckpt`, ...) are declared with the others in `moeferry/config.py`.
 """
 from __future__ import annotations
 
@@ -62,8 +62,6 @@ REFUSED: tuple[Refused, ...] = (
             "(a model is served from one GPU)"),
     Refused(("--moe-prefill-hit-d2d",), "moeferry's prefill already computes cached experts in their slots and "
             "copies only the misses, so there is nothing for it to turn on"),
-    Refused(("--enable-special-token-ckpt",), "not supported yet: the recurrent state is checkpointed at prefill "
-            "chunk ends and prompt ends only"),
     Refused(("--shell-mode",), "moeferry has no terminal shell (`ft shell`); run `moeferry serve` and point a "
             "client at it"),
 )

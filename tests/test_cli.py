@@ -265,7 +265,7 @@ def test_every_freetoken_flag_parses(model):
 
 @pytest.mark.parametrize("flag, reason", [
     ("--dummy-weight", "moeferry make-model"), ("--disable-pynccl", "tensor parallelism"),
-    ("--moe-prefill-hit-d2d", "copies only the misses"), ("--enable-special-token-ckpt", "not supported yet"),
+    ("--moe-prefill-hit-d2d", "copies only the misses"),
     ("--shell-mode", "no terminal shell"), ("--model-source modelscope", "downloads nothing"),
 ])
 def test_freetoken_flags_without_a_meaning_are_refused_with_the_reason(model, flag, reason, monkeypatch):
@@ -300,3 +300,23 @@ def test_freetoken_flags_that_act(model):
     assert ServeConfig.from_args(parse(*base)).engine.decode_log_interval == 40  # FreeToken's default
     with pytest.raises(ConfigError, match="give one of them"):
         ServeConfig.from_args(parse(*base, "--cache-type", "radix", "--no-prefix-cache"))
+
+
+def test_special_token_checkpoints_resolve_the_tool_call_opener(model, monkeypatch):
+    """--enable-special-token-ckpt: the engine saves states after the tokenizer's <tool_call>."""
+    from moeferry.text.tokenizer import Tokenizer
+
+    base = ("--model", model, "--device", "cpu", "--enable-special-token-ckpt")
+    cfg = ServeConfig.from_args(parse(*base))
+    opener = Tokenizer.from_dir(model).added_token_id("<tool_call>")
+    assert opener is not None and cfg.engine.checkpoint_token_ids == (opener,)
+    assert f"states saved after token {opener} (the tool-call opener)" in cfg.table()
+    assert ServeConfig.from_args(parse("--model", model, "--device", "cpu")).engine.checkpoint_token_ids == ()
+    for extra, reason in ((["--tool-call-parser", "off"], "tool calls are off"),
+                          (["--no-prefix-cache"], "prefix cache, which is off"),
+                          (["--cache-type", "naive"], "prefix cache, which is off")):
+        with pytest.raises(ConfigError, match=reason):
+            ServeConfig.from_args(parse(*base, *extra))
+    monkeypatch.setattr(Tokenizer, "added_token_id", lambda self, token: None)  # a vocabulary without it
+    with pytest.raises(ConfigError, match="is not one token in this model's tokenizer"):
+        ServeConfig.from_args(parse(*base))

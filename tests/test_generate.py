@@ -77,6 +77,28 @@ def test_prefix_cache_reuse(name, checkpoint, hf_greedy):
     assert third.token_ids == hf_greedy(name, turn)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_state_saved_after_a_checkpoint_token_resumes_the_next_turn(overlap, checkpoint, hf_greedy):
+    """--enable-special-token-ckpt: the state after a checkpoint token (the tool-call opener in
+    a server) is saved mid-decode, so a next turn that repeats the output through that token
+    resumes right after it, and its tokens equal transformers' (a state saved a token early or
+    late would change them). Without it, the turn resumes at the first turn's prompt end."""
+    name, shared = "qwen3_5_moe", prompt(21, 9)
+    out = hf_greedy(name, shared, 12)
+    k = next(i for i in range(4, 10) if out[i] not in out[:i])  # the first use of a token, mid-answer
+    turn = shared + out[:k + 1] + [7, 8, 9]
+    resumed = {}
+    for special in ((out[k],), ()):
+        llm = LLM(str(checkpoint(name)), dtype="float32", max_running_requests=2, max_extend_tokens=16,
+                  num_tokens=600, overlap_schedule=overlap, checkpoint_token_ids=special)
+        assert llm.generate([shared], GREEDY.replace(max_tokens=12))[0].token_ids == out
+        second = llm.generate([turn], GREEDY)[0]
+        assert second.token_ids == hf_greedy(name, turn)
+        resumed[special] = second.cached_tokens
+        llm.engine.cache.check()
+    assert resumed == {(out[k],): len(shared) + k + 1, (): len(shared)}
+
+
 def test_prefix_cache_keeps_saving_new_prompts_once_its_state_slots_are_full(checkpoint):
     """A Gated DeltaNet model resumes only at saved state checkpoints: once cached checkpoints
     held every spare state slot, new prompts were no longer saved and nothing more was reused

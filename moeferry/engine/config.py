@@ -45,6 +45,8 @@ class EngineConfig:
     max_running_requests: int = 8
     max_extend_tokens: int = 8192
     prefix_cache: bool = True
+    checkpoint_token_ids: tuple[int, ...] = ()  # decode: save the recurrent state just after these tokens (the
+    #                                             tool-call opener: the next turn resumes there), for the prefix cache
     max_wait_steps: int = 256           # a queued request waits about this long for a running one to yield (0: off)
     overlap_schedule: bool = True       # launch the next step before the host reads this step's tokens
     decode_log_interval: int = 40       # a decode status line every this many steps with decode tokens
@@ -91,6 +93,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+        object.__setattr__(self, "checkpoint_token_ids", tuple(self.checkpoint_token_ids))
+        if self.checkpoint_token_ids and not self.prefix_cache:
+            raise ValueError("checkpoint_token_ids (--enable-special-token-ckpt) saves states for the prefix cache, "
+                             "which is off (--no-prefix-cache / --cache-type naive)")
         if self.cuda_graph_max_bs is not None and not self.cuda_graphs:
             raise ValueError("cuda_graph_max_bs (--cuda-graph-max-bs) sizes the decode CUDA graphs, which "
                              "--disable-cuda-graphs turns off: give one")

@@ -134,6 +134,7 @@ class Scheduler:
             if r.pending == 0:
                 ready.append((r, i))
         events += self._read()  # the last step's tokens, while the device runs this step's forward
+        self._save_after_special_tokens(plan)
         ready = [(r, i) for r, i in ready if not r.finished]  # (ended on a token just read)
         self._sampled = self._launch(ready, logits) if ready else None
         for row, r in enumerate(self._sampled.reqs if self._sampled else ()):
@@ -251,6 +252,18 @@ class Scheduler:
         slot per open running place for admissions."""
         keep_free = self.cfg.max_running_requests - len(self.running)
         self.cache.checkpoint(req.blocks, req.num_computed, keep_free)
+
+    def _save_after_special_tokens(self, plan: list[tuple[Request, int]]) -> None:
+        """A decode row whose input was a checkpoint token (`checkpoint_token_ids`: the tool-call
+        opener) saves the state after it, queued behind the step's forward. The next turn of an
+        agent repeats the conversation through that token (the call's arguments, re-rendered,
+        may differ after it), so the prefix cache resumes there instead of at the prompt's end.
+        With overlap the input is the token just read, hence after `_read`."""
+        special = self.cfg.checkpoint_token_ids
+        for r, n in plan if special else ():
+            at = r.num_computed - 1 - len(r.prompt_ids)  # the row's input, as an output index
+            if n == 1 and not r.finished and 0 <= at < len(r.output_ids) and r.output_ids[at] in special:
+                self._checkpoint(r)
 
     def _release(self, req: Request, keep_in_cache: bool) -> None:
         """Return a request's pages / slots (its computed tokens to the prefix cache when kept)."""
