@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from moeferry.engine.config import CACHE_POLICIES, EXPERT_LOADS, MOE_BACKENDS, EngineConfig, EngineSizes, derive_sizes
-from moeferry.freetoken_flags import add_freetoken_arguments, refused_freetoken_flags
+from moeferry.freetoken_flags import add_freetoken_arguments, our_value, refused_freetoken_flags, their_values
 from moeferry.text.reasoning import REASONING_PARSERS
 from moeferry.text.tool_parsers import TOOL_CALL_PARSERS
 
@@ -136,7 +136,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "as stalled after min(5, SECONDS/2) s. Must exceed the longest single step (default: 60)")
 
     g = p.add_argument_group("experts")
-    g.add_argument("--moe-backend", choices=("auto",) + MOE_BACKENDS + ("fused",), default="auto",
+    g.add_argument("--moe-backend", choices=("auto",) + MOE_BACKENDS + their_values("moe_backend"), default="auto",
                    help="where experts run: resident = every expert on the device (fused: FreeToken's name for "
                    "it, accepted as the same); offload = every expert in "
                    "pinned host RAM with a device cache of expert slots, misses copied over PCIe; cpu = misses "
@@ -234,10 +234,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-output-tokens", type=_positive_int, metavar="TOKENS",
                    help="max_tokens of a request that sets none (default: generation_config.json's "
                    "max_new_tokens with --sampling-defaults model, else the rest of the context)")
-    g.add_argument("--sampling-defaults", choices=("openai", "model"), default="model",
+    g.add_argument("--sampling-defaults", choices=("openai", "model") + their_values("sampling_defaults"),
+                   default="model",
                    help="where unset sampling fields come from: model = the checkpoint's generation_config.json "
                    "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), then OpenAI's "
-                   "defaults; openai = OpenAI's defaults only (default: model)")
+                   "defaults; openai (FreeToken: none) = OpenAI's defaults only (default: model)")
     g.add_argument("--enable-cache-report", action="store_true",
                    help="report prefix-cache hits in usage.prompt_tokens_details.cached_tokens")
     _add_api_arguments(p)
@@ -249,10 +250,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def _add_api_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of the agent-facing API: output parsers, authentication, CORS."""
     g = p.add_argument_group("agents and access")
-    g.add_argument("--tool-call-parser", choices=("auto",) + TOOL_CALL_PARSERS + ("off",), default="auto",
+    g.add_argument("--tool-call-parser", choices=("auto",) + TOOL_CALL_PARSERS + their_values("tool_call_parser")
+                   + ("off",), default="auto",
                    help="how tool calls are read from the model's output into OpenAI tool_calls / Anthropic "
-                   "tool_use: qwen3_coder = Qwen3.5/3.6 <function=...><parameter=...> XML; hermes = Qwen3 JSON in "
-                   "<tool_call>; off = output stays text; auto = the format the chat template teaches (default: auto)")
+                   "tool_use: qwen3_coder = Qwen3.5/3.6 <function=...><parameter=...> XML; hermes (FreeToken: qwen, "
+                   "qwen25) = Qwen3 JSON in <tool_call>; off = output stays text; auto = the format the chat template teaches (default: auto)")
     g.add_argument("--reasoning-parser", choices=("auto",) + REASONING_PARSERS + ("off",), default="auto",
                    help="qwen3 = <think>...</think> goes to reasoning_content (Anthropic: thinking blocks); off = "
                    "it stays in the content; auto = qwen3 when the chat template knows <think> (default: auto)")
@@ -390,7 +392,7 @@ class ServeConfig:
             engine=engine, sizes=derive_sizes(engine, spec.max_position_embeddings), served_model_name=name,
             is_demo=is_demo, host=args.host, port=args.port, log_level=args.log_level,
             model_max_seq_len=spec.max_position_embeddings, vocab_size=spec.vocab_size,
-            max_output_tokens=args.max_output_tokens, sampling_defaults=args.sampling_defaults,
+            max_output_tokens=args.max_output_tokens, sampling_defaults=our_value("sampling_defaults", args.sampling_defaults),
             enable_cache_report=args.enable_cache_report, **api,
             worker_stall_timeout=args.worker_stall_timeout,
         )
@@ -445,11 +447,6 @@ def _backend_row(e: EngineConfig) -> str:
     return f"{e.moe_backend} (expert cache: {size}, policy {e.moe_cache_policy}{on_cpu})"
 
 
-def _moe_backend(name: str) -> str:
-    """FreeToken's `fused` (its experts-on-the-device backend) is our `resident`."""
-    return "resident" if name == "fused" else name
-
-
 def _prefix_cache(args: argparse.Namespace) -> bool:
     """--no-prefix-cache, or FreeToken's --cache-type naive, turns it off."""
     if args.cache_type == "radix" and not args.prefix_cache:
@@ -484,7 +481,7 @@ def _engine_config(args: argparse.Namespace, model_dir: str, checkpoint_token_id
     num_tokens = args.num_pages * args.page_size if args.num_pages is not None else args.num_tokens
     try:  # EngineConfig checks the combinations (one place for serve and LLM)
         return EngineConfig(
-            model_dir=model_dir, device=device, dtype=dtype, moe_backend=_moe_backend(args.moe_backend),
+            model_dir=model_dir, device=device, dtype=dtype, moe_backend=our_value("moe_backend", args.moe_backend),
             moe_cache_size=args.moe_cache_size, moe_cache_rate=args.moe_cache_rate,
             moe_cache_auto=args.moe_cache_auto, moe_cache_policy=args.moe_cache_policy,
             moe_prefill_overlap=args.moe_prefill_overlap,
@@ -508,7 +505,8 @@ def _resolve_api(args: argparse.Namespace, path: Path) -> dict:
     from moeferry.text.tool_parsers import detect_tool_parser
 
     template = read_chat_template(path)
-    tools = {"auto": detect_tool_parser(template), "off": None}.get(args.tool_call_parser, args.tool_call_parser)
+    tools = {"auto": detect_tool_parser(template), "off": None}.get(args.tool_call_parser,
+                                                                   our_value("tool_call_parser", args.tool_call_parser))
     reasoning = {"auto": detect_reasoning_parser(template), "off": None}.get(args.reasoning_parser,
                                                                             args.reasoning_parser)
     if args.api_key is not None and not args.api_key.strip():

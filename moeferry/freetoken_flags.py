@@ -4,6 +4,8 @@ Our users bring their FreeToken command lines. A flag moeferry does not know wou
 with argparse's "unrecognized arguments", which says nothing about why. So every flag of
 FreeToken 0.1.2's `ft serve --help` parses here, and one that cannot act is refused with its reason:
 
+- `VALUE_ALIASES`: FreeToken's names for values moeferry spells otherwise (`--moe-backend fused`
+  is our `resident`), accepted as ours.
 - `ONE_VALUE`: flags that choose among implementations where moeferry has one. The value that
   names moeferry's (or `auto`) is accepted; any other is refused at the parse, saying what runs.
 - `REFUSED`: flags whose feature moeferry does not have. Giving one (on the command line or as
@@ -41,6 +43,23 @@ class Refused:
     @property
     def dest(self) -> str:
         return "freetoken_" + self.names[0].lstrip("-").replace("-", "_")
+
+
+# flag dest -> {FreeToken's value: ours}
+VALUE_ALIASES: dict[str, dict[str, str]] = {
+    "moe_backend": {"fused": "resident"},  # its experts-on-the-device backend
+    "sampling_defaults": {"none": "openai"},  # the request's fields, then the API's defaults only
+    "tool_call_parser": {"qwen": "hermes", "qwen25": "hermes"},  # Qwen2.5/Qwen3 JSON in <tool_call>
+}
+
+
+def their_values(dest: str) -> tuple[str, ...]:
+    """FreeToken's spellings of a flag's values, to add to its choices."""
+    return tuple(VALUE_ALIASES.get(dest, {}))
+
+
+def our_value(dest: str, value):
+    return VALUE_ALIASES.get(dest, {}).get(value, value)
 
 
 ONE_VALUE: tuple[OneValue, ...] = (

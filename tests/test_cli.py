@@ -298,6 +298,9 @@ def test_freetoken_flags_that_act(model):
     assert cfg.engine.prefix_cache and cfg.engine.decode_log_interval == 7
     assert not ServeConfig.from_args(parse(*base, "--cache-type", "naive")).engine.prefix_cache
     assert ServeConfig.from_args(parse(*base)).engine.decode_log_interval == 40  # FreeToken's default
+    theirs = ServeConfig.from_args(parse(*base, "--sampling-defaults", "none", "--tool-call-parser", "qwen25"))
+    assert (theirs.sampling_defaults, theirs.tool_call_parser) == ("openai", "hermes")
+    assert ServeConfig.from_args(parse(*base, "--tool-call-parser", "qwen")).tool_call_parser == "hermes"
     with pytest.raises(ConfigError, match="give one of them"):
         ServeConfig.from_args(parse(*base, "--cache-type", "radix", "--no-prefix-cache"))
 
