@@ -10,7 +10,7 @@ bookkeeping is a plain-Python LRU (or LFU) replaying the routing trace the execu
 from __future__ import annotations
 
 import functools
-import threading
+import sys
 from collections import defaultdict
 
 import pytest
@@ -492,11 +492,11 @@ LANE_CUTS = [("qwen3_5_moe", "mixed_nvfp4", "cpu"), ("qwen3_moe", "int4_awq", "h
 @pytest.mark.parametrize("arch,preset,variant", LANE_CUTS)
 def test_cpu_lanes_at_the_cut_equal_resident(arch, preset, variant, ckpt, ref_logits, monkeypatch):
     """cpu and hybrid decode captured piecewise, two cuts a MoE layer: after the router the host
-    reads the choices, fetches the split's share and starts the CPU lane on its worker thread;
-    after the cached experts it writes the lane's output into the buffer the next graph adds.
-    Resident's logits alone and batched, and the eager step's hits and misses (with hybrid-max1,
-    an expert the single slot cannot take goes to the CPU instead of the staging area, so only
-    there the CPU's count differs). The lane ran on the worker thread."""
+    reads the choices and fetches the split's share; at the second cut (the cached experts'
+    graph queued before it) it computes the CPU lane and writes its output into the buffer the
+    next graph adds. Resident's logits alone and batched, and the eager step's hits and misses
+    (with hybrid-max1, an expert the single slot cannot take goes to the CPU instead of the
+    staging area, so only there the CPU's count differs). The lane ran at the second cut."""
     runs = {}
     for cut in (False, True):
         llm = build(ckpt, arch, preset, variant)
@@ -504,11 +504,11 @@ def test_cpu_lanes_at_the_cut_equal_resident(arch, preset, variant, ckpt, ref_lo
         if backend.split is not None:  # the same split in both runs, not two boots' timings
             backend.split = MissSplit(fetch_s=1.0, cpu_s=1.0, max_fetch=backend.split.max_fetch)
         used = cut_decode_steps(llm, monkeypatch, RunAtOnce) if cut else []
-        threads = set()
+        callers = set()
         plain_run_host = SlotBuffer.run_host
 
         def run_host(*args, **kw):
-            threads.add(threading.current_thread().name.split("_")[0])
+            callers.add(sys._getframe(1).f_code.co_name)
             return plain_run_host(*args, **kw)
 
         monkeypatch.setattr(SlotBuffer, "run_host", run_host)
@@ -521,7 +521,7 @@ def test_cpu_lanes_at_the_cut_equal_resident(arch, preset, variant, ckpt, ref_lo
         monkeypatch.undo()
         if cut:
             assert used and all(c.cuts == 2 * len(backend.executors) for c in used)  # two per MoE layer and step
-            assert "moe-cpu-lane" in threads  # (prefill chunks compute theirs eagerly, on the main thread)
+            assert "_run_lane" in callers  # (prefill chunks compute theirs eagerly, in `_on_cpu`)
     assert runs[True][0] == runs[False][0] and runs[True][1] > 0
     assert_same_contents(runs[True][2], runs[False][2])
     if variant != "hybrid-max1":

@@ -30,14 +30,13 @@ computes; the whole step is one graph and the host only replays it. Otherwise th
 captured piecewise: while `capturing` is set (`moeferry.engine.cuda_graph`), each layer cuts
 the step after its router, and its host part (read the ids, fetch the misses, start the
 prefetch) runs between two graphs at replay. cpu, hybrid and the slotless layers are captured
-piecewise at any cache size, cut twice a layer: the CPU lane runs on a worker thread between the
-two cuts, while the graph between them runs the cached experts.
+piecewise at any cache size, cut twice a layer: the host computes the CPU lane at the second
+cut, while the graph between the two (queued, not waited for) runs the cached experts.
 """
 from __future__ import annotations
 
 import logging
 import math
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -94,6 +93,14 @@ class Landing(NamedTuple):
     reads: tuple
 
 
+def _staged(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A host result in `like`'s dtype, pinned when `like` is on CUDA, so that its copy there
+    (non_blocking) is queued behind the stream's work without the host waiting for it (a
+    pageable copy waits). The caching host allocator keeps the block until the copy is done."""
+    out = out.to(like.dtype)
+    return out.pin_memory() if like.device.type == "cuda" else out
+
+
 def _join(landing: Landing | None) -> None:
     """The compute stream waits for a prefetch's gather on the copy stream."""
     if landing is not None:
@@ -135,7 +142,6 @@ class OffloadBackend:
             log.info("MoE layers on the CPU (no device slots; decode experts computed on the CPU): %s",
                      sorted(self.cpu_layers))
         self.streamed = LayerCounters()               # prefill chunks of the layers without slots, through staging
-        self._cpu_worker: ThreadPoolExecutor | None = None
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # decode prefetch: only the offload lane, and only where copies can overlap compute
         self.prefetch = cfg.moe_decode_prefetch and name == "offload" and device.type == "cuda"
@@ -216,13 +222,6 @@ class OffloadBackend:
             self.settle()
             for c in self.distinct_caches:
                 c.on_device()
-
-    def cpu_worker(self) -> ThreadPoolExecutor:
-        """The thread that runs the CPU lane of a captured step while the device runs the cached
-        experts (the C kernel releases the GIL; made on first use)."""
-        if self._cpu_worker is None:
-            self._cpu_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-cpu-lane")
-        return self._cpu_worker
 
     def settle(self) -> None:
         """Wait (host) for the prefetch in flight: its table copy reads the host table."""
@@ -491,43 +490,41 @@ class OffloadExperts:
 
     def _cut_lanes(self, x, ids, weights) -> torch.Tensor:
         """A captured decode step of the cpu and hybrid backends, or of a layer without slots
-        (`--moe-cpu-layers`), cut twice. After the router the host starts the lanes
-        (`_start_lanes`: the fetches queued, the CPU lane on the backend's worker thread); the
-        next graph runs the cached experts meanwhile; at the second cut the host waits for the
-        CPU lane and copies its output into `lane`, which the graph after adds."""
+        (`--moe-cpu-layers`), cut twice. At the first cut, after the router, the host reads the
+        choices and queues the fetches (`_lanes`); the next graph runs the cached experts; at
+        the second cut the host computes the CPU lane while that graph runs (a replay only
+        queues it) and copies the lane's output into `lane`, which the graph after adds."""
         lane = torch.empty_like(x)
-        started: dict = {}  # "lane": the CPU lane in flight between the two cuts (a Future, or None)
-        self.b.capturing.cut(lambda rows: started.update(lane=self._start_lanes(x, ids, weights, rows)))
+        pending: dict = {}  # "lane": the CPU lane's inputs between the two cuts (None: nothing for it)
+        self.b.capturing.cut(lambda rows: pending.update(lane=self._lanes(x, ids, weights, rows)))
         out = self._run_cached(x, ids, weights) if self.cache is not None else torch.zeros_like(x)
-        self.b.capturing.cut(lambda rows: self._finish_lanes(started.pop("lane", None), rows, lane))
+        self.b.capturing.cut(lambda rows: self._run_lane(pending.pop("lane", None), lane))
         return out + lane
 
-    def _start_lanes(self, x, ids, weights, rows: int):
-        """Read the real rows' choices (the first `rows`; the layer's one host sync), fetch what
-        the hybrid split sends over the link (queued on the stream), and start the CPU lane on the
-        other misses and on any expert that found no cache slot (a graph cannot stream it through
-        the staging area). Returns the CPU lane's Future, or None when it has nothing to do."""
+    def _lanes(self, x, ids, weights, rows: int) -> tuple | None:
+        """Read the real rows (the first `rows`: one wait for their copies to the host, the
+        layer's one sync), fetch what the hybrid split sends over the link (queued on the
+        stream), and return the CPU lane's inputs: the other misses, and any expert that found
+        no cache slot (a graph cannot stream it through the staging area). None: no CPU lane."""
         rows = min(rows, x.shape[0])
-        host_ids = ids[:rows].cpu()
-        needed, _ = distinct_experts(host_ids)
+        hx, hids, hw, copied = self._to_host(x[:rows], ids[:rows], weights[:rows])
+        if copied is not None:
+            copied.synchronize()
+        needed, _ = distinct_experts(hids)
         on_cpu = needed
         if self.cache is not None:
             misses = self._lookup(needed)
-            fetch, on_cpu = self.b.split.divide(misses, host_ids) if self.b.name == "hybrid" and misses else ([], misses)
+            fetch, on_cpu = self.b.split.divide(misses, hids) if self.b.name == "hybrid" and misses else ([], misses)
             on_cpu = on_cpu + self._fetch(fetch, needed, [])
         self.cpu_experts += len(on_cpu)
-        if not on_cpu:
-            return None
-        inputs = x[:rows].cpu(), host_ids, weights[:rows].cpu()
-        return self.b.cpu_worker().submit(self.bank.run_host, *inputs, on_cpu, torch.get_num_threads())
+        return (hx, hids, hw, on_cpu) if on_cpu else None
 
-    @staticmethod
-    def _finish_lanes(started, rows: int, lane: torch.Tensor) -> None:
+    def _run_lane(self, inputs: tuple | None, lane: torch.Tensor) -> None:
         """The CPU lane's output into `lane` (zeros where it had nothing)."""
         lane.zero_()
-        if started is not None:
-            out = started.result()
-            lane[:out.shape[0]].copy_(out)
+        if inputs is not None:
+            out = self.bank.run_host(*inputs, torch.get_num_threads())
+            lane[:out.shape[0]].copy_(_staged(out, lane), non_blocking=True)
 
     def _guess(self, x, ids) -> torch.Tensor:
         """The next MoE layer's experts predicted: its router applied to this layer's input (one kernel on CUDA)."""
@@ -675,4 +672,4 @@ class OffloadExperts:
         if copied is not None:
             copied.synchronize()  # only the copies: the device's later work is not waited for
         out = self.bank.run_host(hx, hids, hw, experts, torch.get_num_threads())
-        return out.to(device=x.device, dtype=x.dtype, non_blocking=True)
+        return _staged(out, x).to(x.device, non_blocking=True)
