@@ -160,3 +160,22 @@ def test_status_lines_say_what_the_steps_did(caplog):
             sched.step()
     got = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode")]
     assert got and float(got[0].split()[3]) >= 1.0  # 1 token a step, 1 s a step (with the 1000 s idle: 0.002)
+
+
+def test_a_status_line_never_fails_a_step(caplog):
+    """Expert counters that cannot be read leave the decode line without a hit rate; the
+    requests run on."""
+    engine = LoggedEngine(EngineConfig("(counting)", num_tokens=256, max_running_requests=4, prefix_cache=False,
+                                       decode_log_interval=1))
+
+    def broken():
+        raise RuntimeError("counters unreadable")
+
+    engine.stats = broken
+    sched = Scheduler(engine)
+    sched.add(Request("r0", [5, 6], GREEDY))
+    with caplog.at_level("INFO", logger="moeferry.scheduler"):
+        events = [ev for _ in range(40) if sched.has_work for ev in sched.step()]
+    assert [t for ev in events for t in ev.token_ids] == [7, 8, 9, 10, 11, 12] and events[-1].finished
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode")]
+    assert lines and not any("hit rate" in ln for ln in lines)

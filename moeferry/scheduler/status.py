@@ -84,8 +84,13 @@ def _occupancy(sched) -> str:
 
 
 def _expert_counts(sched) -> tuple[int, int] | None:
-    """The expert cache's (hits, misses) so far; None without a cache (experts resident)."""
-    experts = sched.engine.stats().get("experts", {})
+    """The expert cache's (hits, misses) so far; None without a cache (experts resident), or
+    when they cannot be read (a status line never fails a step: the line goes without them)."""
+    try:
+        experts = sched.engine.stats().get("experts", {})
+    except Exception:  # noqa: BLE001
+        log.warning("the expert counters could not be read for the status line", exc_info=True)
+        return None
     if "hits" not in experts:
         return None
     return experts["hits"], experts["misses"]
