@@ -427,20 +427,33 @@ class OffloadExperts:
 
     # -- the step ---------------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if self.cache is not None and self.cache.complete:  # no miss can happen: nothing to read on the host
+        """The layer's experts for the step: from a complete cache (nothing can miss, nothing is
+        read on the host), in a captured decode step (`_captured`), or eagerly (`_eager`)."""
+        if self.cache is not None and self.cache.complete:
             self.cache.count_on_device(self.layer, ids)
             return self._run_cached(x, ids, weights)
         ahead = self.b.prefetch and self.next is not None and x.shape[0] <= STAGING_SLOTS
-        if self.b.capturing is not None and (self.cache is None or self.b.name != "offload"):
+        if self.b.capturing is not None:
+            return self._captured(x, ids, weights, ahead)
+        return self._eager(x, ids, weights, ahead)
+
+    def _captured(self, x, ids, weights, ahead: bool) -> torch.Tensor:
+        """A decode step being captured: the CPU lane's two cuts (cpu, hybrid, a layer without
+        slots), the cache managed on the device (no host work), or one cut whose host part reads
+        the choices and fetches the misses (`_place`)."""
+        if self.cache is None or self.b.name != "offload":
             return self._cut_lanes(x, ids, weights)
-        if self.b.capturing is not None and self.b.steps_on_device(x.shape[0]):
+        if self.b.steps_on_device(x.shape[0]):
             return self._on_device(x, ids, weights, ahead)
-        guess = self._guess(x, ids) if ahead else None
-        if self.b.capturing is not None:  # a graph-captured decode step: the host part runs at the cut
-            flat, k = choices(ids, guess), ids.shape[-1]  # concatenated inside the graph
-            self.b.capturing.cut(lambda rows: self._place(flat, rows * k, ids.numel()))
-            return self._run_cached(x, ids, weights)
-        needed, predicted = distinct_experts(ids, guess)  # the one host sync of the layer
+        flat, k = choices(ids, self._guess(x, ids) if ahead else None), ids.shape[-1]  # concatenated in the graph
+        self.b.capturing.cut(lambda rows: self._place(flat, rows * k, ids.numel()))
+        return self._run_cached(x, ids, weights)
+
+    def _eager(self, x, ids, weights, ahead: bool) -> torch.Tensor:
+        """A step run eagerly: the host reads the choices (the layer's one sync) and acts on the
+        misses by the backend (`_divide`); a prefill chunk too big for the CPU or for the cache
+        streams them through the staging area instead."""
+        needed, predicted = distinct_experts(ids, self._guess(x, ids) if ahead else None)
         self.b.settle()  # the previous layer's prefetch has landed (table and slots)
         prefill = self.staging is not None and x.shape[0] > STAGING_SLOTS  # a chunk the CPU would take long over
         if self.cache is None:  # a --moe-cpu-layers layer: no device slots
@@ -454,12 +467,7 @@ class OffloadExperts:
             return self._run_cached(x, ids, weights)
         if self.b.name == "cpu" and prefill:  # the cache keeps what the boot placed; the misses stream
             return self._run_cached(x, ids, weights) + self._streamed(x, ids, weights, misses)
-        if self.b.name == "cpu":
-            fetch, on_cpu = [], misses
-        elif self.b.name == "hybrid":
-            fetch, on_cpu = self.b.split.divide(misses, ids)
-        else:
-            fetch, on_cpu = misses, []
+        fetch, on_cpu = self._divide(misses, ids)
         inputs = self._to_host(x, ids, weights) if on_cpu else None  # before the GPU work is queued
         # a prefill-sized chunk (more tokens than a staging half) missing more experts than a half holds
         streaming = self.staging is not None and len(fetch) > STAGING_SLOTS and x.shape[0] > STAGING_SLOTS
@@ -477,6 +485,13 @@ class OffloadExperts:
             self.cpu_experts += len(on_cpu)
             out = out + self._on_cpu(x, ids, weights, on_cpu, inputs)
         return out
+
+    def _divide(self, misses: list[int], ids: torch.Tensor) -> tuple[list[int], list[int]]:
+        """(fetched over the link, computed on the CPU): offload fetches every miss, cpu computes
+        them, hybrid splits them (`MissSplit`)."""
+        if self.b.name == "hybrid" and misses:
+            return self.b.split.divide(misses, ids)
+        return (misses, []) if self.b.name == "offload" else ([], misses)
 
     def _streamed(self, x, ids, weights, experts: list[int]) -> torch.Tensor:
         """`experts` through the staging area (none of them is placed in the cache)."""
@@ -513,8 +528,7 @@ class OffloadExperts:
         needed, _ = distinct_experts(hids)
         on_cpu = needed
         if self.cache is not None:
-            misses = self._lookup(needed)
-            fetch, on_cpu = self.b.split.divide(misses, hids) if self.b.name == "hybrid" and misses else ([], misses)
+            fetch, on_cpu = self._divide(self._lookup(needed), hids)
             on_cpu = on_cpu + self._fetch(fetch, needed, [])
         self.cpu_experts += len(on_cpu)
         return (hx, hids, hw, on_cpu) if on_cpu else None
