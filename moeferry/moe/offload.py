@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -199,7 +199,7 @@ class OffloadBackend:
             return None
         if self.steps_on_device(max_batch):
             return "device"
-        return "piecewise" if self._holds(max_batch * self.spec.top_k) else None
+        return "piecewise" if self._holds(max_batch, lambda c: 1) else None
 
     def steps_on_device(self, rows: int) -> bool:
         """Whether decode steps of `rows` sequences in a graph manage the cache on the device:
@@ -209,10 +209,11 @@ class OffloadBackend:
         three for LFU (its victims may be any slot outside the two calls it keeps: `cache_resolve`)."""
         kernel = self.gathers_ready or self.device.type == "cpu"
         return (self.device_managed and self.name == "offload" and kernel and bool(self.caches)
-                and all(c.num_slots >= c.policy.graph_steps * rows * self.spec.top_k for c in self.distinct_caches))
+                and self._holds(rows, lambda c: c.policy.graph_steps))
 
-    def _holds(self, experts: int) -> bool:
-        return all(c.num_slots >= experts for c in self.distinct_caches)
+    def _holds(self, rows: int, steps: Callable[[ExpertCache], int]) -> bool:
+        """Every cache has slots for `steps(cache)` decode steps' experts of `rows` sequences."""
+        return all(c.num_slots >= steps(c) * rows * self.spec.top_k for c in self.distinct_caches)
 
     def before_graph(self, rows: int) -> None:
         """Before a decode graph of `rows` sequences runs (or is captured): hand each cache's
