@@ -254,7 +254,8 @@ def _add_api_arguments(p: argparse.ArgumentParser) -> None:
                    + ("off",), default="auto",
                    help="how tool calls are read from the model's output into OpenAI tool_calls / Anthropic "
                    "tool_use: qwen3_coder = Qwen3.5/3.6 <function=...><parameter=...> XML; hermes (FreeToken: qwen, "
-                   "qwen25) = Qwen3 JSON in <tool_call>; off = output stays text; auto = the format the chat template teaches (default: auto)")
+                   "qwen25) = Qwen3 JSON in <tool_call>; off = output stays text; auto = the format the chat "
+                   "template teaches (default: auto)")
     g.add_argument("--reasoning-parser", choices=("auto",) + REASONING_PARSERS + ("off",), default="auto",
                    help="qwen3 = <think>...</think> goes to reasoning_content (Anthropic: thinking blocks); off = "
                    "it stays in the content; auto = qwen3 when the chat template knows <think> (default: auto)")
@@ -392,7 +393,8 @@ class ServeConfig:
             engine=engine, sizes=derive_sizes(engine, spec.max_position_embeddings), served_model_name=name,
             is_demo=is_demo, host=args.host, port=args.port, log_level=args.log_level,
             model_max_seq_len=spec.max_position_embeddings, vocab_size=spec.vocab_size,
-            max_output_tokens=args.max_output_tokens, sampling_defaults=our_value("sampling_defaults", args.sampling_defaults),
+            max_output_tokens=args.max_output_tokens,
+            sampling_defaults=our_value("sampling_defaults", args.sampling_defaults),
             enable_cache_report=args.enable_cache_report, **api,
             worker_stall_timeout=args.worker_stall_timeout,
         )
