@@ -53,3 +53,75 @@ def test_chat_template_thinking_and_tools(tok):
     with_tools = tok.apply_chat_template(msgs, tools=tools)
     assert "get_time" in with_tools and "<tool_call>" in with_tools
     assert tok.eos_token_ids and tok.encode("<|im_end|>") == [tok.token_to_id("<|im_end|>")]
+
+
+# Fragments that stress the pre-tokenizer around newlines: letters of several scripts, a
+# decomposed accent and Hangul jamo (NFC composes them), lone combining marks, digits, symbols,
+# contractions, every kind of space and line break, added tokens, emoji sequences, controls.
+FRAGMENTS = ["word", "Zeta", "é", "e\u0301", "\u1100\u1161", "中文", "Ωμέγα", "слово", "كلمة", "\u0301", "\u0308",
+             "42", "7", "\u0661\u0662", ".", ",;", "()", "{}", "<", ">", "'s", "'LL", "\"", "#", "$%", "_", "\\",
+             " ", "  ", "\t", "\n", "\n\n", "\r\n", " \n", "\n ", "\n\t", "\u00a0", "\u3000", "\u2028", "\x85",
+             "\x1c", "\u200b", "<|im_start|>", "<|im_end|>", "<tool_call>", "<think>", "😀", "👩\u200d💻", "def f():"]
+
+
+def random_text(rng, n: int) -> str:
+    return "".join(rng.choice(FRAGMENTS) for _ in range(n))
+
+
+def qwen3_pattern_tokenizer(tok: Tokenizer) -> Tokenizer:
+    """The demo tokenizer with Qwen2-3's pre-tokenizer pattern (no combining marks) instead of
+    Qwen3.5's: the same merges, the other pattern of LINE_SPLIT_PATTERNS."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from moeferry.text.tokenizer import LINE_SPLIT_PATTERNS
+
+    config = json.loads(tok._tok.to_str())
+    split = config["pre_tokenizer"]["pretokenizers"][0]
+    split["pattern"]["Regex"] = next(p for p in LINE_SPLIT_PATTERNS if p != split["pattern"]["Regex"])
+    return Tokenizer(HFTokenizer.from_str(json.dumps(config)), tok.config, None, tok.eos_token_ids)
+
+
+def test_a_long_text_encodes_in_parts_to_the_whole_texts_ids(tok):
+    """Cut by `line_parts` into parts of ~40 characters (dozens of cuts a text), the parts'
+    ids are the whole text's, for both Qwen pre-tokenizer patterns, and so are their
+    pre-tokenizer pieces (after NFC), which does not depend on what the small vocabulary merges;
+    `encode` of a long text uses the parts."""
+    import random
+
+    from moeferry.text.tokenizer import line_parts
+
+    def pieces(t, text):
+        return [p for p, _ in t._tok.pre_tokenizer.pre_tokenize_str(t._tok.normalizer.normalize_str(text))]
+
+    rng = random.Random(7)
+    for t in (tok, qwen3_pattern_tokenizer(tok)):
+        assert t.in_parts
+        for _ in range(40):
+            text = random_text(rng, 3000)
+            parts = line_parts(text, 40)
+            assert "".join(parts) == text and len(parts) > 50
+            whole = t._tok.encode_batch([text], add_special_tokens=False)[0].ids
+            assert [i for e in t._tok.encode_batch(parts, add_special_tokens=False) for i in e.ids] == whole
+            assert [p for part in parts for p in pieces(t, part)] == pieces(t, text)
+    text = random_text(rng, 20000)
+    assert len(line_parts(text)) > 2 and tok.encode(text) == tok._tok.encode(text, add_special_tokens=False).ids
+
+
+def test_only_known_pre_tokenizers_encode_in_parts(tok):
+    import json
+
+    from moeferry.text.tokenizer import splits_at_lines
+
+    config = json.loads(tok._tok.to_str())
+    assert splits_at_lines(config)
+    for change in (lambda c: c["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex=r"\s+|\S+"),
+                   lambda c: c["pre_tokenizer"]["pretokenizers"][1].update(add_prefix_space=True),
+                   lambda c: c.update(pre_tokenizer={"type": "Metaspace", "replacement": "_"}),
+                   lambda c: c.update(normalizer={"type": "NFKC"}),
+                   lambda c: c["added_tokens"].append({"id": 9999, "content": "<br>\n", "lstrip": False}),
+                   lambda c: c["added_tokens"][0].update(lstrip=True)):
+        changed = json.loads(json.dumps(config))
+        change(changed)
+        assert not splits_at_lines(changed)
