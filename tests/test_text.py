@@ -112,16 +112,20 @@ def test_a_long_text_encodes_in_parts_to_the_whole_texts_ids(tok):
 def test_only_known_pre_tokenizers_encode_in_parts(tok):
     import json
 
+    from tokenizers import Tokenizer as HFTokenizer
+
     from moeferry.text.tokenizer import splits_at_lines
 
     config = json.loads(tok._tok.to_str())
-    assert splits_at_lines(config)
+    assert splits_at_lines(HFTokenizer.from_str(json.dumps(config)))
+    newline_token = {"id": len(config["model"]["vocab"]) + 100, "content": "<br>\n", "single_word": False,
+                     "lstrip": False, "rstrip": False, "normalized": False, "special": True}
     for change in (lambda c: c["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex=r"\s+|\S+"),
                    lambda c: c["pre_tokenizer"]["pretokenizers"][1].update(add_prefix_space=True),
-                   lambda c: c.update(pre_tokenizer={"type": "Metaspace", "replacement": "_"}),
+                   lambda c: c.update(pre_tokenizer={"type": "Whitespace"}),
                    lambda c: c.update(normalizer={"type": "NFKC"}),
-                   lambda c: c["added_tokens"].append({"id": 9999, "content": "<br>\n", "lstrip": False}),
+                   lambda c: c["added_tokens"].append(newline_token),
                    lambda c: c["added_tokens"][0].update(lstrip=True)):
         changed = json.loads(json.dumps(config))
         change(changed)
-        assert not splits_at_lines(changed)
+        assert not splits_at_lines(HFTokenizer.from_str(json.dumps(changed)))

@@ -72,12 +72,13 @@ LINE_SPLIT_PATTERNS = frozenset({
 PART_CHARS = 8192  # a long text is encoded in parts of about this many characters, in parallel
 
 
-def splits_at_lines(config: dict) -> bool:
-    """Whether a tokenizer (its tokenizer.json) encodes a text cut at `line_parts`' cuts into
-    the same ids as the whole: a Split pre-tokenizer with one of `LINE_SPLIT_PATTERNS` then
-    byte-level bytes, no normalizer but NFC (nothing composes with a newline), and no added token
-    that holds a newline or takes the spaces around it."""
-    pre = config.get("pre_tokenizer") or {}
+def splits_at_lines(tokenizer: HFTokenizer) -> bool:
+    """Whether a tokenizer encodes a text cut at `line_parts`' cuts into the same ids as the
+    whole: a Split pre-tokenizer with one of `LINE_SPLIT_PATTERNS` then byte-level bytes, no
+    normalizer but NFC (nothing composes with a newline), and no added token that holds a
+    newline or takes the spaces around it. (Read from the parts, not `to_str`: the vocabulary
+    need not be serialised.)"""
+    pre = json.loads(tokenizer.pre_tokenizer.__getstate__()) if tokenizer.pre_tokenizer is not None else {}
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     if len(steps) != 2:
         return False
@@ -87,10 +88,10 @@ def splits_at_lines(config: dict) -> bool:
             and not split.get("invert") and byte.get("type") == "ByteLevel" and byte.get("use_regex") is False
             and not byte.get("add_prefix_space")):
         return False
-    if (config.get("normalizer") or {"type": "NFC"}).get("type") != "NFC":
+    if tokenizer.normalizer is not None and json.loads(tokenizer.normalizer.__getstate__()).get("type") != "NFC":
         return False
-    return all("\n" not in t.get("content", "") and not t.get("lstrip") and not t.get("rstrip")
-               for t in config.get("added_tokens") or [])
+    return all("\n" not in t.content and not t.lstrip and not t.rstrip
+               for t in tokenizer.get_added_tokens_decoder().values())
 
 
 def _cuttable(text: str, at: int) -> bool:
@@ -136,7 +137,7 @@ def read_chat_template(model_dir: str | Path, config: dict | None = None) -> str
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, config: dict, chat_template: str | None, eos_token_ids: list[int]):
         self._tok = tokenizer
-        self.in_parts = splits_at_lines(json.loads(tokenizer.to_str()))  # long texts encoded in parallel parts
+        self.in_parts = splits_at_lines(tokenizer)  # long texts encoded in parallel parts
         self.config = config
         self.chat_template = chat_template
         self._template = _environment().from_string(chat_template) if chat_template else None
