@@ -57,3 +57,66 @@ def test_page_size_alignment():
     cache.insert(list(range(10)), pages.alloc(3), [])  # 8 tokens aligned, last partial page freed
     assert cache.num_pages == 2 and pages.num_free == 98
     assert cache.match(list(range(7)) + [99, 99]).length == 4
+
+
+def test_common_prefix_equals_the_token_by_token_scan():
+    """The halving search (slices compared whole) finds the first difference the scan finds,
+    and the cache's page-rounded length is the page-wise scan's, for several page sizes."""
+    import random
+
+    from moeferry.cache.prefix_cache import common_prefix
+
+    rng = random.Random(1)
+    for _ in range(2000):
+        key = tuple(rng.randrange(3) for _ in range(rng.randrange(0, 200)))
+        lead = [rng.randrange(3) for _ in range(rng.randrange(0, 5))]
+        tokens = lead + list(key[:rng.randrange(len(key) + 1)]) + [rng.randrange(3) for _ in range(rng.randrange(50))]
+        start = len(lead)
+        length = min(len(key), len(tokens) - start)
+        scan = 0
+        while scan < length and key[scan] == tokens[start + scan]:
+            scan += 1
+        assert common_prefix(key, tokens, start, length) == scan
+        for ps in (1, 2, 4):
+            cache = PrefixCache(ps, False, lambda pages: None, lambda slot: None)
+            limit = rng.randrange(start, len(tokens) + 1)
+            n = 0  # the page-wise scan the cache did before
+            while (n + ps <= len(key) and start + n + ps <= limit
+                   and key[n:n + ps] == tuple(tokens[start + n:start + n + ps])):
+                n += ps
+            assert cache._common(key, tokens, start, limit) == n
+
+
+def test_an_agents_next_turn_resumes_where_the_last_one_ended():
+    """One running place (the users' line: 10 state slots) and a conversation long enough for
+    twice as many prefill chunk checkpoints: the next turn resumes at the last computed token
+    (the request's own state slot became its end's checkpoint), not at the last chunk whose
+    checkpoint still found a slot; the kept checkpoints keep the first chunk's and spread out;
+    every page and slot is owned once."""
+    import random
+
+    from benchmarks.scheduler_load import VOCAB, FakeEngine
+    from moeferry.engine.config import EngineConfig
+    from moeferry.scheduler.request import Request
+    from moeferry.scheduler.sampling import SamplingParams
+    from moeferry.scheduler.scheduler import Scheduler
+
+    engine = FakeEngine(EngineConfig("(fake)", num_tokens=3000, max_running_requests=1, max_extend_tokens=64,
+                                     max_seq_len=3000))
+    sched = Scheduler(engine)
+    rng = random.Random(0)
+    conversation = [rng.randrange(VOCAB - 1) for _ in range(1400)]  # 22 chunks against 10 slots
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    first = Request("turn-1", conversation, params)
+    sched.add(first)
+    while sched.has_work:
+        sched.step()
+    saved = sorted(n.depth_end for n in engine.cache.prefix.nodes() if n.snapshot is not None)
+    assert saved[0] == 64 and saved[-1] == 1400 + 19 and len(saved) <= engine.sizes.num_state_slots
+    assert max(b - a for a, b in zip(saved, saved[1:])) <= 4 * 64  # spread, not the first 10 chunks
+    turn = Request("turn-2", conversation + first.output_ids + [7, 8, 9], params)
+    sched.add(turn)
+    while sched.has_work:
+        sched.step()
+    assert turn.cached_tokens == 1400 + 19  # every computed token (the last output is never fed)
+    engine.cache.check()

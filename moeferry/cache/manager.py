@@ -99,22 +99,39 @@ class CacheManager:
 
     def checkpoint(self, blocks: SeqBlocks, position: int, keep_free: int) -> None:
         """Save the GDN state at `position` so later requests can resume there (the position page
-        aligned), keeping `keep_free` state slots free: the least recently used cached checkpoints
-        make room (else, once the cache held every spare slot, no new prompt would be saved)."""
+        aligned), keeping `keep_free` state slots free. Room comes first from the least recently
+        used cached checkpoints (else, once the cache held every spare slot, no new prompt would
+        be saved), then from the sequence's own (`_thin`): a long prompt's chunk checkpoints
+        alone can outnumber the slots, and skipping the newest lost the very position a next
+        turn resumes from."""
         if self.prefix is None or not self.needs_state or position == 0 or position % self.page_size:
             return
         if blocks.snapshots and blocks.snapshots[-1][0] == position:
             return  # already saved here (e.g. a request finishing right after its prompt)
         while self.states.slots.num_free <= keep_free:
-            if not self.prefix.evict_state():
+            if not self.prefix.evict_state() and not self._thin(blocks, position):
                 return
         slot = self.states.slots.alloc(1)[0]
         self.states.copy(blocks.state_slot, slot)
         blocks.snapshots.append((position, slot))
 
+    def _thin(self, blocks: SeqBlocks, position: int) -> bool:
+        """Free one of the sequence's own checkpoints: of those after its first (the one most
+        prompts that share a beginning can resume from), the one whose loss leaves the smallest
+        gap between its neighbours (the last's reaches to `position`, the one being saved), so
+        the kept ones stay spread out; its only one if it has one. False when it has none."""
+        if not blocks.snapshots:
+            return False
+        at = [p for p, _ in blocks.snapshots] + [position]
+        candidates = range(1, len(blocks.snapshots)) if len(blocks.snapshots) > 1 else range(1)
+        drop = min(candidates, key=lambda i: at[i + 1] - at[i - 1] if i else 0)
+        self.states.free(blocks.snapshots.pop(drop)[1])
+        return True
+
     def release(self, blocks: SeqBlocks, computed_tokens: list[int] | None = None) -> None:
         """Give back a sequence's pages and slots; with `computed_tokens` (the tokens whose KV is
-        in its pages) they go to the prefix cache, with a final state checkpoint."""
+        in its pages) they go to the prefix cache, its own state slot too as the checkpoint at
+        their end (no copy, and no spare slot needed: the position a next turn resumes from)."""
         if blocks not in self.live:
             return
         self.live.discard(blocks)
@@ -122,7 +139,7 @@ class CacheManager:
             self.prefix.lock(blocks.prefix_node, -1)
             blocks.prefix_node = None
         if self.prefix is not None and computed_tokens is not None:
-            self.checkpoint(blocks, len(computed_tokens), keep_free=0)
+            self._hand_over_state(blocks, len(computed_tokens))
             self.prefix.insert(computed_tokens, blocks.pages, blocks.snapshots)
         else:
             self.kv.pages.free(blocks.pages[blocks.num_shared_pages:])
@@ -131,6 +148,16 @@ class CacheManager:
         if blocks.state_slot is not None:
             self.states.free(blocks.state_slot)
         blocks.pages, blocks.snapshots, blocks.state_slot, blocks.num_shared_pages = [], [], None, 0
+
+    def _hand_over_state(self, blocks: SeqBlocks, position: int) -> None:
+        """The sequence's state slot becomes its checkpoint at `position` (its end), where one
+        can be saved and none is yet. (A step still in flight writes the slot before any later
+        step reads it: the same stream.)"""
+        if (not self.needs_state or blocks.state_slot is None or position == 0 or position % self.page_size
+                or (blocks.snapshots and blocks.snapshots[-1][0] == position)):
+            return
+        blocks.snapshots.append((position, blocks.state_slot))
+        blocks.state_slot = None
 
     @contextlib.contextmanager
     def sequences(self, lengths: list[int]):

@@ -81,7 +81,7 @@ class Scheduler:
                 f"prompt has {n} tokens but the context is {self.max_seq_len} tokens "
                 f"(at least one must remain for output)", "context_length_exceeded", "messages")
         vocab = self.engine.spec.vocab_size
-        if any(not 0 <= t < vocab for t in req.prompt_ids):
+        if n and not (0 <= min(req.prompt_ids) and max(req.prompt_ids) < vocab):
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})", "invalid_prompt", "prompt")
         room = self.max_seq_len - n
         if req.max_new_tokens is None or req.max_new_tokens > room:
