@@ -120,3 +120,28 @@ def test_an_agents_next_turn_resumes_where_the_last_one_ended():
         sched.step()
     assert turn.cached_tokens == 1400 + 19  # every computed token (the last output is never fed)
     engine.cache.check()
+
+
+def test_own_checkpoints_give_way_one_for_one_only():
+    """Short of slots with nothing cached to evict: a new checkpoint replaces one of the
+    sequence's own (never its first) when one slot is all that is missing; when other running
+    places need slots too, it is skipped and the sequence keeps the ones it has."""
+    import torch
+
+    from moeferry.cache.kv_pool import KVPool
+    from moeferry.cache.manager import CacheManager
+    from moeferry.cache.state_pool import StatePool
+
+    cache = CacheManager(KVPool(1, 64, 1, 1, 1, torch.float32, "cpu"),
+                         StatePool(1, 6, 1, 2, 1, 1, 1, torch.float32, "cpu"), needs_state=True, prefix_cache=True)
+    blocks = cache.admit()
+    for pos in (8, 16, 24, 32):  # 1 + 4 slots of 6 held: one free
+        cache.checkpoint(blocks, pos, keep_free=0)
+    assert [p for p, _ in blocks.snapshots] == [8, 16, 24, 32] and cache.states.slots.num_free == 1
+    cache.checkpoint(blocks, 40, keep_free=1)  # one slot missing: 16 goes (the smallest gap, 8..24; not 8)
+    assert [p for p, _ in blocks.snapshots] == [8, 24, 32, 40] and cache.states.slots.num_free == 1
+    cache.checkpoint(blocks, 48, keep_free=2)  # two missing: skipped, nothing given up
+    assert [p for p, _ in blocks.snapshots] == [8, 24, 32, 40] and cache.states.slots.num_free == 1
+    cache.release(blocks, list(range(50)))  # its own slot becomes the checkpoint at 50
+    cache.check()
+    assert sorted(n.depth_end for n in cache.prefix.nodes() if n.snapshot is not None) == [8, 24, 32, 40, 50]

@@ -101,16 +101,18 @@ class CacheManager:
         """Save the GDN state at `position` so later requests can resume there (the position page
         aligned), keeping `keep_free` state slots free. Room comes first from the least recently
         used cached checkpoints (else, once the cache held every spare slot, no new prompt would
-        be saved), then from the sequence's own (`_thin`): a long prompt's chunk checkpoints
-        alone can outnumber the slots, and skipping the newest lost the very position a next
-        turn resumes from."""
+        be saved), then, when one slot is all that is missing, from the sequence's own (`_thin`):
+        a long prompt's chunk checkpoints alone can outnumber the slots, and skipping the newest
+        lost the very position a next turn resumes from."""
         if self.prefix is None or not self.needs_state or position == 0 or position % self.page_size:
             return
         if blocks.snapshots and blocks.snapshots[-1][0] == position:
             return  # already saved here (e.g. a request finishing right after its prompt)
         while self.states.slots.num_free <= keep_free:
-            if not self.prefix.evict_state() and not self._thin(blocks, position):
-                return
+            if self.prefix.evict_state():
+                continue
+            if self.states.slots.num_free < keep_free or not self._thin(blocks, position):
+                return  # (one of its own makes room for this one, never more: others' places need theirs)
         slot = self.states.slots.alloc(1)[0]
         self.states.copy(blocks.state_slot, slot)
         blocks.snapshots.append((position, slot))
