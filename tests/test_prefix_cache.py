@@ -60,11 +60,12 @@ def test_page_size_alignment():
 
 
 def test_common_prefix_equals_the_token_by_token_scan():
-    """The halving search (slices compared whole) finds the first difference the scan finds,
-    and the cache's page-rounded length is the page-wise scan's, for several page sizes."""
+    """The halving search (slices compared whole) finds the first difference the scan finds, on
+    tuples and on strings, and the cache's page-rounded length is the page-wise scan's, for
+    several page sizes."""
     import random
 
-    from moeferry.cache.prefix_cache import common_prefix
+    from moeferry.common_prefix import common_prefix_length
 
     rng = random.Random(1)
     for _ in range(2000):
@@ -76,7 +77,8 @@ def test_common_prefix_equals_the_token_by_token_scan():
         scan = 0
         while scan < length and key[scan] == tokens[start + scan]:
             scan += 1
-        assert common_prefix(key, tokens, start, length) == scan
+        assert common_prefix_length(key, tuple(tokens[start:start + length])) == scan
+        assert common_prefix_length("".join(map(str, key)), "".join(map(str, tokens[start:]))) == scan
         for ps in (1, 2, 4):
             cache = PrefixCache(ps, False, lambda pages: None, lambda slot: None)
             limit = rng.randrange(start, len(tokens) + 1)

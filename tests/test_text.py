@@ -75,7 +75,7 @@ def qwen3_pattern_tokenizer(tok: Tokenizer) -> Tokenizer:
 
     from tokenizers import Tokenizer as HFTokenizer
 
-    from moeferry.text.tokenizer import LINE_SPLIT_PATTERNS
+    from moeferry.text.parts import LINE_SPLIT_PATTERNS
 
     config = json.loads(tok._tok.to_str())
     split = config["pre_tokenizer"]["pretokenizers"][0]
@@ -90,7 +90,7 @@ def test_a_long_text_encodes_in_parts_to_the_whole_texts_ids(tok):
     `encode` of a long text uses the parts."""
     import random
 
-    from moeferry.text.tokenizer import line_parts
+    from moeferry.text.parts import line_parts
 
     def pieces(t, text):
         return [p for p, _ in t._tok.pre_tokenizer.pre_tokenize_str(t._tok.normalizer.normalize_str(text))]
@@ -114,7 +114,7 @@ def test_only_known_pre_tokenizers_encode_in_parts(tok):
 
     from tokenizers import Tokenizer as HFTokenizer
 
-    from moeferry.text.tokenizer import splits_at_lines
+    from moeferry.text.parts import splits_at_lines
 
     config = json.loads(tok._tok.to_str())
     assert splits_at_lines(HFTokenizer.from_str(json.dumps(config)))
@@ -129,3 +129,51 @@ def test_only_known_pre_tokenizers_encode_in_parts(tok):
         changed = json.loads(json.dumps(config))
         change(changed)
         assert not splits_at_lines(HFTokenizer.from_str(json.dumps(changed)))
+
+
+def test_a_text_that_continues_a_recent_one_encodes_only_its_new_part(tok):
+    """Turns of conversations (appended to, edited in the middle, cut short, or new), encoded
+    through `RecentEncodings` with ~40-character parts: always the whole text's ids; a turn
+    that appends to the last one encodes only from the last cut inside the shared beginning."""
+    import random
+
+    from moeferry.text.parts import RecentEncodings
+
+    def whole(text):
+        return tok._tok.encode(text, add_special_tokens=False).ids
+
+    encoded = []
+
+    def encode_parts(parts):
+        encoded.append(sum(map(len, parts)))
+        return tok._encode_batch(parts)
+
+    recent = RecentEncodings(encode_parts, capacity=3, part_chars=40)
+    rng = random.Random(11)
+    texts = [random_text(rng, 200) for _ in range(3)]
+    for text in texts:
+        recent.encode(text)
+    resumed = 0
+    for turn in range(120):
+        i = rng.randrange(len(texts))
+        kind = rng.choice(["append", "append", "edit", "cut", "new"])
+        last = text = texts[i]
+        if kind == "append":
+            text += random_text(rng, rng.randrange(1, 40))
+        elif kind == "edit":
+            at = rng.randrange(len(text))
+            text = text[:at] + rng.choice(FRAGMENTS) + text[at + 1:]
+        elif kind == "cut":
+            text = text[:rng.randrange(1, len(text))]
+        else:
+            text = random_text(rng, 200)
+        texts[i] = text
+        # the last version is still kept, cut inside: an appended turn must resume from that cut
+        resumable = kind == "append" and any(old == last and cuts[0][0] < len(last)
+                                             for old, _, cuts in recent.entries.values())
+        before = recent.reused_chars
+        assert recent.encode(text) == whole(text), (turn, kind)
+        if resumable:
+            resumed += 1
+            assert recent.reused_chars > before and encoded[-1] == len(text) - (recent.reused_chars - before)
+    assert resumed >= 10 and len(recent.entries) <= 3

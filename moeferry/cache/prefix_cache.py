@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from moeferry.common_prefix import common_prefix_length
+
 
 @dataclass(eq=False)
 class Node:
@@ -186,23 +188,5 @@ class PrefixCache:
 
     def _common(self, key: tuple[int, ...], tokens: list[int], start: int, limit: int) -> int:
         """Length (whole pages) of the common prefix of key and tokens[start:limit]."""
-        n = common_prefix(key, tokens, start, min(len(key), limit - start))
+        n = common_prefix_length(key, tuple(tokens[start:min(limit, start + len(key))]))
         return n // self.page_size * self.page_size
-
-
-def common_prefix(key: tuple[int, ...], tokens: list[int], start: int, length: int) -> int:
-    """Length of the common prefix of key[:length] and tokens[start:start + length]. Slices are
-    compared whole (in C), the first difference found by halving: a 100k-token prompt compared
-    token by token in Python held the worker's step loop for tens of milliseconds."""
-    if length <= 0:
-        return 0
-    if key[:length] == tuple(tokens[start:start + length]):
-        return length
-    equal, differs = 0, length  # key[:equal] matches; key[:differs] does not
-    while differs - equal > 1:
-        mid = (equal + differs) // 2
-        if key[equal:mid] == tuple(tokens[start + equal:start + mid]):
-            equal = mid
-        else:
-            differs = mid
-    return equal

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import json
-import unicodedata
 from datetime import datetime
 from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+from moeferry.text.parts import RecentEncodings, splits_at_lines
 
 
 class TemplateError(ValueError):
@@ -58,64 +59,6 @@ def _token_text(value) -> str | None:
     return value
 
 
-# Pre-tokenizer patterns (Qwen2 to Qwen3, and Qwen3.5 / 3.6, which adds combining marks) under
-# which a newline followed by a character that is neither a space nor a combining mark always
-# ends a piece: no alternative matches a newline and then such a character (the optional lead of
-# `?\p{L}+` excludes \r\n; the others end at a newline or hold only spaces), and the piece that
-# ends there matches the same with the text cut after it (a greedy run that stops before that
-# character stops at the end alike). Encoding the text in parts cut there gives the whole's ids.
-LINE_SPLIT_PATTERNS = frozenset({
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"""
-    r"""|\s+(?!\S)|\s+""",
-})
-PART_CHARS = 8192  # a long text is encoded in parts of about this many characters, in parallel
-
-
-def splits_at_lines(tokenizer: HFTokenizer) -> bool:
-    """Whether a tokenizer encodes a text cut at `line_parts`' cuts into the same ids as the
-    whole: a Split pre-tokenizer with one of `LINE_SPLIT_PATTERNS` then byte-level bytes, no
-    normalizer but NFC (nothing composes with a newline), and no added token that holds a
-    newline or takes the spaces around it. (Read from the parts, not `to_str`: the vocabulary
-    need not be serialised.)"""
-    pre = json.loads(tokenizer.pre_tokenizer.__getstate__()) if tokenizer.pre_tokenizer is not None else {}
-    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    if len(steps) != 2:
-        return False
-    split, byte = steps
-    pattern = (split.get("pattern") or {}).get("Regex")
-    if not (split.get("type") == "Split" and pattern in LINE_SPLIT_PATTERNS and split.get("behavior") == "Isolated"
-            and not split.get("invert") and byte.get("type") == "ByteLevel" and byte.get("use_regex") is False
-            and not byte.get("add_prefix_space")):
-        return False
-    if tokenizer.normalizer is not None and json.loads(tokenizer.normalizer.__getstate__()).get("type") != "NFC":
-        return False
-    return all("\n" not in t.content and not t.lstrip and not t.rstrip
-               for t in tokenizer.get_added_tokens_decoder().values())
-
-
-def _cuttable(text: str, at: int) -> bool:
-    """A newline at `at` is followed by a character that is neither a space nor a combining mark."""
-    c = text[at + 1:at + 2]
-    return bool(c) and not c.isspace() and not unicodedata.category(c).startswith("M")
-
-
-def line_parts(text: str, size: int = PART_CHARS) -> list[str]:
-    """`text` in parts of about `size` characters (the last up to twice that), each but the last
-    ending with a newline that `_cuttable` allows."""
-    parts, start = [], 0
-    while len(text) - start > 2 * size:
-        cut = text.find("\n", start + size)
-        while cut != -1 and not _cuttable(text, cut):
-            cut = text.find("\n", cut + 1)
-        if cut == -1:
-            break
-        parts.append(text[start:cut + 1])
-        start = cut + 1
-    parts.append(text[start:])
-    return parts
-
-
 def _tokenizer_config(d: Path) -> dict:
     path = d / "tokenizer_config.json"
     return json.loads(path.read_text()) if path.is_file() else {}
@@ -138,6 +81,7 @@ class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, config: dict, chat_template: str | None, eos_token_ids: list[int]):
         self._tok = tokenizer
         self.in_parts = splits_at_lines(tokenizer)  # long texts encoded in parallel parts
+        self.recent = RecentEncodings(self._encode_batch) if self.in_parts else None
         self.config = config
         self.chat_template = chat_template
         self._template = _environment().from_string(chat_template) if chat_template else None
@@ -176,15 +120,17 @@ class Tokenizer:
     def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
         """Token ids of text. InvalidText for a lone surrogate; TextTooLong, before any tokenizing, when
         the byte length alone proves the text has more than max_tokens tokens. The work runs without
-        the GIL (encode_batch releases it, encode does not), so other threads keep running; a long
-        text whose tokenizer allows it (`in_parts`) is encoded in parts on every core, since one
-        text is encoded on one (a 10k-token prompt took 10 ms here)."""
+        the GIL (encode_batch releases it, encode does not), so other threads keep running. Where the
+        tokenizer allows it (`in_parts`), a long text is encoded in parts on every core, and only
+        from where it stops matching a text encoded lately (`moeferry.text.parts`)."""
         data = utf8(text)
         if max_tokens is not None and self.min_tokens(len(data)) > max_tokens:
             raise TextTooLong(self.min_tokens(len(data)), max_tokens)
         del data
-        parts = line_parts(text) if self.in_parts else [text]
-        return [i for enc in self._tok.encode_batch(parts, add_special_tokens=False) for i in enc.ids]
+        return self.recent.encode(text) if self.recent is not None else self._encode_batch([text])[0]
+
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [enc.ids for enc in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
