@@ -170,7 +170,10 @@ class Frontend:
         self.check_in_vocab(ids, param)
 
     def check_in_vocab(self, ids: list[int], param: str, prefix: str = "", code: str | None = None) -> None:
-        """A 400 naming the first id outside [0, vocab_size)."""
+        """A 400 naming the first id outside [0, vocab_size). (`min` and `max` clear a valid prompt
+        in C: the scan in Python took 14 ms of the event loop for an agent's 200k-token prompt.)"""
+        if not ids or (0 <= min(ids) and max(ids) < self.vocab_size):
+            return
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
         if bad is not None:
             raise bad_request(f"{prefix}token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param,
