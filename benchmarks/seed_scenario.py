@@ -17,6 +17,9 @@ pid). A failed prompt is followed by up to 60 s of waiting for /health ok; a ser
 not come back gets no more prompts. Then /v1/cache/status (the memory plan; FreeToken's
 geometry), /v1/stats (expert slots, cache shrinks) and a batch-1 decode of `--decode-tokens`.
 FreeToken's slots come from its /v1/cache/status or its "--moe-cache-auto resolved" log line.
+With `--agent-turns K`, before the decode: K turns of one growing conversation (an agent's
+pattern: each turn is the last turn's prompt plus `--turn-tokens` new tokens), each timed to its
+first token with the tokens the server reports as served from its prefix cache.
 
 Prints a table (plus moeferry's plan table) and writes `<name>.json`, `<name>.md`, the
 ballast log and each server's log to --out.
@@ -110,11 +113,39 @@ def scenario(args, prompts: Prompts, budget_s: float):
         if start.get("restarts") is not None and end.get("restarts") is not None:
             out["restarts"] = end["restarts"] - start["restarts"]
         out["worker_changed"] = start.get("worker_pid") != end.get("worker_pid") if start.get("worker_pid") else None
+        if args.agent_turns and end.get("status") == "ok":
+            out["agent_turns"] = agent_turns(server, prompts, args, budget)
         if end.get("status") == "ok" and not budget.over():
             out["decode"] = decode(server, prompts, 1, args.decode_tokens, seed=50_000,
                                    timeout=min(args.request_timeout, budget.left() + 1))
         return out
     return run
+
+
+def agent_turns(server, prompts: Prompts, args, budget: Budget) -> list[dict]:
+    """The turns of one conversation that grows by `turn_tokens` new tokens a turn."""
+    text, turns = prompts.text(args.prompt_tokens, 60_000), []
+    for k in range(args.agent_turns):
+        if budget.over():
+            break
+        s = stream_completion(server.base, server.body(text, args.max_tokens), min(args.request_timeout,
+                                                                                     budget.left() + 1))
+        turns.append({"turn": k, **s.summary()})
+        log(f"{server.engine}: agent turn {k}: ttft={s.ttft_s} prompt={s.prompt_tokens} cached={s.cached_tokens} "
+            f"err={s.error}")
+        text += prompts.text(args.turn_tokens, 60_001 + k)
+    return turns
+
+
+def render_turns(rows: list[dict]) -> str:
+    """Per engine and turn: time to first token, prompt and cached tokens."""
+    table = [[r["engine"], t["turn"], t.get("ttft_s"), t.get("prompt_tokens"), t.get("cached_tokens"),
+              (t.get("error") or "")[:80] or None]
+             for r in rows for t in r.get("agent_turns") or []]
+    if not table:
+        return ""
+    return "\nAgent turns (one conversation, each turn the last one's prompt plus new tokens):\n\n" + md_table(
+        ["engine", "turn", "TTFT s", "prompt tokens", "cached tokens (reported)", "error"], table)
 
 
 def render(info: dict, rows: list[dict]) -> str:
@@ -140,7 +171,7 @@ def render(info: dict, rows: list[dict]) -> str:
                       statistics.median(ttfts) if ttfts else None, (r.get("decode") or {}).get("tok_s"),
                       (r.get("decode") or {}).get("e2e_tok_s"),
                       (err or "")[:160].replace("|", "/") or None])
-    text = head + md_table(headers, table)
+    text = head + md_table(headers, table) + render_turns(rows)
     for r in rows:  # moeferry's memory plan as it printed it at boot
         plan = ((r.get("final") or {}).get("cache_status") or {}).get("plan_table")
         if plan:
@@ -161,6 +192,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=8, help="output tokens per prompt")
     ap.add_argument("--decode-tokens", type=int, default=256, help="tokens of the decode measurement after")
+    ap.add_argument("--agent-turns", type=int, default=0, help="turns of one growing conversation (default: none)")
+    ap.add_argument("--turn-tokens", type=int, default=256, help="new tokens a turn adds (default: 256)")
     args = ap.parse_args()
     flags = ["--model", str(args.model), *split_args(args.base_flags), *split_args(args.extra_flags)]
     for name, value in (("--host", args.host), ("--port", args.port)):

@@ -212,6 +212,7 @@ class Stream:
     chunk_times: list[float] = field(default_factory=list)
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (with --enable-cache-report)
 
     @property
     def ttft_s(self) -> float | None:
@@ -226,7 +227,8 @@ class Stream:
     def summary(self) -> dict:
         return {"ok": self.ok, "error": self.error, "ttft_s": _r(self.ttft_s),
                 "total_s": _r(None if self.t_last is None else self.t_last - self.t_send),
-                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "cached_tokens": self.cached_tokens}
 
 
 def _r(x, nd=3):
@@ -275,6 +277,7 @@ def stream_completion(base: str, body: dict, timeout: float, on_first=None) -> S
             if usage:
                 s.completion_tokens = usage.get("completion_tokens")
                 s.prompt_tokens = usage.get("prompt_tokens")
+                s.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     except (OSError, http.client.HTTPException, ValueError) as e:
         s.error = f"{type(e).__name__}: {e}"
         return s
