@@ -382,7 +382,7 @@ class ServeConfig:
             raise ConfigError(f"--model {model_dir}: no config.json there (expected a Hugging Face model directory)")
         spec = _model_spec(path)
         api = _resolve_api(args, path)
-        engine = _engine_config(args, str(path.resolve()), _special_tokens(args, path, api["tool_call_parser"]))
+        engine = _engine_config(args, str(path.resolve()), _checkpoint_tokens(args, path, api["tool_call_parser"]))
         if engine.max_seq_len is not None and engine.max_seq_len > spec.max_position_embeddings:
             warn_beyond_positions(engine.max_seq_len, spec.max_position_embeddings, "--max-seq-len-override")
         if args.served_model_name:
@@ -420,7 +420,9 @@ class ServeConfig:
             ("state slots", str(z.num_state_slots)),
             ("running requests", f"at most {e.max_running_requests}"),
             ("prefill chunk", f"{e.max_extend_tokens} tokens"),
-            ("prefix cache", _prefix_cache_row(e)),
+            ("prefix cache", ("on" if e.prefix_cache else "off") + (
+                f", states saved after token {', '.join(map(str, e.checkpoint_token_ids))} (the tool-call opener)"
+                if e.checkpoint_token_ids else "")),
             ("max output", f"{self.max_output_tokens} tokens" if self.max_output_tokens else "rest of the context"),
             ("sampling defaults", self.sampling_defaults),
             ("cache report", "on" if self.enable_cache_report else "off"),
@@ -434,14 +436,6 @@ class ServeConfig:
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
-
-
-def _prefix_cache_row(e: EngineConfig) -> str:
-    if not e.prefix_cache:
-        return "off"
-    notes = [f"chunks cut short end before token {b} (a message start)" for b in e.chunk_boundary_token_ids]
-    notes += [f"states saved after token {t} (the tool-call opener)" for t in e.checkpoint_token_ids]
-    return ", ".join(["on"] + notes)
 
 
 def _backend_row(e: EngineConfig) -> str:
@@ -463,37 +457,24 @@ def _prefix_cache(args: argparse.Namespace) -> bool:
     return args.prefix_cache and args.cache_type != "naive"
 
 
-MESSAGE_START = "<|im_start|>"  # ChatML's (Qwen's chat templates): where a conversation's messages begin
-
-
-def _special_tokens(args: argparse.Namespace, path: Path, tool_parser: str | None) -> dict:
-    """The engine's token ids from the tokenizer: prefill chunks cut short end before a message
-    start (with the prefix cache, when the tokenizer has ChatML's as one token), and with
-    --enable-special-token-ckpt the tool-call opener after which decode saves the state."""
+def _checkpoint_tokens(args: argparse.Namespace, path: Path, tool_parser: str | None) -> tuple[int, ...]:
+    """--enable-special-token-ckpt: the tool-call opener's token id."""
+    if not args.special_token_ckpt:
+        return ()
     from moeferry.text.tokenizer import Tokenizer
     from moeferry.text.tool_parsers import START
 
-    if not _prefix_cache(args):
-        if args.special_token_ckpt:
-            raise ConfigError("--enable-special-token-ckpt saves states for the prefix cache, which is off "
-                              "(--no-prefix-cache / --cache-type naive)")
-        return {}
-    tok = Tokenizer.from_dir(path)
-    message_start = tok.added_token_id(MESSAGE_START)
-    out = {"chunk_boundary_token_ids": () if message_start is None else (message_start,), "checkpoint_token_ids": ()}
-    if args.special_token_ckpt:
-        if tool_parser is None:
-            raise ConfigError("--enable-special-token-ckpt saves the state after the tool-call opener, and tool "
-                              "calls are off (--tool-call-parser off, or a chat template without tools)")
-        opener = tok.added_token_id(START)
-        if opener is None:
-            raise ConfigError(f"--enable-special-token-ckpt: {START} is not one token in this model's tokenizer, so "
-                              "no step ends on it")
-        out["checkpoint_token_ids"] = (opener,)
-    return out
+    if tool_parser is None:
+        raise ConfigError("--enable-special-token-ckpt saves the state after the tool-call opener, and tool calls "
+                          "are off (--tool-call-parser off, or a chat template without tools)")
+    opener = Tokenizer.from_dir(path).added_token_id(START)
+    if opener is None:
+        raise ConfigError(f"--enable-special-token-ckpt: {START} is not one token in this model's tokenizer, so "
+                          "no step ends on it")
+    return (opener,)
 
 
-def _engine_config(args: argparse.Namespace, model_dir: str, special_tokens: dict) -> EngineConfig:
+def _engine_config(args: argparse.Namespace, model_dir: str, checkpoint_token_ids: tuple[int, ...]) -> EngineConfig:
     """The engine's half of the flags (pool sizes as given; the engine resolves the rest)."""
     device = _resolve_device(args.device)
     from moeferry.engine.engine import resolve_dtype
@@ -513,7 +494,7 @@ def _engine_config(args: argparse.Namespace, model_dir: str, special_tokens: dic
             max_seq_len=args.max_seq_len_override, max_running_requests=args.max_running_requests,
             max_extend_tokens=args.max_extend_tokens, prefix_cache=_prefix_cache(args), cuda_graphs=args.cuda_graphs,
             cuda_graph_max_bs=args.cuda_graph_max_bs, decode_log_interval=args.decode_log_interval,
-            **special_tokens,
+            checkpoint_token_ids=checkpoint_token_ids,
             overlap_schedule=args.overlap_schedule, progress=True)
     except ValueError as e:
         raise ConfigError(str(e)) from None

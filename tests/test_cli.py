@@ -314,11 +314,6 @@ def test_special_token_checkpoints_resolve_the_tool_call_opener(model, monkeypat
     opener = Tokenizer.from_dir(model).added_token_id("<tool_call>")
     assert opener is not None and cfg.engine.checkpoint_token_ids == (opener,)
     assert f"states saved after token {opener} (the tool-call opener)" in cfg.table()
-    start = Tokenizer.from_dir(model).added_token_id("<|im_start|>")
-    assert start is not None and cfg.engine.chunk_boundary_token_ids == (start,)  # (with the prefix cache)
-    assert f"chunks cut short end before token {start} (a message start)" in cfg.table()
-    assert ServeConfig.from_args(parse("--model", model, "--device", "cpu",
-                                       "--no-prefix-cache")).engine.chunk_boundary_token_ids == ()
     assert ServeConfig.from_args(parse("--model", model, "--device", "cpu")).engine.checkpoint_token_ids == ()
     for extra, reason in ((["--tool-call-parser", "off"], "tool calls are off"),
                           (["--no-prefix-cache"], "prefix cache, which is off"),

@@ -99,34 +99,6 @@ def test_state_saved_after_a_checkpoint_token_resumes_the_next_turn(overlap, che
     assert resumed == {(out[k],): len(shared) + k + 1, (): len(shared)}
 
 
-def test_prefill_chunks_end_before_message_starts(checkpoint, hf_greedy):
-    """chunk_boundary_token_ids (the server's <|im_start|>): a chunk that stops short of the
-    prompt's end ends just before the last boundary token in its second half, so the state
-    checkpoints fall there; a prompt that parts from it right after that token resumes there
-    (not at a multiple of the chunk size), and its tokens equal transformers'."""
-    name, mark = "qwen3_5_moe", 3
-    shared = [t if t != mark else mark + 1 for t in prompt(40, 21)]
-    shared[11] = shared[27] = mark
-    parted = shared[:28] + [9, 8, 7, 6]
-    resumed = {}
-    for boundaries in ((mark,), ()):
-        llm = LLM(str(checkpoint(name)), dtype="float32", max_running_requests=2, max_extend_tokens=16,
-                  num_tokens=600, chunk_boundary_token_ids=boundaries)
-        llm.generate([shared], GREEDY.replace(max_tokens=4))
-        saved = sorted(n.depth_end for n in llm.engine.cache.prefix.nodes() if n.snapshot is not None)
-        assert saved[:2] == ([11, 27] if boundaries else [16, 32])
-        second = llm.generate([parted], GREEDY)[0]
-        assert second.token_ids == hf_greedy(name, parted)
-        resumed[boundaries] = second.cached_tokens
-    assert resumed == {(mark,): 27, (): 16}
-    only_early = [t if t != mark else mark + 1 for t in prompt(40, 22)]
-    only_early[3] = only_early[20] = mark  # each in the first half of a full chunk: no cut
-    llm = LLM(str(checkpoint(name)), dtype="float32", max_extend_tokens=16, num_tokens=600,
-              chunk_boundary_token_ids=(mark,))
-    llm.generate([only_early], GREEDY.replace(max_tokens=2))
-    assert sorted(n.depth_end for n in llm.engine.cache.prefix.nodes() if n.snapshot is not None)[:2] == [16, 32]
-
-
 def test_prefix_cache_keeps_saving_new_prompts_once_its_state_slots_are_full(checkpoint):
     """A Gated DeltaNet model resumes only at saved state checkpoints: once cached checkpoints
     held every spare state slot, new prompts were no longer saved and nothing more was reused

@@ -47,8 +47,6 @@ class EngineConfig:
     prefix_cache: bool = True
     checkpoint_token_ids: tuple[int, ...] = ()  # decode: save the recurrent state just after these tokens (the
     #                                             tool-call opener: the next turn resumes there), for the prefix cache
-    chunk_boundary_token_ids: tuple[int, ...] = ()  # prefill chunks cut short end just before one of these (a
-    #                                                 message start), so their state checkpoints fall where prompts part
     max_wait_steps: int = 256           # a queued request waits about this long for a running one to yield (0: off)
     overlap_schedule: bool = True       # launch the next step before the host reads this step's tokens
     decode_log_interval: int = 40       # a decode status line every this many steps with decode tokens
@@ -96,7 +94,6 @@ class EngineConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         object.__setattr__(self, "checkpoint_token_ids", tuple(self.checkpoint_token_ids))
-        object.__setattr__(self, "chunk_boundary_token_ids", tuple(self.chunk_boundary_token_ids))
         if self.checkpoint_token_ids and not self.prefix_cache:
             raise ValueError("checkpoint_token_ids (--enable-special-token-ckpt) saves states for the prefix cache, "
                              "which is off (--no-prefix-cache / --cache-type naive)")

@@ -71,8 +71,6 @@ class Scheduler:
         self.num_steps = 0
         self.cached_prompt_tokens = 0  # prompt tokens clients were told came from the cache
         self.status = StatusLog(self.cfg.decode_log_interval)
-        # message starts that end a prefill chunk cut short (only where a resume needs a saved state)
-        self.boundaries = self.cfg.chunk_boundary_token_ids if self.cache.prefix and self.cache.needs_state else ()
 
     # --- public API ---------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -169,7 +167,7 @@ class Scheduler:
             prefill = req.pending > 1
             if (prefill and budget <= 0) or self._ends_on_its_way(req):
                 continue
-            n = self._prefill_len(req, budget) if prefill else 1
+            n = min(req.pending, budget) if prefill else 1
             if not self._reserve_or_preempt(req, req.num_computed + n):
                 continue
             budget -= n if prefill else 0
@@ -180,7 +178,7 @@ class Scheduler:
             req = self.waiting[0]
             if req.fed >= 0 or not self._admit(req):  # (a preempted request's token is still on its way)
                 break
-            n = self._prefill_len(req, budget)
+            n = min(req.pending, budget)
             if not self._reserve(req, req.num_computed + n):
                 self._release(req, keep_in_cache=False)
                 break
@@ -191,21 +189,6 @@ class Scheduler:
             budget -= n
             plan.append((req, n))
         return plan
-
-    def _prefill_len(self, req: Request, budget: int) -> int:
-        """Tokens of req's next prefill chunk: what the budget allows; a chunk that stops short of
-        the prompt's end ends just before the last message start (`boundaries`) in its second
-        half, so that its state checkpoint falls where conversations part (a new session after
-        the shared system prompt and tools, an edited history) rather than mid-message."""
-        n, start = min(req.pending, budget), req.num_computed
-        last = min(start + n, len(req.prompt_ids) - 1)  # the chunk ends before position q: q <= last
-        first = start + n // 2 + 1
-        if n == req.pending or not self.boundaries or last < first:
-            return n
-        window = req.prompt_ids[first:last + 1][::-1]
-        q = max((last - window.index(b) for b in self.boundaries if b in window), default=-1)
-        q -= q % self.cache.page_size  # (checkpoints are page aligned)
-        return q - start if q > start else n
 
     @staticmethod
     def _ends_on_its_way(req: Request) -> bool:
