@@ -14,7 +14,7 @@
 #             under OFFLOAD_MAX_S)
 #   seed_c4   --max-running-requests 4, 4 concurrent 8k prompts
 #   seed_32k  --max-extend-tokens 32768, two 32768-token prompts
-#   agent     the seed's flags, no prompt wave: 4 turns of one conversation from 65536 tokens (+512 a
+#   agent     the seed's flags, no prompt wave: 4 turns of one conversation from 98304 tokens (+512 a
 #             turn), each turn's time to first token and the cached tokens each server reports
 #   seed_10g  ballast leaving 10 GiB
 #   seed_int4 an int4_awq checkpoint (same geometry), the seed's flags
@@ -179,7 +179,7 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       seed)     step seed ${SEED_EST_S:-150} ${SEED_MAX_S:-360} seed seed ;;
       seed_c4)  step seed_c4 250 360 seed seed_c4 --extra-flags "--max-running-requests 4" --concurrency 4 --prompts 4 ;;
       seed_32k) step seed_32k 250 360 seed seed_32k --extra-flags "--max-extend-tokens 32768" --prompt-tokens 32768 --prompts 2 ;;
-      agent)    step agent 300 420 seed agent --prompts 0 --prompt-tokens 65536 --agent-turns 4 --turn-tokens 512 ;;
+      agent)    step agent 300 420 seed agent --prompts 0 --prompt-tokens 98304 --agent-turns 4 --turn-tokens 512 ;;
       seed_10g) step seed_10g 250 360 seed seed_10g --leave-gib 10 ;;
       seed_int4) step make_int4 200 300 make_ckpt "$WORK/ckpt_int4" 0 int4_awq \
                   && step seed_int4 250 360 seed seed_int4 --model "$WORK/ckpt_int4" ;;
