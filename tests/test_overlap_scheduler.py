@@ -179,3 +179,30 @@ def test_a_status_line_never_fails_a_step(caplog):
     assert [t for ev in events for t in ev.token_ids] == [7, 8, 9, 10, 11, 12] and events[-1].finished
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode")]
     assert lines and not any("hit rate" in ln for ln in lines)
+
+
+def test_a_request_failed_on_a_token_in_flight_saves_no_state_for_its_tokens(monkeypatch):
+    """Overlapped: a request whose grammar fails on the token just read ends before that token
+    joins its outputs, while the step in flight takes it in, so its state is one token past the
+    tokens it gives the prefix cache. That state is not saved as theirs (a later prompt resuming
+    there would continue from the wrong state); the KV of those tokens is kept."""
+    import moeferry.scheduler.scheduler as sched_mod
+
+    fails_on = 3  # the request's third output token is read when its grammar fails
+    monkeypatch.setattr(sched_mod, "grammar_failure",
+                        lambda req: "no" if req.request_id == "g" and len(req.output_ids) == fails_on - 1 else None)
+    engine = CountingEngine(EngineConfig("(counting)", num_tokens=256, max_running_requests=2))
+    sched = Scheduler(engine)
+    prompt = [5, 6, 7, 8]
+    sched.add(Request("g", prompt, GREEDY))
+    ends = {}
+    while sched.has_work:
+        for ev in sched.step():
+            if ev.finished:
+                ends[ev.request_id] = ev.finish_reason
+    assert ends == {"g": "invalid"}
+    saved = sorted(n.depth_end for n in engine.cache.prefix.nodes() if n.snapshot is not None)
+    kept = len(prompt) + fails_on - 1  # tokens given to the cache: the prompt and two outputs (the state took in 3)
+    assert kept not in saved and len(prompt) in saved
+    assert engine.cache.prefix.match(prompt + [9, 10, 11, 99]).length == len(prompt)  # resumes at the prompt's end
+    engine.cache.check()

@@ -130,10 +130,13 @@ class CacheManager:
         self.states.free(blocks.snapshots.pop(drop)[1])
         return True
 
-    def release(self, blocks: SeqBlocks, computed_tokens: list[int] | None = None) -> None:
+    def release(self, blocks: SeqBlocks, computed_tokens: list[int] | None = None,
+                state_position: int | None = None) -> None:
         """Give back a sequence's pages and slots; with `computed_tokens` (the tokens whose KV is
         in its pages) they go to the prefix cache, its own state slot too as the checkpoint at
-        their end (no copy, and no spare slot needed: the position a next turn resumes from)."""
+        their end (no copy, and no spare slot needed: the position a next turn resumes from) when
+        the state is there (`state_position`, the tokens it has taken in, when it may be past
+        them: a step in flight may be computing a token not read yet)."""
         if blocks not in self.live:
             return
         self.live.discard(blocks)
@@ -141,7 +144,8 @@ class CacheManager:
             self.prefix.lock(blocks.prefix_node, -1)
             blocks.prefix_node = None
         if self.prefix is not None and computed_tokens is not None:
-            self._hand_over_state(blocks, len(computed_tokens))
+            if state_position in (None, len(computed_tokens)):
+                self._hand_over_state(blocks, len(computed_tokens))
             self.prefix.insert(computed_tokens, blocks.pages, blocks.snapshots)
         else:
             self.kv.pages.free(blocks.pages[blocks.num_shared_pages:])

@@ -266,9 +266,12 @@ class Scheduler:
                 self._checkpoint(r)
 
     def _release(self, req: Request, keep_in_cache: bool) -> None:
-        """Return a request's pages / slots (its computed tokens to the prefix cache when kept)."""
+        """Return a request's pages / slots (its computed tokens to the prefix cache when kept). A
+        request ended while reading a token that the step in flight takes in (a failed grammar)
+        has computed one token more than it holds: its state is not saved as theirs."""
         if req.blocks is not None:
-            self.cache.release(req.blocks, req.all_ids[:req.num_computed] if keep_in_cache else None)
+            self.cache.release(req.blocks, req.all_ids[:req.num_computed] if keep_in_cache else None,
+                               state_position=req.num_computed)
         req.blocks, req.num_computed = None, 0
 
     # --- sampling and finishing -----------------------------------------------------------
