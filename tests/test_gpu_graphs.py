@@ -131,3 +131,38 @@ def test_overlapped_steps_feed_the_graphs(backend, tmp_path):
         assert llm.engine.graphs.disabled is None and llm.engine.graphs.graphs
     assert outs[True] == outs[False]
     assert len(fed[True]) >= 3 * 10 and not fed[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_launching_a_steps_sampling_never_waits_for_the_device():
+    """With overlapped steps the sampling of step k is launched while step k+1's forward is
+    queued; a synchronising copy there (the parameters, penalties, a logit bias, a grammar's
+    mask, the repetition set from pageable memory) would make the host wait for that forward and
+    undo the overlap. Launched under the sync check, for a batch that takes every such input."""
+    from moeferry.scheduler.batch_sampler import launch_sampling
+    from moeferry.scheduler.request import Request
+    from moeferry.scheduler.sampling import SamplingParams
+
+    vocab = 1000
+    params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=1),
+              SamplingParams(temperature=0.9, repetition_penalty=1.05, presence_penalty=0.5, frequency_penalty=0.2,
+                             logit_bias=((7, 2.0),), min_tokens=4, seed=2),
+              SamplingParams(temperature=0.0, logprobs=3)]
+    reqs = []
+    for i, p in enumerate(params):
+        r = Request(f"r{i}", list(range(10 + i, 60 + i)), p)
+        r.output_ids = [3, 4, 5]
+        reqs.append(r)
+    logits = torch.randn(len(reqs), vocab, device="cuda")
+    launch_sampling(reqs, logits, {0}, on_device=True).read()  # warm: allocators, pinned blocks
+    for r in reqs:
+        r.output_ids.append(9)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step = launch_sampling(reqs, logits, {0}, on_device=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    tokens, _ = step.read()
+    assert len(tokens) == 3 and all(0 <= t < vocab for t in tokens)

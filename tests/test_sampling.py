@@ -219,3 +219,23 @@ def test_batch_flags_say_when_the_general_path_is_needed():
     assert flags(SamplingParams(top_k=5, repetition_penalty=1.2))[0]
     assert flags(SamplingParams(top_k=5, min_tokens=4), outputs=(1,))[0]
     assert not flags(SamplingParams(top_k=5, min_tokens=1), outputs=(1,))[0]
+
+
+def test_the_repetition_set_follows_the_outputs_step_by_step():
+    """The request keeps its repetition-penalty mask from step to step and marks only the new
+    outputs: after each step it is exactly the set of the prompt's and outputs' tokens (also
+    when it starts with outputs already, e.g. after a preemption), and a batch of another
+    vocabulary size gets a fresh one."""
+    import random
+
+    rng = random.Random(4)
+    r = Request("r", [rng.randrange(V) for _ in range(30)], SamplingParams(repetition_penalty=1.3))
+    r.output_ids = [3, 4]
+    for step in range(40):
+        b = build_sampling_batch([r], V, {0}, "cpu")
+        want = torch.zeros(V, dtype=torch.bool)
+        want[torch.tensor(r.all_ids)] = True
+        assert torch.equal(b.seen[0], want), step
+        r.output_ids.append(rng.randrange(V))
+    wider = build_sampling_batch([r], V + 7, {0}, "cpu")
+    assert wider.seen.shape == (1, V + 7) and int(wider.seen[0].sum()) == len(set(r.all_ids))

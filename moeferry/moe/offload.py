@@ -49,6 +49,7 @@ from moeferry.moe.resident import use_kernels
 from moeferry.moe.slots import SlotBuffer
 from moeferry.ops.cpu.experts import kernel as cpu_kernel
 from moeferry.ops.moe import route_topk
+from moeferry.transfer import staged, to_device
 
 log = logging.getLogger("moeferry.moe")
 
@@ -91,14 +92,6 @@ class Landing(NamedTuple):
     tensors that gather reads (kept alive until the compute stream has waited for it)."""
     copies: torch.cuda.Event
     reads: tuple
-
-
-def _staged(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A host result in `like`'s dtype, pinned when `like` is on CUDA, so that its copy there
-    (non_blocking) is queued behind the stream's work without the host waiting for it (a
-    pageable copy waits). The caching host allocator keeps the block until the copy is done."""
-    out = out.to(like.dtype)
-    return out.pin_memory() if like.device.type == "cuda" else out
 
 
 def _join(landing: Landing | None) -> None:
@@ -539,7 +532,7 @@ class OffloadExperts:
         lane.zero_()
         if inputs is not None:
             out = self.bank.run_host(*inputs, torch.get_num_threads())
-            lane[:out.shape[0]].copy_(_staged(out, lane), non_blocking=True)
+            lane[:out.shape[0]].copy_(staged(out.to(lane.dtype), lane.device), non_blocking=True)
 
     def _guess(self, x, ids) -> torch.Tensor:
         """The next MoE layer's experts predicted: its router applied to this layer's input (one kernel on CUDA)."""
@@ -687,4 +680,4 @@ class OffloadExperts:
         if copied is not None:
             copied.synchronize()  # only the copies: the device's later work is not waited for
         out = self.bank.run_host(hx, hids, hw, experts, torch.get_num_threads())
-        return _staged(out, x).to(x.device, non_blocking=True)
+        return to_device(out.to(x.dtype), x.device)

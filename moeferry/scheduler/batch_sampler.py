@@ -14,6 +14,7 @@ import torch
 from moeferry.ops.sampler import SamplingBatch, draws_on_host, logprobs_of, sample
 from moeferry.scheduler.grammar import advance_grammars, grammar_banned
 from moeferry.scheduler.request import Request, TokenLogprob
+from moeferry.transfer import to_device
 
 
 def adjusts_logits(reqs: list[Request]) -> bool:
@@ -29,7 +30,7 @@ def build_sampling_batch(reqs: list[Request], vocab: int, eos_ids: set[int], dev
     """`host_draws`: a top-k draw may run on the host (not where the tokens must stay on the device)."""
 
     def vec(values, dtype=torch.float32):
-        return torch.tensor(values, dtype=dtype, device=device)
+        return to_device(torch.tensor(values, dtype=dtype), device)
 
     ps = [r.params for r in reqs]
     grammar = grammar_banned(reqs, vocab, eos_ids)
@@ -47,19 +48,19 @@ def build_sampling_batch(reqs: list[Request], vocab: int, eos_ids: set[int], dev
         if r.output_ids:
             counts[i].index_add_(0, vec(r.output_ids, torch.long), torch.ones(len(r.output_ids), device=device))
         if p.repetition_penalty != 1.0:
-            seen[i, vec(r.all_ids, torch.long)] = True
+            seen[i] = r.seen_mask(vocab, device)
         if len(r.output_ids) < p.min_tokens:
             stop_ids = [t for t in (eos_ids | set(p.stop_token_ids)) if 0 <= t < vocab]
             banned[i, vec(stop_ids, torch.long)] = True
     if grammar is not None:
-        banned |= grammar.to(device)
+        banned |= to_device(grammar, device)
     sampling = [p for p in ps if p.temperature > 0]
     top_k_max = max(p.top_k for p in sampling) if sampling and all(p.top_k > 0 for p in sampling) else 0
     on_host = host_draws and draws_on_host(top_k_max, vocab)
     rows = torch.tensor([[p.temperature, max(p.top_k, 0), p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
-                          p.repetition_penalty] for p in ps], dtype=torch.float32).T
+                          p.repetition_penalty] for p in ps], dtype=torch.float32).T.contiguous()
     if not on_host or adjusts:  # penalties (and the general path's filter) read them on the device
-        rows = rows.to(device)  # one host->device copy for every row's parameters
+        rows = to_device(rows, device)  # one copy for every row's parameters, queued behind the step in flight
     draws = "cpu" if on_host else device
     return SamplingBatch(
         temperature=rows[0], top_k=rows[1].long(), top_p=rows[2], min_p=rows[3], presence=rows[4],
