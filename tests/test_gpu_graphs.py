@@ -166,3 +166,30 @@ def test_launching_a_steps_sampling_never_waits_for_the_device():
         torch.cuda.set_sync_debug_mode(0)
     tokens, _ = step.read()
     assert len(tokens) == 3 and all(0 <= t < vocab for t in tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_loading_a_decode_graphs_inputs_never_waits_for_the_device():
+    """The static inputs of the next decode graph are loaded while the step before runs
+    (overlapped steps): the token, position, slot and metadata copies, the fed tokens and the
+    page table's rows (scattered and whole) are queued, never waited for; and they land."""
+    from moeferry.engine.cuda_graph import SCATTER_PAGES, DecodeGraphs
+    from moeferry.model.batch import SeqChunk
+
+    graphs = DecodeGraphs(None, None, None, max_batch=4, max_pages=SCATTER_PAGES * 2 + 8, page_size=1,
+                          device=torch.device("cuda"))
+    feed = torch.randint(10, 1000, (5,), device="cuda")
+    long_pages = list(range(100, 100 + SCATTER_PAGES * 2))
+    steps = [[SeqChunk([0], 3, [0, 1, 2, 3], 0, fed=4), SeqChunk([77], 2, [4, 5, 6], 1)],
+             [SeqChunk([0], 4, [0, 1, 2, 3, 9], 0, fed=1), SeqChunk([78], len(long_pages) - 1, long_pages, 1)]]
+    graphs._load(steps[0], 4, feed)  # warm: pinned blocks
+    torch.cuda.synchronize()
+    for chunks in steps:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graphs._load(chunks, 4, feed)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert graphs.tokens[0, :2].tolist() == [int(feed[1]), 78]
+    assert graphs.page_table[1, :len(long_pages)].tolist() == long_pages and graphs.page_table[0, 4] == 9

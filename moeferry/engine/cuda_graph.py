@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 from moeferry.model.batch import ForwardBatch, SeqChunk, feed_tokens, int32_tensor
+from moeferry.transfer import staged, to_device
 
 log = logging.getLogger(__name__)
 
@@ -137,14 +138,36 @@ class PageRows:
             if held is not pages or done > n or (done and pages[done - 1] != last):
                 done = 0  # another sequence in this row (or its list changed): write it whole
             if n - done > SCATTER_PAGES:
-                self.table[b, done:n].copy_(int32_tensor(pages[done:]), non_blocking=True)
+                self.table[b, done:n].copy_(staged(int32_tensor(pages[done:]), self.table.device), non_blocking=True)
             else:
                 at += range(b * self.width + done, b * self.width + n)
                 values += pages[done:]
             self.rows[b] = (pages, n, pages[-1] if n else -1)
         if values:
-            moved = torch.tensor([at, values], dtype=torch.int64).to(self.table.device, non_blocking=True)
+            moved = to_device(torch.tensor([at, values], dtype=torch.int64), self.table.device)
             self.table.view(-1).index_copy_(0, moved[0], moved[1].to(torch.int32))
+
+
+class _Staging:
+    """One set of host staging for the static inputs (pinned on CUDA) and the event of its last
+    copies to the device."""
+
+    def __init__(self, n: int, device: torch.device):
+        self.tokens = staged(torch.zeros(3, n, dtype=torch.long), device)  # ids, positions, KV slots
+        self.meta = staged(torch.zeros(3 * n + 1, dtype=torch.int32), device)  # cu | kv_lens | state slots
+        self.cuda = device.type == "cuda"
+        self.done: torch.cuda.Event | None = None
+
+    def copied(self) -> None:
+        """Copies from this set were just queued."""
+        if self.cuda:
+            self.done = torch.cuda.current_stream().record_event()
+
+    def wait(self) -> None:
+        """Until those copies have run (two steps back: at once, in practice)."""
+        if self.done is not None:
+            self.done.synchronize()
+            self.done = None
 
 
 class DecodeGraphs:
@@ -162,10 +185,12 @@ class DecodeGraphs:
         self.page_table = torch.zeros(n, max_pages, dtype=torch.int32, device=device)
         self.page_rows = PageRows(self.page_table)
         self.rows = torch.arange(n, dtype=torch.long, device=device)
-        # Host staging in pageable memory: a copy from it returns once the data is staged, so
-        # the buffers can be refilled next step without waiting for the device.
-        self._host_tokens = torch.zeros(3, n, dtype=torch.long)
-        self._host_meta = torch.zeros(3 * n + 1, dtype=torch.int32)
+        # Host staging, two sets used in turn (`_load`): pinned on CUDA, so a step's input copies are
+        # queued behind the step in flight (from pageable memory a copy synchronises the stream:
+        # with overlapped steps the host waited for the whole previous step before launching the
+        # next); a set is refilled only once its copies of two steps back have run.
+        self._staging = [_Staging(n, device) for _ in range(2)]
+        self._turn = 0
         self.graphs: dict[int, tuple[StepGraphs, torch.Tensor]] = {}
         self.pool = None
         # one side stream for every capture: the allocator keeps a stream's freed blocks for
@@ -176,7 +201,9 @@ class DecodeGraphs:
         self.disabled: str | None = None
         if os.environ.get("MOEFERRY_CUDA_GRAPHS", "1") == "0":
             self.disabled = "MOEFERRY_CUDA_GRAPHS=0"
-        self._fill_padding(0, n)
+        for _ in self._staging:
+            self._next_staging()
+            self._fill_padding(0, n)
 
     # -- static batch ---------------------------------------------------------------------
     def _batch(self, n: int) -> ForwardBatch:
@@ -189,10 +216,17 @@ class DecodeGraphs:
             cu_seqlens_t=self.meta[: n + 1], kv_lens_t=self.meta[m + 1: m + 1 + n],
             state_slots_t=self.meta[2 * m + 1: 2 * m + 1 + n], max_q_len=1)
 
+    def _next_staging(self) -> "_Staging":
+        """The other staging set, once the copies from it (two steps back) have run."""
+        self._turn ^= 1
+        staging = self._staging[self._turn]
+        staging.wait()
+        return staging
+
     def _fill_padding(self, start: int, end: int) -> None:
-        """Host staging rows start..end-1 as padding (no KV or state writes, empty context)."""
+        """The current staging set's rows start..end-1 as padding (no KV or state writes, empty context)."""
         m = self.max_batch
-        ht, hm = self._host_tokens, self._host_meta
+        ht, hm = self._staging[self._turn].tokens, self._staging[self._turn].meta
         ht[:2, start:end] = 0
         ht[2, start:end] = -1
         hm[: m + 1] = torch.arange(m + 1, dtype=torch.int32)
@@ -201,15 +235,17 @@ class DecodeGraphs:
 
     def _load(self, chunks: list[SeqChunk], size: int, feed: torch.Tensor | None = None) -> None:
         m, ps = self.max_batch, self.page_size
-        ht, hm = self._host_tokens, self._host_meta
+        staging = self._next_staging()
+        ht, hm = staging.tokens, staging.meta
         for b, c in enumerate(chunks):
             p = c.start
             ht[0, b], ht[1, b], ht[2, b] = c.tokens[0], p, c.pages[p // ps] * ps + p % ps
             hm[m + 1 + b], hm[2 * m + 1 + b] = p + 1, c.state_slot
         self._fill_padding(len(chunks), size)
-        self.tokens.copy_(ht)
+        self.tokens.copy_(ht, non_blocking=True)
         feed_tokens(self.tokens[0], chunks, range(1, len(chunks) + 1), feed)
-        self.meta.copy_(hm)
+        self.meta.copy_(hm, non_blocking=True)
+        staging.copied()
         self.page_rows.load([c.pages for c in chunks])
 
     # -- capture / replay -----------------------------------------------------------------
@@ -230,9 +266,10 @@ class DecodeGraphs:
             self.experts.capturing = None
 
     def _capture(self, size: int) -> bool:
+        staging = self._next_staging()
         self._fill_padding(0, self.max_batch)
-        self.tokens.copy_(self._host_tokens)
-        self.meta.copy_(self._host_meta)
+        self.tokens.copy_(staging.tokens)
+        self.meta.copy_(staging.meta)
         batch = self._batch(size)
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream())
