@@ -93,16 +93,16 @@ class ForwardBatch:
             kv_lens.append(c.start + n)
             cu.append(cu[-1] + n)
 
-        def t(x):
-            return torch.tensor(x, dtype=torch.long, device=device)
+        def t(x):  # (queued behind the step in flight, not waited for: `moeferry.transfer`)
+            return to_device(torch.tensor(x, dtype=torch.long), device)
 
         state_slots = [c.state_slot for c in chunks]
         # one host->device copy; each list starts on a 16-byte boundary, so a kernel reading it
         # is compiled for an aligned pointer whatever the batch size (one variant, warmed at boot)
         b, w = len(chunks), -(-(len(chunks) + 1) // 4) * 4
         pad = [0] * (w - b)
-        meta = torch.tensor(cu + pad[1:] + kv_lens + pad + state_slots, dtype=torch.int32).to(device)
+        meta = to_device(torch.tensor(cu + pad[1:] + kv_lens + pad + state_slots, dtype=torch.int32), device)
         input_ids = t(ids)
         feed_tokens(input_ids, chunks, cu[1:], feed)
-        return cls(input_ids, t(pos), q_lens, kv_lens, cu, table.to(device), t(slots), state_slots, t(rows), page_size,
-                   meta[: b + 1], meta[w: w + b], meta[2 * w:], max(q_lens))
+        return cls(input_ids, t(pos), q_lens, kv_lens, cu, to_device(table, device), t(slots), state_slots, t(rows),
+                   page_size, meta[: b + 1], meta[w: w + b], meta[2 * w:], max(q_lens))
