@@ -103,7 +103,6 @@ class Scheduler:
     def step(self) -> list[TokenEvent]:
         """Run one step; returns the events of the tokens read in it (with overlap: the previous
         step's, read once this one's forward is launched)."""
-        self.status.started(self)
         events = self._step()
         self.status.done(self)
         return events
@@ -114,6 +113,8 @@ class Scheduler:
         if not plan:
             return events + self._read()
         self.num_steps += 1
+        computed = self._computed(plan)
+        self.status.opening(self, decodes=computed[2] > 0)
         feed = self._sampled.tokens if self._sampled is not None else None
         try:
             logits = self.engine.forward([self._chunk(r, n) for r, n in plan], feed)
@@ -125,7 +126,7 @@ class Scheduler:
                     self._finish(r, "error")
                     events.append(self._event(r, [], None, error=step_failure(e)))
             return events
-        self._report(plan)
+        self.status.ran(*computed)
         ready = []
         for i, (r, n) in enumerate(plan):
             r.num_computed += n
@@ -143,11 +144,13 @@ class Scheduler:
             events += self._read()
         return events
 
-    def _report(self, plan: list[tuple[Request, int]]) -> None:
-        """Tell the status log what the step computed: prompt chunks (more than one token, or
-        within the prompt; so a preempted request's recomputed outputs count) and decode tokens."""
+    @staticmethod
+    def _computed(plan: list[tuple[Request, int]]) -> tuple[int, int, int]:
+        """For the status log: (prompt chunks, their tokens, decode tokens) of a step. A prompt
+        chunk has more than one token or lies within the prompt (so a preempted request's
+        recomputed outputs count)."""
         prompt = [n for r, n in plan if n > 1 or r.num_computed < len(r.prompt_ids)]
-        self.status.ran(len(prompt), sum(prompt), len(plan) - len(prompt))
+        return len(prompt), sum(prompt), len(plan) - len(prompt)
 
     def stats(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting), **self.cache.stats(),

@@ -29,9 +29,11 @@ class StatusLog:
         #                                               to be read when the next window opens)
         self._reused = 0  # prefix-cache tokens matched at admissions, as of the last prefill line
 
-    def started(self, sched) -> None:
-        if self._steps == 0 and self._experts is None and log.isEnabledFor(logging.INFO):
-            self._experts = _expert_counts(sched)  # a decode window may open here
+    def opening(self, sched, decodes: bool) -> None:
+        """A step is about to be launched: a decode step may open a window, whose expert
+        counters are read now (before its forward). Steps without decode tokens read nothing."""
+        if decodes and self._steps == 0 and self._experts is None and log.isEnabledFor(logging.INFO):
+            self._experts = _expert_counts(sched)
 
     def ran(self, prompt_seqs: int, prompt_tokens: int, decode_tokens: int) -> None:
         self._ran = (prompt_seqs, prompt_tokens, decode_tokens)
