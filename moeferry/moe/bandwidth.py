@@ -159,10 +159,14 @@ class MissSplit:
         one, four = time_cpu_expert(bank, 1), time_cpu_expert(bank, 4)
         return cls(time_fetch(bank, backend.device), one, max_fetch, max(0.0, (four - one) / 3))
 
+    @property
+    def further_token_s(self) -> float:
+        """Each token of an expert after its first, on the CPU."""
+        return self.cpu_s if self.cpu_token_s is None else self.cpu_token_s
+
     def cpu_cost(self, tokens: int) -> float:
         """Seconds for one expert of `tokens` tokens on the CPU (the weights are read once)."""
-        extra = self.cpu_s if self.cpu_token_s is None else self.cpu_token_s
-        return self.cpu_s + max(0, tokens - 1) * extra
+        return self.cpu_s + max(0, tokens - 1) * self.further_token_s
 
     def fetch_count(self, cpu_costs: list[float]) -> int:
         """How many of the misses (CPU cost of each, most expensive first) to fetch."""
@@ -189,7 +193,6 @@ class MissSplit:
     def describe(self) -> str:
         ratio = self.fetch_s / self.cpu_s if self.cpu_s else math.inf
         cap = f", at most {self.max_fetch} fetches per layer" if self.max_fetch is not None else ""
-        extra = self.cpu_s if self.cpu_token_s is None else self.cpu_token_s
         return (f"fetch {self.fetch_s * 1e6:.0f} us/expert, CPU {self.cpu_s * 1e6:.0f} us/expert "
-                f"+ {extra * 1e6:.0f} us a further token "
+                f"+ {self.further_token_s * 1e6:.0f} us a further token "
                 f"(a fetch costs {ratio:.2f} CPU experts){cap}")

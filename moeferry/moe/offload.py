@@ -516,9 +516,7 @@ class OffloadExperts:
         stream), and return the CPU lane's inputs: the other misses, and any expert that found
         no cache slot (a graph cannot stream it through the staging area). None: no CPU lane."""
         rows = min(rows, x.shape[0])
-        hx, hids, hw, copied = self._to_host(x[:rows], ids[:rows], weights[:rows])
-        if copied is not None:
-            copied.synchronize()
+        hx, hids, hw = self._landed(self._to_host(x[:rows], ids[:rows], weights[:rows]))
         needed, _ = distinct_experts(hids)
         on_cpu = needed
         if self.cache is not None:
@@ -674,10 +672,17 @@ class OffloadExperts:
                      for t in (x, ids, weights))
         return (*host, torch.cuda.current_stream().record_event())
 
+    @staticmethod
+    def _landed(inputs: tuple) -> tuple:
+        """`_to_host`'s (x, ids, weights) once they are on the host: only the copies are waited
+        for, not the device's work queued after them."""
+        *host, copied = inputs
+        if copied is not None:
+            copied.synchronize()
+        return tuple(host)
+
     def _on_cpu(self, x, ids, weights, experts: list[int], inputs: tuple | None = None) -> torch.Tensor:
         """Experts computed on the CPU from the bank (fp32), added on x's device."""
-        hx, hids, hw, copied = inputs or self._to_host(x, ids, weights)
-        if copied is not None:
-            copied.synchronize()  # only the copies: the device's later work is not waited for
+        hx, hids, hw = self._landed(inputs or self._to_host(x, ids, weights))
         out = self.bank.run_host(hx, hids, hw, experts, torch.get_num_threads())
         return to_device(out.to(x.dtype), x.device)
