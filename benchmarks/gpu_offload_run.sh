@@ -21,6 +21,7 @@
 #   bench     bench_serve.py: `moeferry bench serve` against both engines, BENCH_FLAGS, no ballast (issue 14)
 #   moe       quant_decode.py moe: the MoE decode path against the grouped-GEMM path (issue 13 item 3)
 #   load      load_speed.py: loading per layer, old and new paths, and load_model (issue 13 item 5)
+#   prepskew  in parallel: the skewed checkpoint (skew's) and gputests
 #   prep13    in parallel (no timing runs then): the main checkpoint, the bf16_12 checkpoint and gputests
 #   resident  offload.py, no ballast: moeferry --moe-backend resident against FreeToken with every expert
 #             cached (--moe-backend offload --moe-cache-size 10240: it refuses NVFP4 with fused) (issue 13)
@@ -152,7 +153,7 @@ gputests() {  # the files that carry the gpu marker (the others import the API c
 }
 
 export -f left make_ckpt seed offload peer gputests  # step runs them under timeout, in a child bash
-export T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFFLOAD_FLAGS PEER_FLAGS SEED_ARGS OFFLOAD_ARGS
+export SKEW T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFFLOAD_FLAGS PEER_FLAGS SEED_ARGS OFFLOAD_ARGS
 
 {
   echo "== env ($(date -u +%T))"
@@ -169,7 +170,7 @@ export T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFFLOAD_
 print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__)' || exit 4
   fi
   needs_ckpt=0  # prep13 makes the checkpoint itself, alongside other work; some runs do not read it
-  for run in $RUNS; do case $run in prep13) needs_ckpt=0; break ;; bf16_12|gputests|moe|sampling|inputs|skew|lanes) ;;
+  for run in $RUNS; do case $run in prep13) needs_ckpt=0; break ;; bf16_12|gputests|moe|sampling|inputs|skew|prepskew|lanes) ;;
     *) needs_ckpt=1 ;; esac; done
   if [ "$needs_ckpt" = 1 ]; then
     step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; }
@@ -190,6 +191,8 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
                   --load-model ;;
       prep13)   step prep13 120 300 bash -c 'gputests & make_ckpt "$WORK/ckpt_bf16_12" 0 bf16 12 & \
                   make_ckpt "$WORK/ckpt" 0; rc=$?; wait; exit $rc' || { echo "no checkpoint: stopping"; break; } ;;
+      prepskew) step prepskew 200 300 bash -c 'gputests & make_ckpt "$WORK/ckpt_skew" "$SKEW"; rc=$?; wait; exit $rc' \
+                  || { echo "no skewed checkpoint: stopping"; break; } ;;
       resident) step resident 250 400 peer resident "$WORK/ckpt" "$PEER_FLAGS" "--moe-backend resident" \
                   "--moe-backend offload --moe-cache-size 10240" ;;
       resident_plain) step resident_plain 120 240 peer resident_plain "$WORK/ckpt" "$PEER_FLAGS" \
