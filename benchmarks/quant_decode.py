@@ -356,6 +356,26 @@ def profile_step(engine, log, top=15):
         log(f"    {e.device_time_total / 2:8.1f} us  x{e.count // 2:4d}  {e.key[:90]}")
 
 
+def profile_prefill(engine, log, tokens: int, top=15) -> dict:
+    """One `tokens`-token prefill: its time (best of three after one warm run) and its kernel
+    time by kernel name (what an 8192-token server prefill is made of, in chunks of this size)."""
+    from decode_prefill import ours_prefill
+    from torch.profiler import ProfilerActivity, profile
+    gen = torch.Generator().manual_seed(0)
+    ours_prefill(engine, tokens, gen)
+    rate = max(ours_prefill(engine, tokens, gen) for _ in range(3))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ours_prefill(engine, tokens, gen)
+    ev = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in ev)
+    log(f"  prefill {tokens} tokens: {tokens / rate * 1e3:.1f} ms ({rate:.0f} tok/s), "
+        f"{total / 1e3:.1f} ms of kernel time profiled")
+    for e in ev[:top]:
+        log(f"    {e.device_time_total / 1e3:8.2f} ms  x{e.count:5d}  {e.key[:90]}")
+    return dict(tokens=tokens, ms=tokens / rate * 1e3, kernel_ms=total / 1e3,
+                kernels={e.key[:90]: e.device_time_total / 1e3 for e in ev[:top]})
+
+
 def piecewise_breakdown(engine, log, batch=1, steps=12) -> dict:
     """Where a piecewise-captured decode step's time goes (offload, partial cache): launching
     the graphs, waiting for the device at each cut (the graphs' GPU time), and the host's cache
@@ -582,7 +602,8 @@ def bench_e2e(args, log):
     t0 = time.perf_counter()
     extra = (dict(moe_backend="offload", moe_cache_size=args.offload, num_state_slots=4) if args.offload
              else dict(num_state_slots=40, max_running_requests=40))
-    engine = Engine.build(EngineConfig(args.checkpoint, DEV.type, "bfloat16", num_tokens=4096, **extra))
+    kv = 8192 + 64 if args.profile else 4096  # the prefill profile's 8192-token chunk needs its KV
+    engine = Engine.build(EngineConfig(args.checkpoint, DEV.type, "bfloat16", num_tokens=kv, **extra))
     load_s = time.perf_counter() - t0
     out = dict(load_s=load_s, checkpoint=args.checkpoint)
     if args.offload:  # decode through a partial cache: device-managed graphs, piecewise, eager; the breakdown
@@ -601,6 +622,7 @@ def bench_e2e(args, log):
             log(f"  through the scheduler, {name}, {how}: b1 {rates[1]:.1f} tok/s  b4 {rates[4]:.1f} tok/s")
     if args.profile:
         profile_step(engine, log)
+        out["prefill_profile"] = profile_prefill(engine, log, min(8192, engine.cfg.max_extend_tokens))
     out["decode_path"] = decode_path_rates(engine, log)
     return out
 
@@ -633,7 +655,8 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--tag", default="")
     ap.add_argument("--verbose", action="store_true")
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="e2e: kernel time by name of an eager b1 decode step "
+                    "and of an 8192-token prefill")
     ap.add_argument("--offload", type=int, default=0, metavar="SLOTS",
                     help="e2e: the offload backend with this many cache slots (device-managed graphs, piecewise, eager; breakdown)")
     ap.add_argument("--policies", default="", help="e2e --offload: device-managed decode under each of these "
