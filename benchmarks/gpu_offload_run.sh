@@ -30,6 +30,8 @@
 #   e2e       quant_decode.py e2e: in-process resident decode b1/b4/b16 and an eager profile (issue 13)
 #   e2e_offload  quant_decode.py e2e --offload CACHE_SIZE: in-process offload decode, graphs with the
 #             cache managed on the device, piecewise graphs, eager; where a piecewise step's time goes (no ballast)
+#   e2e_skew  quant_decode.py e2e --offload CACHE_SIZE --policies lru,lfu --orders on skew's checkpoint: in-process
+#             device-managed decode under each policy, then the prefetch started before / after the layer's own gather
 #   sampling  sampling.py: the sampler's general path against the top-k short path, Qwen3.6's vocabulary
 #   inputs    graph_inputs.py: a decode step's page-table host time against context length (PageRows)
 #   gputests  pytest -m gpu over the files with the gpu marker (GPUTESTS: other pytest arguments), -v
@@ -170,7 +172,7 @@ export SKEW T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFF
 print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__)' || exit 4
   fi
   needs_ckpt=0  # prep13 makes the checkpoint itself, alongside other work; some runs do not read it
-  for run in $RUNS; do case $run in prep13) needs_ckpt=0; break ;; bf16_12|gputests|moe|sampling|inputs|skew|prepskew|lanes) ;;
+  for run in $RUNS; do case $run in prep13) needs_ckpt=0; break ;; bf16_12|gputests|moe|sampling|inputs|skew|prepskew|e2e_skew|lanes) ;;
     *) needs_ckpt=1 ;; esac; done
   if [ "$needs_ckpt" = 1 ]; then
     step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; }
@@ -202,6 +204,9 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       e2e)      step e2e 120 240 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e" --profile ;;
       e2e_offload) step e2e_offload 220 360 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e_offload" \
                   --offload "$CACHE_SIZE" ;;
+      e2e_skew) step make_skew 200 300 make_ckpt "$WORK/ckpt_skew" "$SKEW" \
+                  && step e2e_skew 150 300 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt_skew" \
+                  --out "$WORK/e2e_skew" --offload "$CACHE_SIZE" --policies lru,lfu --orders ;;
       sampling) step sampling 30 90 bash -c "mkdir -p $WORK/sampling; python3 benchmarks/sampling.py --device cuda > $WORK/sampling/sampling.md" ;;
       inputs)   step inputs 20 90 bash -c "mkdir -p $WORK/inputs; python3 benchmarks/graph_inputs.py --device cuda > $WORK/inputs/graph_inputs.md" ;;
       gputests) step gputests 120 ${GPUTESTS_MAX_S:-300} gputests ;;

@@ -340,6 +340,18 @@ def scheduler_rate(engine, batch, params, prompt_len=8, steps=64, warmup=8, over
     return rate
 
 
+def scheduler_rates(engine, out: dict, log) -> None:
+    """b1 / b4 decode through the Scheduler, greedy and with Qwen3.6's default sampling, the
+    steps overlapped and each step's tokens read first (what the overlap is worth)."""
+    from moeferry.scheduler.sampling import SamplingParams
+    for name, params in (("greedy", SamplingParams(temperature=0.0)),
+                         ("sampled", SamplingParams(temperature=0.7, top_p=0.8, top_k=20))):
+        for overlap, how in ((True, "overlapped"), (False, "read first")):
+            rates = out[f"scheduler_{name}" + ("" if overlap else "_read_first")] = {
+                b: scheduler_rate(engine, b, params, overlap=overlap) for b in (1, 4)}
+            log(f"  through the scheduler, {name}, {how}: b1 {rates[1]:.1f} tok/s  b4 {rates[4]:.1f} tok/s")
+
+
 def profile_step(engine, log, top=15):
     """Kernel time of two eager batch-1 decode steps by kernel name (graphs off)."""
     from torch.profiler import ProfilerActivity, profile
@@ -573,6 +585,7 @@ def bench_offload(engine, slots: int, out: dict, log, policies: list[str], order
         policy_rates(engine, policies, out, log)
         if orders and backend.graph_mode(engine.graphs.max_batch) == "device":
             out["orders"] = attempt(log, order_variants, engine, log)
+        attempt(log, scheduler_rates, engine, out, log)  # under the last policy
         return out
     offload_rates(engine, out, mode or "eager", log)
     out["b1"], out["b4"] = out[f"{mode or 'eager'}_b1"], out[f"{mode or 'eager'}_b4"]
@@ -613,13 +626,7 @@ def bench_e2e(args, log):
     out["graphs"] = graphs_state(engine.graphs)
     log(f"  load {load_s:.1f} s  decode b1 {out['b1']:.1f} tok/s  b4 {out['b4']:.1f} tok/s  "
         f"b16 {out['b16']:.1f} tok/s  graphs: {out['graphs']}")
-    from moeferry.scheduler.sampling import SamplingParams
-    for name, params in (("greedy", SamplingParams(temperature=0.0)),
-                         ("sampled", SamplingParams(temperature=0.7, top_p=0.8, top_k=20))):  # Qwen3.6's defaults
-        for overlap, how in ((True, "overlapped"), (False, "read first")):
-            rates = out[f"scheduler_{name}" + ("" if overlap else "_read_first")] = {
-                b: scheduler_rate(engine, b, params, overlap=overlap) for b in (1, 4)}
-            log(f"  through the scheduler, {name}, {how}: b1 {rates[1]:.1f} tok/s  b4 {rates[4]:.1f} tok/s")
+    scheduler_rates(engine, out, log)
     if args.profile:
         profile_step(engine, log)
         out["prefill_profile"] = profile_prefill(engine, log, min(8192, engine.cfg.max_extend_tokens))
