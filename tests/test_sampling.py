@@ -239,3 +239,31 @@ def test_the_repetition_set_follows_the_outputs_step_by_step():
         r.output_ids.append(rng.randrange(V))
     wider = build_sampling_batch([r], V + 7, {0}, "cpu")
     assert wider.seen.shape == (1, V + 7) and int(wider.seen[0].sum()) == len(set(r.all_ids))
+
+
+def test_building_a_batch_never_sets_a_scalar_through_an_index_tensor(monkeypatch):
+    """`x[ids] = True` with ids a tensor: PyTorch makes the True a host tensor and, on CUDA, copies
+    it to the device synchronously, so the host waits for the step in flight (what failed the GPU
+    test `test_launching_a_steps_sampling_never_waits_for_the_device` on the H200). Checked here on
+    the CPU for a batch with every input: no such assignment happens."""
+    scalar_sets = []
+    setitem = torch.Tensor.__setitem__
+
+    def watch(self, index, value):
+        parts = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(p, torch.Tensor) for p in parts) and not isinstance(value, torch.Tensor):
+            scalar_sets.append((tuple(type(p).__name__ for p in parts), value))
+        return setitem(self, index, value)
+
+    monkeypatch.setattr(torch.Tensor, "__setitem__", watch)
+    params = [SamplingParams(temperature=0.9, repetition_penalty=1.05, presence_penalty=0.5, frequency_penalty=0.2,
+                             logit_bias=((7, 2.0),), min_tokens=6, seed=2), SamplingParams(temperature=0.0)]
+    reqs = [Request(f"r{i}", list(range(10, 30)), p) for i, p in enumerate(params)]
+    for r in reqs:
+        r.output_ids = [3, 4, 5]
+    for _ in range(2):  # the repetition mask made, then marked incrementally
+        b = build_sampling_batch(reqs, V, {0}, "cpu")
+        for r in reqs:
+            r.output_ids.append(9)
+    assert not scalar_sets, scalar_sets
+    assert bool(b.banned[0, 0]) and bool(b.seen[0, 9]) and bool(b.seen[0, 10]) and not bool(b.seen[0, 8])

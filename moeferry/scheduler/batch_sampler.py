@@ -51,7 +51,7 @@ def build_sampling_batch(reqs: list[Request], vocab: int, eos_ids: set[int], dev
             seen[i] = r.seen_mask(vocab, device)
         if len(r.output_ids) < p.min_tokens:
             stop_ids = [t for t in (eos_ids | set(p.stop_token_ids)) if 0 <= t < vocab]
-            banned[i, vec(stop_ids, torch.long)] = True
+            banned[i].index_fill_(0, vec(stop_ids, torch.long), True)  # not `[ids] = True` (Request.seen_mask)
     if grammar is not None:
         banned |= to_device(grammar, device)
     sampling = [p for p in ps if p.temperature > 0]

@@ -84,7 +84,9 @@ class Request:
             mask, marked = torch.zeros(vocab, dtype=torch.bool, device=device), 0
         new = self.prompt_ids[marked:] + self.output_ids[max(marked - len(self.prompt_ids), 0):]
         if new:
-            mask[to_device(torch.tensor(new, dtype=torch.long), device)] = True
+            # index_fill_, not `mask[ids] = True`: PyTorch makes that True a host tensor and copies it
+            # to the device synchronously (the host would wait for the step in flight)
+            mask.index_fill_(0, to_device(torch.tensor(new, dtype=torch.long), device), True)
         self._seen = (mask, len(self.prompt_ids) + len(self.output_ids))
         return mask
 
