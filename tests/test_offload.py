@@ -1042,6 +1042,39 @@ def test_shrink_keeps_the_most_recently_used(ckpt, ref_logits, trace):
     assert {k for k in cache.owner if k is not None} == set(lru.last_use)
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_refill_restores_the_boot_contents(ckpt, ref_logits, policy):
+    """`refill` puts every cache back as the boot filled it (each layer its first experts, in
+    the same slots and policy order, the same free slots), whatever the steps did since; the
+    slots hold those experts' bytes, and the logits after it are resident's."""
+    arch = "qwen3_moe"
+    llm = build(ckpt, arch, "bf16", "offload-25%", moe_cache_policy=policy)
+    backend = llm.engine.experts
+    (cache,) = caches(llm)
+
+    def state():
+        return list(cache.owner), cache.policy.ranked(), list(cache.free_slots), cache.host_table.clone()
+
+    backend.refill()
+    boot = state()
+    per, extra = divmod(cache.num_slots, len(cache.layers))
+    assert sorted(k for k in boot[0] if k is not None) == sorted(
+        (layer, e) for i, layer in enumerate(cache.layers) for e in range(per + (i < extra)))
+    llm.logits_batch(BATCH, [5, 1])  # steps move the experts around
+    assert state()[0] != boot[0]
+    backend.refill()
+    after = state()
+    assert after[:3] == boot[:3] and torch.equal(after[3], boot[3])
+    cache.check()
+    for slot, key in enumerate(cache.owner):
+        bank = backend.banks[key[0]]
+        for m, src in ((cache.buffer.gate_up, bank.gate_up), (cache.buffer.down, bank.down)):
+            for name, t in m.tensors().items():
+                assert torch.equal(t[slot], src.tensors()[name][key[1]])
+    got = llm.logits(PROMPT, chunk_size=CHUNKS)
+    assert rel_err(got, ref_logits(arch, "bf16", [PROMPT], CHUNKS)[0]) <= TOL
+
+
 def test_lfu_shrink_keeps_the_highest_priorities(ckpt, ref_logits):
     """LFU's shrink keeps the experts it would evict last, with their priorities, uses and age."""
     arch = "qwen3_moe"

@@ -353,6 +353,17 @@ class ExpertCache:
             self.fetch(layer, list(range(n)), banks[layer], keep=set())
             self.counters[layer].bytes_fetched = 0  # boot fill is not traffic
 
+    def refill(self, banks: dict[int, SlotBuffer]) -> None:
+        """The boot's contents again (every expert evicted, the policy's state new, then `fill`):
+        runs that must start from one state, e.g. hybrid's graph and eager steps compared (which
+        experts its CPU lane takes depends on what the cache holds)."""
+        self.on_host()
+        for key in self.policy.ranked():
+            self._evict(key)
+        self.free_slots = list(range(self.num_slots - 1, -1, -1))  # the boot's order: the same slots again
+        self.policy = POLICIES[self.policy.name]()
+        self.fill(banks)
+
     def shrink(self, num_slots: int, banks: dict[int, SlotBuffer]) -> int:
         """Keep `num_slots` slots, holding the experts the policy would evict last (LRU: the most
         recently used); returns the bytes freed.

@@ -357,6 +357,12 @@ class OffloadBackend:
     def host_bytes(self) -> int:
         return sum(b.nbytes for b in self.banks.values())
 
+    def refill(self) -> None:
+        """Every cache back to its boot contents (`ExpertCache.refill`)."""
+        self.settle()
+        for c in self.distinct_caches:
+            c.refill(self.banks)
+
     def shrink(self, num_slots: int) -> int:
         """Elastic shrink (the OOM guard): keep `num_slots` slots in all; returns bytes freed."""
         self.settle()
