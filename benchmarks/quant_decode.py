@@ -573,6 +573,18 @@ def order_variants(engine, log) -> dict:
                             f"grid {programs}", steps=64, warmup=32)
 
 
+def gather_variants(engine, log) -> dict:
+    """Device-managed decode with the prefetch's gather in each launch shape of `slot_gather.CONFIGS`
+    (words a program, warps) on the default grid and on twice it: the boot picks the shape that
+    moves an expert soonest alone, a step wants the one that slows the overlapped compute least."""
+    from moeferry.ops.triton.slot_gather import CONFIGS
+    grid = engine.experts.prefetch_programs
+    combos = [(c, g) for c in CONFIGS for g in (grid, 2 * grid)]
+    return backend_variants(engine, log, ("prefetch_gather", "prefetch_programs"), combos,
+                            lambda c, programs: f"prefetch gather {c[0]} words x {c[1]} warps, grid {programs}",
+                            steps=64, warmup=32)
+
+
 def bench_offload(engine, slots: int, out: dict, log, policies: list[str], orders: bool = False) -> dict:
     """Offload decode through a partial cache three ways: graphs with the cache managed on the
     device (the default where it can be), piecewise graphs (host-managed), eager; then where a
@@ -585,6 +597,7 @@ def bench_offload(engine, slots: int, out: dict, log, policies: list[str], order
         policy_rates(engine, policies, out, log)
         if orders and backend.graph_mode(engine.graphs.max_batch) == "device":
             out["orders"] = attempt(log, order_variants, engine, log)
+            out["prefetch_gathers"] = attempt(log, gather_variants, engine, log)
         attempt(log, scheduler_rates, engine, out, log)  # under the last policy
         return out
     offload_rates(engine, out, mode or "eager", log)
@@ -668,7 +681,8 @@ def main():
                     help="e2e: the offload backend with this many cache slots (device-managed graphs, piecewise, eager; breakdown)")
     ap.add_argument("--policies", default="", help="e2e --offload: device-managed decode under each of these "
                     "eviction policies in turn (e.g. lru,lfu), instead of the modes and the breakdown")
-    ap.add_argument("--orders", action="store_true", help="e2e --offload --policies: then the prefetch started "
+    ap.add_argument("--orders", action="store_true", help="e2e --offload --policies: then the prefetch's gather "
+                    "in each launch shape, and the prefetch started "
                     "before or after the layer's own gather, on two grids (the last policy)")
     ap.add_argument("--forms", default="", help="dense: device forms to run (default all)")
     ap.add_argument("--rows", default="1,4,16,4096", help="dense: values of M")

@@ -620,6 +620,35 @@ def test_device_managed_decode_equals_resident(arch, preset, prefetch, policy, c
     assert (s["cpu_experts"] > 0) == bool(cpu_layers)
 
 
+def test_prefetch_gather_has_its_own_launch_shape(ckpt, ref_logits, monkeypatch):
+    """The device-managed prefetch gathers in `prefetch_gather` (set apart from the own misses'
+    `gather_kernel`): setting it makes each cache's gather in that shape at once (not inside
+    the next capture), the prefetch's copies take it, the layer's own misses keep the boot's,
+    and the logits stay resident's."""
+    llm = build(ckpt, "qwen3_moe", "bf16", "offload-25%", moe_cache_size=24)
+    backend = llm.engine.experts
+    backend.prefetch = True
+    shape = (2048, 4, True)
+    backend.prefetch_gather = shape
+    (cache,) = caches(llm)
+    assert all((id(b), shape) in cache.buffer._gathers for b in backend.banks.values())
+    used = []
+    plain = SlotBuffer.copy_indexed
+
+    def copy_indexed(self, src, src_slots, dst_slots, gather, programs=None):
+        used.append((gather, programs))
+        return plain(self, src, src_slots, dst_slots, gather, programs)
+
+    monkeypatch.setattr(SlotBuffer, "copy_indexed", copy_indexed)
+    decode_on_device(llm, monkeypatch)
+    got = llm.logits_batch(BATCH, [5, 3, 1])
+    for g, w in zip(got, ref_logits("qwen3_moe", "bf16", BATCH, [5, 3, 1])):
+        assert rel_err(g, w) <= TOL
+    # here in line (no copy stream on the CPU: no grid cap); the prefetch counted its experts
+    assert set(used) == {(shape, None), (backend.gather_kernel, None)}, set(used)
+    assert llm.engine.stats()["experts"]["prefetched"] > 0
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_device_hand_over_keeps_the_order(ckpt, policy):
     """on_device then on_host gives back the same owners, table, eviction state (order, LFU's

@@ -125,6 +125,7 @@ class OffloadBackend:
         # flight to fill the link; a full grid would hold every SM from the compute it
         # overlaps), and joined only before the layer's MoE runs (its own misses gathered first)
         self.prefetch_programs = prefetch_programs(device)
+        self._prefetch_gather: tuple | None = None  # the prefetch gather's own config (None: gather_kernel's)
         self.join_late = True
         self.prefetch_first = False  # device-managed: the next layer's prefetch started before this layer's own gather
         self.transfer_chosen = False
@@ -237,12 +238,12 @@ class OffloadBackend:
         cache state lives) and gather them on the copy stream; the next layer joins them (`take_prefetch`)."""
         dst = nxt.cache.resolve(nxt.layer, guess, prefetch=True)
         stream = self.copy_stream
-        if stream is None:
-            nxt.cache.buffer.copy_indexed(nxt.bank, guess, dst, self.gather_kernel)
+        if stream is None:  # in line (the CPU in tests): nothing to leave SMs to
+            nxt.cache.buffer.copy_indexed(nxt.bank, guess, dst, self.prefetch_gather)
             return
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            nxt.cache.buffer.copy_indexed(nxt.bank, guess, dst, self.gather_kernel, self.prefetch_programs)
+            nxt.cache.buffer.copy_indexed(nxt.bank, guess, dst, self.prefetch_gather, self.prefetch_programs)
             # the slot lists stay referenced until the join: the copy stream reads them all along,
             # and memory freed earlier could be handed to the compute stream's next tensors
             self.prefetch_join = Landing(stream.record_event(), (guess, dst))
@@ -374,14 +375,27 @@ class OffloadBackend:
         self._bind()
         return freed
 
+    @property
+    def prefetch_gather(self) -> tuple | None:
+        """The device-managed prefetch's gather config: the boot's choice (`gather_kernel`) unless
+        set apart. It shares the SMs with the compute it overlaps, which the boot's timing of the
+        gather alone does not see (`quant_decode.py --orders` times configs in whole steps)."""
+        return self._prefetch_gather or self.gather_kernel
+
+    @prefetch_gather.setter
+    def prefetch_gather(self, config: tuple | None) -> None:
+        self._prefetch_gather = config
+        self._bind()  # its gathers made now, not inside the next capture
+
     def _bind(self) -> None:
         """Executors to the current caches; each (bank, cache) gather made now, not inside a
         graph capture (it copies its descriptor to the device); `gathers_ready` if all could be."""
         ready = self.gather_kernel is not None
+        configs = {self.gather_kernel, self.prefetch_gather} - {None}
         for ex in self.executors.values():
             ex.bind()
-            if ex.cache is not None and self.gather_kernel is not None:
-                ready &= ex.cache.buffer.gather_launch(ex.bank, self.gather_kernel) is not None
+            if ex.cache is not None:
+                ready &= all(ex.cache.buffer.gather_launch(ex.bank, c) is not None for c in configs)
         self.gathers_ready = ready
 
     def stats(self) -> dict:
