@@ -575,11 +575,12 @@ def order_variants(engine, log) -> dict:
 
 def gather_variants(engine, log) -> dict:
     """Device-managed decode with the prefetch's gather in each launch shape of `slot_gather.CONFIGS`
-    (words a program, warps) on the default grid and on twice it: the boot picks the shape that
-    moves an expert soonest alone, a step wants the one that slows the overlapped compute least."""
+    (words a program, warps) on half the default grid, on it and on twice it: the boot picks the
+    shape that moves an expert soonest alone, a step wants the one that slows the overlapped
+    compute least (at a high hit rate the step is compute-bound, and fewer programs may win)."""
     from moeferry.ops.triton.slot_gather import CONFIGS
     grid = engine.experts.prefetch_programs
-    combos = [(c, g) for c in CONFIGS for g in (grid, 2 * grid)]
+    combos = [(c, g) for c in CONFIGS for g in (max(1, grid // 2), grid, 2 * grid)]
     return backend_variants(engine, log, ("prefetch_gather", "prefetch_programs"), combos,
                             lambda c, programs: f"prefetch gather {c[0]} words x {c[1]} warps, grid {programs}",
                             steps=64, warmup=32)
