@@ -208,7 +208,7 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       e2e_offload) step e2e_offload 220 360 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e_offload" \
                   --offload "$CACHE_SIZE" ;;
       e2e_skew) step make_skew 200 300 make_ckpt "$WORK/ckpt_skew" "$SKEW" \
-                  && step e2e_skew 150 300 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt_skew" \
+                  && step e2e_skew 200 380 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt_skew" \
                   --out "$WORK/e2e_skew" --offload "$CACHE_SIZE" --policies lru,lfu --orders ;;
       sampling) step sampling 30 90 bash -c "mkdir -p $WORK/sampling; python3 benchmarks/sampling.py --device cuda > $WORK/sampling/sampling.md" ;;
       inputs)   step inputs 20 90 bash -c "mkdir -p $WORK/inputs; python3 benchmarks/graph_inputs.py --device cuda > $WORK/inputs/graph_inputs.md" ;;

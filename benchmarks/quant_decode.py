@@ -586,6 +586,15 @@ def gather_variants(engine, log) -> dict:
                             steps=64, warmup=32)
 
 
+def width_variants(engine, log) -> dict:
+    """Device-managed decode with the prefetch guessing the top-k (the default), 1.5x and 2x as
+    many experts a row: a wider guess catches more of the layer's own misses (gathered on the
+    critical path) and copies what it guessed that is not cached (on the copy stream)."""
+    k = engine.spec.top_k
+    return backend_variants(engine, log, ("prefetch_width",), [(None,), (k * 3 // 2,), (2 * k,)],
+                            lambda w: f"prefetch guessing {w or k} a row", steps=64, warmup=32)
+
+
 def bench_offload(engine, slots: int, out: dict, log, policies: list[str], orders: bool = False) -> dict:
     """Offload decode through a partial cache three ways: graphs with the cache managed on the
     device (the default where it can be), piecewise graphs (host-managed), eager; then where a
@@ -599,6 +608,7 @@ def bench_offload(engine, slots: int, out: dict, log, policies: list[str], order
         if orders and backend.graph_mode(engine.graphs.max_batch) == "device":
             out["orders"] = attempt(log, order_variants, engine, log)
             out["prefetch_gathers"] = attempt(log, gather_variants, engine, log)
+            out["prefetch_widths"] = attempt(log, width_variants, engine, log)
         attempt(log, scheduler_rates, engine, out, log)  # under the last policy
         return out
     offload_rates(engine, out, mode or "eager", log)
@@ -683,7 +693,7 @@ def main():
     ap.add_argument("--policies", default="", help="e2e --offload: device-managed decode under each of these "
                     "eviction policies in turn (e.g. lru,lfu), instead of the modes and the breakdown")
     ap.add_argument("--orders", action="store_true", help="e2e --offload --policies: then the prefetch's gather "
-                    "in each launch shape, and the prefetch started "
+                    "in each launch shape, its guess 1-2x the top-k wide, and the prefetch started "
                     "before or after the layer's own gather, on two grids (the last policy)")
     ap.add_argument("--forms", default="", help="dense: device forms to run (default all)")
     ap.add_argument("--rows", default="1,4,16,4096", help="dense: values of M")

@@ -698,6 +698,46 @@ def test_split_choices_reads_only_the_real_rows():
     assert offload_mod.split_choices(flat, 2 * 2, ids.numel()) == ([1, 3, 7], [4, 5, 6])
     assert offload_mod.split_choices(flat, 1 << 30, ids.numel()) == ([1, 3, 7, 9], [4, 5, 6, 8])
     assert offload_mod.distinct_experts(ids, guess) == ([1, 3, 7, 9], [4, 5, 6, 8])
+    wide = torch.tensor([[5, 4, 2], [4, 6, 0], [8, 8, 8]])  # a guess of 3 a row (`prefetch_width`)
+    flat = offload_mod.choices(ids, wide).tolist()
+    assert offload_mod.split_choices(flat, 2 * 2, ids.numel(), 2 * 3) == ([1, 3, 7], [0, 2, 4, 5, 6])
+    assert offload_mod.distinct_experts(ids, wide[:, :1]) == ([1, 3, 7, 9], [4, 5, 8])
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_prefetch_width_keeps_logits(ckpt, ref_logits, monkeypatch, width):
+    """A decode prefetch guessing `prefetch_width` experts a row (fewer or more than the top-k)
+    gives resident's logits through the device-managed steps and through a piecewise capture's
+    cuts, guesses that many (a wider guess prefetches more), and a device-managed cache must
+    then hold that many a row for its steps."""
+    arch, prefetched, guesses = "qwen3_moe", {}, []
+    plain_guess = OffloadExperts._guess
+
+    def guess(self, x, ids):
+        out = plain_guess(self, x, ids)
+        guesses.append(out.shape[-1])
+        return out
+
+    monkeypatch.setattr(OffloadExperts, "_guess", guess)
+    for mode in ("device", "cut"):
+        llm = build(ckpt, arch, "bf16", "offload-25%", moe_cache_size=24)
+        backend = llm.engine.experts
+        backend.prefetch, backend.prefetch_width = True, width
+        guesses.clear()
+        if mode == "device":
+            decode_on_device(llm, monkeypatch)
+        else:
+            backend.device_managed = False
+            cut_decode_steps(llm, monkeypatch, RunAtOnce)
+        for g, w in zip(llm.logits_batch(BATCH, [5, 3, 1]), ref_logits(arch, "bf16", BATCH, [5, 3, 1])):
+            assert rel_err(g, w) <= TOL
+        check_all(llm)
+        assert guesses and set(guesses) == {width}, set(guesses)
+        prefetched[mode] = llm.engine.stats()["experts"]["prefetched"]
+        assert prefetched[mode] > 0
+    backend.device_managed = True
+    backend.prefetch_width = 12  # LRU keeps 2 steps' experts: 2 x 12 a row, so 24 slots take one row only
+    assert backend.steps_on_device(1) and not backend.steps_on_device(2)
 
 
 def test_graph_mode_needs_a_steps_working_set(ckpt, monkeypatch):

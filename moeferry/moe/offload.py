@@ -62,11 +62,13 @@ def choices(ids: torch.Tensor, guess: torch.Tensor | None) -> torch.Tensor:
     return ids.reshape(-1) if guess is None else torch.cat([ids.reshape(-1), guess.reshape(-1)])
 
 
-def split_choices(flat: list[int], first: int, each: int) -> tuple[list[int], list[int]]:
-    """(the sorted distinct ids among the step's first `first` choices, the same of the guess),
-    from `choices` read back (`each` choices of each)."""
+def split_choices(flat: list[int], first: int, each: int, guessed: int | None = None) -> tuple[list[int], list[int]]:
+    """(the sorted distinct ids among the step's first `first` choices, the same among the
+    guess's first `guessed` (None: `first`; the guess may be wider or narrower than the step's
+    top-k: `prefetch_width`)), from `choices` read back (the step's `each` choices first)."""
     first = min(first, each)
-    return sorted(set(flat[:first])), sorted(set(flat[each:each + first]))
+    guessed = first if guessed is None else guessed
+    return sorted(set(flat[:first])), sorted(set(flat[each:each + guessed]))
 
 
 def distinct_experts(ids: torch.Tensor, guess: torch.Tensor | None = None) -> tuple[list[int], list[int]]:
@@ -74,7 +76,7 @@ def distinct_experts(ids: torch.Tensor, guess: torch.Tensor | None = None) -> tu
     a decode step's few ids are read back as they are (cheaper than a unique kernel), a prefill
     chunk's are made unique first."""
     if guess is not None:
-        return split_choices(choices(ids, guess).tolist(), ids.numel(), ids.numel())
+        return split_choices(choices(ids, guess).tolist(), ids.numel(), ids.numel(), guess.numel())
     if ids.numel() <= 256:
         return sorted(set(ids.reshape(-1).tolist())), []
     return torch.unique(ids).tolist(), []
@@ -126,6 +128,7 @@ class OffloadBackend:
         # overlaps), and joined only before the layer's MoE runs (its own misses gathered first)
         self.prefetch_programs = prefetch_programs(device)
         self._prefetch_gather: tuple | None = None  # the prefetch gather's own config (None: gather_kernel's)
+        self.prefetch_width: int | None = None  # experts a row the decode prefetch guesses (None: the top-k)
         self.join_late = True
         self.prefetch_first = False  # device-managed: the next layer's prefetch started before this layer's own gather
         self.transfer_chosen = False
@@ -207,7 +210,8 @@ class OffloadBackend:
 
     def _holds(self, rows: int, steps: Callable[[ExpertCache], int]) -> bool:
         """Every cache has slots for `steps(cache)` decode steps' experts of `rows` sequences."""
-        return all(c.num_slots >= steps(c) * rows * self.spec.top_k for c in self.distinct_caches)
+        per_row = max(self.spec.top_k, self.prefetch_width or 0)  # a wider guess places more a step
+        return all(c.num_slots >= steps(c) * rows * per_row for c in self.distinct_caches)
 
     def before_graph(self, rows: int) -> None:
         """Before a decode graph of `rows` sequences runs (or is captured): hand each cache's
@@ -459,8 +463,10 @@ class OffloadExperts:
             return self._cut_lanes(x, ids, weights)
         if self.b.steps_on_device(x.shape[0]):
             return self._on_device(x, ids, weights, ahead)
-        flat, k = choices(ids, self._guess(x, ids) if ahead else None), ids.shape[-1]  # concatenated in the graph
-        self.b.capturing.cut(lambda rows: self._place(flat, rows * k, ids.numel()))
+        guess = self._guess(x, ids) if ahead else None
+        flat = choices(ids, guess)  # concatenated in the graph
+        k, w = ids.shape[-1], guess.shape[-1] if guess is not None else 0
+        self.b.capturing.cut(lambda rows: self._place(flat, rows * k, ids.numel(), rows * w))
         return self._run_cached(x, ids, weights)
 
     def _eager(self, x, ids, weights, ahead: bool) -> torch.Tensor:
@@ -553,8 +559,9 @@ class OffloadExperts:
             lane[:out.shape[0]].copy_(staged(out.to(lane.dtype), lane.device), non_blocking=True)
 
     def _guess(self, x, ids) -> torch.Tensor:
-        """The next MoE layer's experts predicted: its router applied to this layer's input (one kernel on CUDA)."""
-        return route_topk(self.next_router(x), ids.shape[-1], False)[1]
+        """The next MoE layer's experts predicted: its router applied to this layer's input (one
+        kernel on CUDA), its `prefetch_width` best a row (default: as many as the step's top-k)."""
+        return route_topk(self.next_router(x), self.b.prefetch_width or ids.shape[-1], False)[1]
 
     def _on_device(self, x, ids, weights, ahead: bool) -> torch.Tensor:
         """A decode step in a graph, the cache managed on the device (`before_graph` handed it
@@ -597,11 +604,12 @@ class OffloadExperts:
             self._prefetch(predicted, needed)
         return experts[len(placed):]
 
-    def _place(self, flat: torch.Tensor, first: int, each: int) -> None:
+    def _place(self, flat: torch.Tensor, first: int, each: int, guessed: int) -> None:
         """A captured step's host part (at its cut, between two graphs): read the router's
-        choices of the real rows (the first `first` of `each`; `flat` from `choices`), fetch the
-        misses, start the prefetch. `graph_mode` made sure they all fit."""
-        needed, predicted = split_choices(flat.tolist(), first, each)
+        choices of the real rows (the first `first` of `each`, and of the guess its first
+        `guessed`; `flat` from `choices`), fetch the misses, start the prefetch. `graph_mode`
+        made sure they all fit."""
+        needed, predicted = split_choices(flat.tolist(), first, each, guessed)
         self.b.settle()
         left = self._fetch(self._lookup(needed), needed, predicted)
         if left:
