@@ -114,6 +114,15 @@ def assert_same_contents(a, b) -> None:
         assert torch.equal(table_a, table_b)
 
 
+def assert_slots_hold_their_experts(cache, banks) -> None:
+    """Every slot holds its owner's bytes from the bank, every tensor of both matrices."""
+    for slot, key in enumerate(cache.owner):
+        bank = banks[key[0]]
+        for m, src in ((cache.buffer.gate_up, bank.gate_up), (cache.buffer.down, bank.down)):
+            for name, t in m.tensors().items():
+                assert torch.equal(t[slot], src.tensors()[name][key[1]])
+
+
 @pytest.fixture
 def trace(monkeypatch):
     """Records (layer, needed experts, tokens) of every offload executor call, in order, and
@@ -695,8 +704,8 @@ def test_split_choices_reads_only_the_real_rows():
     ids = torch.tensor([[3, 1], [1, 7], [9, 9]])    # 3 rows, top-2; the last row is padding
     guess = torch.tensor([[5, 4], [4, 6], [8, 8]])
     flat = offload_mod.choices(ids, guess).tolist()
-    assert offload_mod.split_choices(flat, 2 * 2, ids.numel()) == ([1, 3, 7], [4, 5, 6])
-    assert offload_mod.split_choices(flat, 1 << 30, ids.numel()) == ([1, 3, 7, 9], [4, 5, 6, 8])
+    assert offload_mod.split_choices(flat, 2 * 2, ids.numel(), 2 * 2) == ([1, 3, 7], [4, 5, 6])
+    assert offload_mod.split_choices(flat, 1 << 30, ids.numel(), ids.numel()) == ([1, 3, 7, 9], [4, 5, 6, 8])
     assert offload_mod.distinct_experts(ids, guess) == ([1, 3, 7, 9], [4, 5, 6, 8])
     wide = torch.tensor([[5, 4, 2], [4, 6, 0], [8, 8, 8]])  # a guess of 3 a row (`prefetch_width`)
     flat = offload_mod.choices(ids, wide).tolist()
@@ -1093,11 +1102,7 @@ def test_shrink_keeps_the_most_recently_used(ckpt, ref_logits, trace):
     assert cache.num_slots == backend.expert_slots == 5
     cache.check()
     assert list(cache.policy.order) == order[-5:]  # the five most recently used, in LRU order
-    for slot, key in enumerate(cache.owner):  # the kept slots still hold their experts
-        bank = backend.banks[key[0]]
-        for m, src in ((cache.buffer.gate_up, bank.gate_up), (cache.buffer.down, bank.down)):
-            for name, t in m.tensors().items():
-                assert torch.equal(t[slot], src.tensors()[name][key[1]])
+    assert_slots_hold_their_experts(cache, backend.banks)  # the kept slots still hold their experts
     assert backend.shrink(5) == 0
     trace.clear()
     sim_start = list(cache.policy.order)
@@ -1135,11 +1140,7 @@ def test_refill_restores_the_boot_contents(ckpt, ref_logits, policy):
     after = state()
     assert after[:3] == boot[:3] and torch.equal(after[3], boot[3])
     cache.check()
-    for slot, key in enumerate(cache.owner):
-        bank = backend.banks[key[0]]
-        for m, src in ((cache.buffer.gate_up, bank.gate_up), (cache.buffer.down, bank.down)):
-            for name, t in m.tensors().items():
-                assert torch.equal(t[slot], src.tensors()[name][key[1]])
+    assert_slots_hold_their_experts(cache, backend.banks)
     got = llm.logits(PROMPT, chunk_size=CHUNKS)
     assert rel_err(got, ref_logits(arch, "bf16", [PROMPT], CHUNKS)[0]) <= TOL
 

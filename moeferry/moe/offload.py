@@ -62,12 +62,11 @@ def choices(ids: torch.Tensor, guess: torch.Tensor | None) -> torch.Tensor:
     return ids.reshape(-1) if guess is None else torch.cat([ids.reshape(-1), guess.reshape(-1)])
 
 
-def split_choices(flat: list[int], first: int, each: int, guessed: int | None = None) -> tuple[list[int], list[int]]:
+def split_choices(flat: list[int], first: int, each: int, guessed: int) -> tuple[list[int], list[int]]:
     """(the sorted distinct ids among the step's first `first` choices, the same among the
-    guess's first `guessed` (None: `first`; the guess may be wider or narrower than the step's
-    top-k: `prefetch_width`)), from `choices` read back (the step's `each` choices first)."""
+    guess's first `guessed` (the guess may be wider or narrower than the step's top-k:
+    `prefetch_width`)), from `choices` read back (the step's `each` choices first)."""
     first = min(first, each)
-    guessed = first if guessed is None else guessed
     return sorted(set(flat[:first])), sorted(set(flat[each:each + guessed]))
 
 

@@ -308,14 +308,21 @@ def decode_gate_up(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     bk, gb = _bk(cfg.gate_up_bk, gate_up)
     bn = min(cfg.gate_up_bn, triton.next_power_of_2(i))
     pack = packs_inter(gate_up, x.dtype, bn)
-    inter = (torch.empty(t * common["TOPK"], i // 2 + i // 8, dtype=torch.int32, device=x.device) if pack
-             else torch.empty(t * common["TOPK"], i, dtype=x.dtype, device=x.device))
+    inter = _inter_buffer(x, t * common["TOPK"], i, pack)
     _decode_gate_up_kernel[(t * common["TOPK"], triton.cdiv(i, bn))](
         x, x.stride(0), inter, *_route_args(ids, weights, table_row, shared_slot, shared_gate),
         *gate_up.kernel_args(), i, H=gate_up.k, GB=gb, UNROLL=cfg.unroll,
         PACK_RANGE=gate_up.kernel.x_range if pack else 0.0, BN=bn, BK=bk,
         num_warps=cfg.num_warps, **common)
     return inter
+
+
+def _inter_buffer(x: torch.Tensor, pairs: int, i: int, pack: bool) -> torch.Tensor:
+    """Each pair's inter row: I values in x's dtype, or as `pack_units` stores them (int32: the
+    I / 2 fp16x2 operands, then 1 / c and the sum of every 16-value unit)."""
+    if pack:
+        return torch.empty(pairs, i // 2 + i // 8, dtype=torch.int32, device=x.device)
+    return torch.empty(pairs, i, dtype=x.dtype, device=x.device)
 
 
 def packs_inter(gate_up: SlotMatrix, dtype: torch.dtype, bn: int) -> bool:
@@ -385,8 +392,7 @@ def decode_fused(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate
     assert dbk == bs, (dbk, bs)
     topk, slices = common["TOPK"], i // bs
     pack = packs_inter(gate_up, x.dtype, bs)
-    inter = (torch.empty(t * topk, i // 2 + i // 8, dtype=torch.int32, device=x.device) if pack
-             else torch.empty(t * topk, i, dtype=x.dtype, device=x.device))
+    inter = _inter_buffer(x, t * topk, i, pack)
     part = torch.empty(t * topk, slices, h, dtype=torch.float32, device=x.device)
     args = _route_args(ids, weights, table_row, shared_slot, shared_gate)
     _decode_fused_kernel[(t * topk, slices)](
