@@ -29,6 +29,7 @@
 #   resident_plain  the same, moeferry alone, each step's tokens read before the next step (what the overlap is worth)
 #   bf16_12   a 12-layer bf16 checkpoint, offload.py with --moe-backend fused on both, no ballast (issue 13)
 #   e2e       quant_decode.py e2e: in-process resident decode b1/b4/b16 and an eager profile (issue 13)
+#   e2e_bf16  the same on the 12-layer bf16 checkpoint (bf16_12's): its decode and 8192-token prefill profiles
 #   e2e_offload  quant_decode.py e2e --offload CACHE_SIZE: in-process offload decode, graphs with the
 #             cache managed on the device, piecewise graphs, eager; where a piecewise step's time goes (no ballast)
 #   e2e_skew  quant_decode.py e2e --offload CACHE_SIZE --policies lru,lfu --orders on skew's checkpoint: in-process
@@ -173,7 +174,7 @@ export SKEW T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFF
 print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__)' || exit 4
   fi
   needs_ckpt=0  # prep13 makes the checkpoint itself, alongside other work; some runs do not read it
-  for run in $RUNS; do case $run in prep13) needs_ckpt=0; break ;; bf16_12|gputests|moe|fused|sampling|inputs|skew|prepskew|e2e_skew|lanes) ;;
+  for run in $RUNS; do case $run in prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|gputests|moe|fused|sampling|inputs|skew|prepskew|e2e_skew|lanes) ;;
     *) needs_ckpt=1 ;; esac; done
   if [ "$needs_ckpt" = 1 ]; then
     step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; }
@@ -205,6 +206,9 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       bf16_12)  step make_bf16_12 60 200 make_ckpt "$WORK/ckpt_bf16_12" 0 bf16 12 \
                   && step bf16_12 180 300 peer bf16_12 "$WORK/ckpt_bf16_12" "--moe-backend fused $PEER_FLAGS" "" "" ;;
       e2e)      step e2e 120 240 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e" --profile ;;
+      e2e_bf16) step make_bf16_12 60 200 make_ckpt "$WORK/ckpt_bf16_12" 0 bf16 12 \
+                  && step e2e_bf16 120 240 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt_bf16_12" \
+                  --out "$WORK/e2e_bf16" --profile ;;
       e2e_offload) step e2e_offload 220 360 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e_offload" \
                   --offload "$CACHE_SIZE" ;;
       e2e_skew) step make_skew 200 300 make_ckpt "$WORK/ckpt_skew" "$SKEW" \
