@@ -23,6 +23,9 @@
 #   moe       quant_decode.py moe: the MoE decode path against the grouped-GEMM path (issue 13 item 3)
 #   load      load_speed.py: loading per layer, old and new paths, and load_model (issue 13 item 5)
 #   prepskew  in parallel: the skewed checkpoint (skew's) and gputests
+#   prepbf16  in parallel: the bf16_12 checkpoint and gputests
+#   prefill   prefill_kernels.py: attention (paged Triton against SDPA flash) and the Gated DeltaNet
+#             prefill's kernel variants at 2048 / 8192 tokens (issue 13: the bf16_12 prefill)
 #   prep13    in parallel (no timing runs then): the main checkpoint, the bf16_12 checkpoint and gputests
 #   resident  offload.py, no ballast: moeferry --moe-backend resident against FreeToken with every expert
 #             cached (--moe-backend offload --moe-cache-size 10240: it refuses NVFP4 with fused) (issue 13)
@@ -125,6 +128,8 @@ make_ckpt() {  # make_ckpt DIR SKEW [QUANT (bf16: none) [LAYERS]]; a checkpoint 
   [ $rc = 0 ] && touch "$1/.made-$2-$quant-$layout"; return $rc
 }
 
+bf16_12_ckpt() { step make_bf16_12 60 200 make_ckpt "$WORK/ckpt_bf16_12" 0 bf16 12; }
+
 seed() {  # seed NAME [seed_scenario.py args...]
   local name=$1; shift
   python3 benchmarks/seed_scenario.py --model "$WORK/ckpt" --out "$WORK/$name" --name "$name" \
@@ -174,7 +179,7 @@ export SKEW T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFF
 print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__)' || exit 4
   fi
   needs_ckpt=0  # prep13 makes the checkpoint itself, alongside other work; some runs do not read it
-  for run in $RUNS; do case $run in prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|gputests|moe|fused|sampling|inputs|skew|prepskew|e2e_skew|lanes) ;;
+  for run in $RUNS; do case $run in prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|prepbf16|prefill|gputests|moe|fused|sampling|inputs|skew|prepskew|e2e_skew|lanes) ;;
     *) needs_ckpt=1 ;; esac; done
   if [ "$needs_ckpt" = 1 ]; then
     step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; }
@@ -197,17 +202,18 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
                   --load-model ;;
       prep13)   step prep13 120 300 bash -c 'gputests & make_ckpt "$WORK/ckpt_bf16_12" 0 bf16 12 & \
                   make_ckpt "$WORK/ckpt" 0; rc=$?; wait; exit $rc' || { echo "no checkpoint: stopping"; break; } ;;
+      prepbf16) step prepbf16 120 300 bash -c 'gputests & make_ckpt "$WORK/ckpt_bf16_12" 0 bf16 12; rc=$?; wait; \
+                  exit $rc' || { echo "no bf16_12 checkpoint: stopping"; break; } ;;
+      prefill)  step prefill 90 240 python3 benchmarks/prefill_kernels.py --out "$WORK/prefill" ;;
       prepskew) step prepskew 200 300 bash -c 'gputests & make_ckpt "$WORK/ckpt_skew" "$SKEW"; rc=$?; wait; exit $rc' \
                   || { echo "no skewed checkpoint: stopping"; break; } ;;
       resident) step resident 250 400 peer resident "$WORK/ckpt" "$PEER_FLAGS" "--moe-backend resident" \
                   "--moe-backend offload --moe-cache-size 10240" ;;
       resident_plain) step resident_plain 120 240 peer resident_plain "$WORK/ckpt" "$PEER_FLAGS" \
                   "--moe-backend resident --disable-overlap-schedule" "" --engines moeferry ;;
-      bf16_12)  step make_bf16_12 60 200 make_ckpt "$WORK/ckpt_bf16_12" 0 bf16 12 \
-                  && step bf16_12 180 300 peer bf16_12 "$WORK/ckpt_bf16_12" "--moe-backend fused $PEER_FLAGS" "" "" ;;
+      bf16_12)  bf16_12_ckpt && step bf16_12 180 300 peer bf16_12 "$WORK/ckpt_bf16_12" "--moe-backend fused $PEER_FLAGS" "" "" ;;
       e2e)      step e2e 120 240 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e" --profile ;;
-      e2e_bf16) step make_bf16_12 60 200 make_ckpt "$WORK/ckpt_bf16_12" 0 bf16 12 \
-                  && step e2e_bf16 120 240 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt_bf16_12" \
+      e2e_bf16) bf16_12_ckpt && step e2e_bf16 120 240 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt_bf16_12" \
                   --out "$WORK/e2e_bf16" --profile ;;
       e2e_offload) step e2e_offload 220 360 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e_offload" \
                   --offload "$CACHE_SIZE" ;;

@@ -258,19 +258,24 @@ def _gdn_inputs(g, t, hk, hv, dk, dv, device):
 
 def case_gdn_prefill(device, seed=7):
     """Ragged lengths (1, 64, 65, 130: partial and full chunks) from random pool states,
-    GQA (Hv = 2 Hk); untouched slots must stay as they were."""
+    GQA (Hv = 2 Hk); untouched slots must stay as they were. Every kernel variant
+    (`PrefillTuning`: inverse by squaring or substitution, q k^T in either kernel)."""
     from moeferry.ops.triton import gdn as tg
     g = _gen(seed)
     hk, hv, dk, dv = 1, 2, 32, 16
     lens, slots = [1, 65, 130, 64], [3, 0, 5, 1]
     q, k, v, a, b, a_log, dt_bias = _gdn_inputs(g, sum(lens), hk, hv, dk, dv, device)
     gg, beta = ref_gdn.gdn_gates(a, b, a_log, dt_bias)
-    pool = (torch.randn(6, hv, dk, dv, generator=g) * 0.3).to(device)
-    ref_pool = pool.clone()
-    out = tg.gdn_prefill(q, k, v, gg, beta, pool, _cu(lens), slots)
+    init = (torch.randn(6, hv, dk, dv, generator=g) * 0.3).to(device)
+    ref_pool = init.clone()
     ref = ref_gdn.gdn_prefill_ref(q, k, v, gg, beta, ref_pool, _cu(lens), slots)
-    tol = 20 * _dot_tol(device)
-    return max(_check(out, ref, tol, "gdn out"), _check(pool, ref_pool, tol, "gdn state"))
+    tol, err = 20 * _dot_tol(device), 0.0
+    for tuning in (tg.PrefillTuning(), tg.PrefillTuning(square=False),
+                   tg.PrefillTuning(attn_in_prep=True, scan_bv=16, scan_stages=2)):
+        pool = init.clone()
+        out = tg.gdn_prefill(q, k, v, gg, beta, pool, _cu(lens), slots, tuning=tuning)
+        err = max(err, _check(out, ref, tol, f"gdn out {tuning}"), _check(pool, ref_pool, tol, f"gdn state {tuning}"))
+    return err
 
 
 def case_gdn_chunked_equals_one_pass(device, seed=8):
@@ -571,6 +576,31 @@ def test_reference_stays_default_on_cpu():
     assert not use_triton(torch.ones(1))
 
 
+def _prompt_attention_case(lens, hq, hkv, d, device, dtype):
+    """Whole prompts' q, k, v and the paged reference's output over a page pool holding their k/v."""
+    g = torch.Generator(device=device).manual_seed(len(lens))
+    t, ps = sum(lens), 16
+    q, k, v = (torch.randn(t, h, d, generator=g, device=device).to(dtype) for h in (hq, hkv, hkv))
+    kc, vc, table = _paged_kv(torch.Generator().manual_seed(3), lens, hkv, d, ps, device)
+    kc, vc = kc.to(dtype), vc.to(dtype)
+    cu = _cu(lens)
+    for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        ref_attn.store_kv_ref(kc, vc, k[start:end], v[start:end], ref_attn.sequence_slots(table[b], end - start, ps))
+    ref = ref_attn.paged_attention_ref(q.float(), kc.float(), vc.float(), cu, lens, table, ps, d ** -0.5)
+    return q, k, v, cu, ref
+
+
+def test_prompt_attention_matches_paged_reference():
+    """SDPA over whole prompts' own k/v (GQA by enable_gqa) equals the paged reference over the
+    same keys and values in their pages; on the CPU the engine keeps the reference."""
+    lens = [37, 90, 5]
+    q, k, v, cu, ref = _prompt_attention_case(lens, 4, 2, 32, "cpu", torch.float32)
+    _check(ref_attn.prompt_attention(q, k, v, cu, 32 ** -0.5, flash_only=False), ref, 1e-5, "three prompts")
+    _check(ref_attn.prompt_attention(q[:37], k[:37], v[:37], cu[:2], 32 ** -0.5, flash_only=False), ref[:37],
+           1e-5, "one prompt")
+    assert not ref_attn.use_prompt_attention(q, k, lens, lens)
+
+
 # -- GPU: compiled kernels ---------------------------------------------------------------------
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -611,6 +641,19 @@ def test_gpu_attention_real_shapes():
     out = ta.paged_attention(q, kb, vb, _cu(qlen), ctx, table, ps, d ** -0.5)
     ref = ref_attn.paged_attention_ref(qf, kb.float(), vb.float(), _cu(qlen), ctx, table, ps, d ** -0.5)
     _check(out, ref, 1e-2, "prefill")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_prompt_attention_flash():
+    """Qwen3.6-35B-A3B attention geometry (16 q heads, 2 kv heads, head_dim 256), bf16: whole
+    prompts of 2048 and 700 tokens through SDPA flash against the paged reference; the engine
+    takes this path for them and not for a chunk with a cached prefix."""
+    lens = [2048, 700]
+    q, k, v, cu, ref = _prompt_attention_case(lens, 16, 2, 256, "cuda", torch.bfloat16)
+    assert ref_attn.use_prompt_attention(q, k, lens, lens)
+    assert not ref_attn.use_prompt_attention(q, k, lens, [2048, 1400])
+    _check(ref_attn.prompt_attention(q, k, v, cu, 256 ** -0.5), ref, 1e-2, "flash")
 
 
 @pytest.mark.gpu

@@ -8,9 +8,20 @@ are the last rows of that sequence (positions kv_lens[b] - n .. kv_lens[b] - 1).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import warnings
+import logging
+
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moeferry.ops.triton import use_triton
+
+log = logging.getLogger(__name__)
+
+FLASH_MIN_TOKENS = 1024  # shorter prompts: the paged Triton kernel is as fast (one launch for the batch)
 
 
 def _host(x) -> list[int]:
@@ -89,3 +100,49 @@ def paged_attention_ref(
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out[start:end] = torch.einsum("htl,lhd->thd", probs, v)
     return out
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int], scale: float,
+                     flash_only: bool = True) -> torch.Tensor:
+    """Causal attention of whole prompts (no cached prefix) from their own keys and values
+    [T, H_kv, D] (those store_kv just wrote), one SDPA call per sequence: FlashAttention-2 on
+    the GPU, GQA native (no repeated kv heads). Needs no workspace beyond its [T, H_q, D] output
+    (plus one copy of it when the batch has several sequences)."""
+    outs = []
+    group = q.shape[1] != k.shape[1]
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if flash_only else contextlib.nullcontext():
+        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+            qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=group)
+            outs.append(o[0].transpose(0, 1))  # flash's output is [1, n, H, D] in memory: a view, no copy
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def use_prompt_attention(q: torch.Tensor, k: torch.Tensor, q_lens: list[int], kv_lens: list[int]) -> bool:
+    """Whether `prompt_attention` (flash) serves this step: CUDA, half precision, every
+    sequence a whole prompt (no cached prefix), enough tokens, and flash taking this shape."""
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or sum(q_lens) < FLASH_MIN_TOKENS:
+        return False
+    if any(n != total for n, total in zip(q_lens, kv_lens)):
+        return False
+    return _flash_takes(q.device.index or 0, q.dtype, q.shape[1], k.shape[1], q.shape[2])
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_takes(device_index: int, dtype: torch.dtype, hq: int, hkv: int, d: int) -> bool:
+    """One small flash call of this geometry (GQA through enable_gqa and head dims up to 256
+    depend on the torch build and the GPU): its answer, logged once."""
+    dev = torch.device("cuda", device_index)
+    q = torch.randn(16, hq, d, device=dev, dtype=dtype)
+    k = torch.randn(16, hkv, d, device=dev, dtype=dtype)
+    try:
+        with warnings.catch_warnings():  # SDPA warns why each backend refused; the log line says it once
+            warnings.simplefilter("ignore")
+            prompt_attention(q, k, k, [0, 16], d ** -0.5)
+    except RuntimeError as e:
+        log.info("attention prefill: the paged Triton kernel (flash does not take H_q=%d H_kv=%d D=%d %s: %s)",
+                 hq, hkv, d, dtype, str(e).splitlines()[0])
+        return False
+    log.info("attention prefill: SDPA flash for whole prompts of %d+ tokens (H_q=%d H_kv=%d D=%d)",
+             FLASH_MIN_TOKENS, hq, hkv, d)
+    return True

@@ -11,14 +11,16 @@ Kernel 1 runs on a grid (sequence, chunk, v-head) and inverts I + A blockwise in
 (`_unit_lower_inverse`). Kernel 2 runs on a grid (sequence, v-head, V-block) and carries S in registers
 through the sequence's chunks, reading the pool once and writing it once.
 
-Prefill workspace (caller-allocated or made here, see `prefill_workspace`): W fp32
-[T, Hv, K], U fp32 [T, Hv, V] and G fp32 [T, Hv]: T * Hv * (K + V + 1) * 4 bytes for a
-chunk of T tokens. Decode needs none.
+Prefill workspace (made per call, see `prefill_workspace`): W fp32 [T, Hv, K], U fp32
+[T, Hv, V] and G fp32 [T, Hv]: T * Hv * (K + V + 1) * 4 bytes for a chunk of T tokens (and the
+chunks' q k^T, T * Hv * 64 * 4 more, where `PrefillTuning.attn_in_prep`). Decode needs none.
 
 Sequences are chunked from their own first token, so any chunk length works; a negative
 state slot (CUDA-graph padding) starts from a zero state and writes nothing back.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -30,19 +32,27 @@ CHUNK = 64
 
 
 @triton.jit
-def _unit_lower_inverse(a, r, C: tl.constexpr, PREC: tl.constexpr):
-    """(I + A)^-1 for strictly lower A [C, C] (C = 4 * 16), blockwise:
-    D = I + (A's 16x16 diagonal blocks) is inverted by forward substitution, 16 steps that each
-    finish row i of all four blocks with one matrix product; with N = D^-1 L (L the rest of A,
-    strictly block-lower, so N^4 = 0): (I + A)^-1 = (I - N)(I + N^2) D^-1."""
+def _unit_lower_inverse(a, r, C: tl.constexpr, PREC: tl.constexpr, SQUARE: tl.constexpr):
+    """(I + A)^-1 for strictly lower A [C, C] (C = 4 * 16), blockwise: D = I + Ad (Ad: A's 16x16
+    diagonal blocks) is inverted either by repeated squaring, Ad^16 = 0 so
+    D^-1 = (I - Ad)(I + Ad^2)(I + Ad^4)(I + Ad^8) (SQUARE: 6 products), or by forward
+    substitution (16 products, each finishing row i of all four blocks); then with N = D^-1 L
+    (L the rest of A, strictly block-lower, so N^4 = 0): (I + A)^-1 = (I - N)(I + N^2) D^-1."""
     same_block = (r[:, None] // 16) == (r[None, :] // 16)
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     ad = tl.where(same_block, a, 0.0)
-    dinv = eye
-    for i in range(16):
-        sel = (r % 16) == i
-        upd = tl.dot(tl.where(sel[:, None], ad, 0.0), dinv, input_precision=PREC)
-        dinv = tl.where(sel[:, None], eye - upd, dinv)
+    if SQUARE:
+        a2 = tl.dot(ad, ad, input_precision=PREC)
+        a4 = tl.dot(a2, a2, input_precision=PREC)
+        a8 = tl.dot(a4, a4, input_precision=PREC)
+        dinv = tl.dot(tl.dot(eye - ad, eye + a2, input_precision=PREC),
+                      tl.dot(eye + a4, eye + a8, input_precision=PREC), input_precision=PREC)
+    else:
+        dinv = eye
+        for i in range(16):
+            sel = (r % 16) == i
+            upd = tl.dot(tl.where(sel[:, None], ad, 0.0), dinv, input_precision=PREC)
+            dinv = tl.where(sel[:, None], eye - upd, dinv)
     nn = tl.dot(dinv, tl.where(same_block, 0.0, a), input_precision=PREC)
     n2 = tl.dot(nn, nn, input_precision=PREC)
     p = tl.dot(eye - nn, eye + n2, input_precision=PREC)
@@ -50,10 +60,20 @@ def _unit_lower_inverse(a, r, C: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _prep_kernel(k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh, g_ptr, beta_ptr, stride_gt,
-                 cu_ptr, w_ptr, u_ptr, gc_ptr, HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr,
-                 DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                 PREC: tl.constexpr):
+def _load_heads(ptr, tok, stride_t, stride_h, h, d, mask):
+    return tl.load(ptr + tok[:, None] * stride_t + h * stride_h + d[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _l2norm(x):
+    return x / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+
+
+@triton.jit
+def _prep_kernel(q_ptr, k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh, g_ptr, beta_ptr, stride_gt,
+                 cu_ptr, w_ptr, u_ptr, gc_ptr, attn_ptr, scale, HV: tl.constexpr, REP: tl.constexpr,
+                 DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                 PREC: tl.constexpr, SQUARE: tl.constexpr, ATTN: tl.constexpr):
     b = tl.program_id(0)
     c0 = tl.program_id(1) * C
     h = tl.program_id(2)
@@ -65,11 +85,9 @@ def _prep_kernel(k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh, g_ptr
         tok = (start + c0 + r).to(tl.int64)
         kd = tl.arange(0, BK)
         vd = tl.arange(0, BV)
-        k = tl.load(k_ptr + tok[:, None] * stride_kt + (h // REP) * stride_kh + kd[None, :],
-                    mask=valid[:, None] & (kd < DK)[None, :], other=0.0).to(tl.float32)
-        k = k / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-        v = tl.load(v_ptr + tok[:, None] * stride_vt + h * stride_vh + vd[None, :],
-                    mask=valid[:, None] & (vd < DV)[None, :], other=0.0).to(tl.float32)
+        k_mask = valid[:, None] & (kd < DK)[None, :]
+        k = _l2norm(_load_heads(k_ptr, tok, stride_kt, stride_kh, h // REP, kd, k_mask))
+        v = _load_heads(v_ptr, tok, stride_vt, stride_vh, h, vd, valid[:, None] & (vd < DV)[None, :])
         g = tl.load(g_ptr + tok * stride_gt + h, mask=valid, other=0.0).to(tl.float32)
         beta = tl.load(beta_ptr + tok * stride_gt + h, mask=valid, other=0.0).to(tl.float32)
         gc = tl.cumsum(g, axis=0)
@@ -77,18 +95,23 @@ def _prep_kernel(k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh, g_ptr
         decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
         kb = k * beta[:, None]
         a = tl.dot(kb, tl.trans(k)) * decay  # strictly lower (decay is 0 elsewhere)
-        t = _unit_lower_inverse(a, r, C, PREC)
+        t = _unit_lower_inverse(a, r, C, PREC, SQUARE)
         u = tl.dot(t, v * beta[:, None])
         w = tl.dot(t, kb * tl.exp(gc)[:, None])
         tl.store(u_ptr + (tok * HV + h)[:, None] * DV + vd[None, :], u, mask=valid[:, None] & (vd < DV)[None, :])
-        tl.store(w_ptr + (tok * HV + h)[:, None] * DK + kd[None, :], w, mask=valid[:, None] & (kd < DK)[None, :])
+        tl.store(w_ptr + (tok * HV + h)[:, None] * DK + kd[None, :], w, mask=k_mask)
         tl.store(gc_ptr + tok * HV + h, gc, mask=valid)
+        if ATTN:  # the chunk's causal, decayed q k^T: the scan's one product that does not need the state
+            q = _l2norm(_load_heads(q_ptr, tok, stride_kt, stride_kh, h // REP, kd, k_mask)) * scale
+            causal = r[:, None] >= r[None, :]
+            attn = tl.dot(q, tl.trans(k)) * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
+            tl.store(attn_ptr + (tok * HV + h)[:, None] * C + r[None, :], attn, mask=valid[:, None])
 
 
 @triton.jit
-def _scan_kernel(q_ptr, k_ptr, stride_qt, stride_qh, w_ptr, u_ptr, gc_ptr, cu_ptr, slot_ptr, state_ptr,
+def _scan_kernel(q_ptr, k_ptr, stride_qt, stride_qh, w_ptr, u_ptr, gc_ptr, attn_ptr, cu_ptr, slot_ptr, state_ptr,
                  out_ptr, stride_ot, stride_oh, scale, HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr,
-                 DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr):
+                 DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, ATTN: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -107,21 +130,20 @@ def _scan_kernel(q_ptr, k_ptr, stride_qt, stride_qh, w_ptr, u_ptr, gc_ptr, cu_pt
         valid = r < n - c0
         tok = (start + c0 + r).to(tl.int64)
         qk_mask = valid[:, None] & kmask[None, :]
-        q = tl.load(q_ptr + tok[:, None] * stride_qt + (h // REP) * stride_qh + kd[None, :], mask=qk_mask,
-                    other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + tok[:, None] * stride_qt + (h // REP) * stride_qh + kd[None, :], mask=qk_mask,
-                    other=0.0).to(tl.float32)
-        q = q / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None] * scale
-        k = k / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+        q = _l2norm(_load_heads(q_ptr, tok, stride_qt, stride_qh, h // REP, kd, qk_mask)) * scale
+        k = _l2norm(_load_heads(k_ptr, tok, stride_qt, stride_qh, h // REP, kd, qk_mask))
         gc = tl.load(gc_ptr + tok * HV + h, mask=valid, other=0.0)
         last = tl.minimum(n - c0, C) - 1
         g_last = tl.load(gc_ptr + (start + c0 + last).to(tl.int64) * HV + h)
         w = tl.load(w_ptr + (tok * HV + h)[:, None] * DK + kd[None, :], mask=qk_mask, other=0.0)
         u = tl.load(u_ptr + (tok * HV + h)[:, None] * DV + vd[None, :], mask=valid[:, None] & vmask[None, :],
                     other=0.0)
+        if ATTN:
+            attn = tl.load(attn_ptr + (tok * HV + h)[:, None] * C + r[None, :], mask=valid[:, None], other=0.0)
+        else:
+            attn = tl.dot(q, tl.trans(k))
+            attn = attn * tl.exp(tl.where(causal & valid[:, None], gc[:, None] - gc[None, :], float("-inf")))
         v_new = u - tl.dot(w, s)
-        attn = tl.dot(q, tl.trans(k))
-        attn = attn * tl.exp(tl.where(causal & valid[:, None], gc[:, None] - gc[None, :], float("-inf")))
         o = tl.dot(q * tl.exp(gc)[:, None], s) + tl.dot(attn, v_new)
         tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + vd[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=valid[:, None] & vmask[None, :])
@@ -130,11 +152,24 @@ def _scan_kernel(q_ptr, k_ptr, stride_qt, stride_qh, w_ptr, u_ptr, gc_ptr, cu_pt
     tl.store(s_ptrs, s, mask=kmask[:, None] & vmask[None, :] & (slot >= 0))
 
 
-def prefill_workspace(num_tokens: int, num_v_heads: int, k_dim: int, v_dim: int, device) -> tuple:
-    """(W fp32 [T, Hv, K], U fp32 [T, Hv, V], G fp32 [T, Hv]): T * Hv * (K + V + 1) * 4 bytes."""
+@dataclass(frozen=True)
+class PrefillTuning:
+    """The chunked prefill's kernel variants (benchmarks/gdn_prefill.py measures them)."""
+    square: bool = True  # D^-1 by repeated squaring (6 products) rather than forward substitution (16)
+    attn_in_prep: bool = False  # the chunk's q k^T in the parallel kernel (a T * Hv * 64 * 4-byte buffer)
+    scan_bv: int = 32  # V columns of the state per scan program
+    scan_warps: int = 8
+    scan_stages: int = 1
+
+
+def prefill_workspace(num_tokens: int, num_v_heads: int, k_dim: int, v_dim: int, device,
+                      tuning: PrefillTuning = PrefillTuning()) -> tuple:
+    """(W fp32 [T, Hv, K], U fp32 [T, Hv, V], G fp32 [T, Hv], and with attn_in_prep the chunks'
+    q k^T fp32 [T, Hv, 64], else None): T * Hv * (K + V + 1 (+ 64)) * 4 bytes."""
     f = dict(dtype=torch.float32, device=device)
+    attn = torch.empty(num_tokens, num_v_heads, CHUNK, **f) if tuning.attn_in_prep else None
     return (torch.empty(num_tokens, num_v_heads, k_dim, **f), torch.empty(num_tokens, num_v_heads, v_dim, **f),
-            torch.empty(num_tokens, num_v_heads, **f))
+            torch.empty(num_tokens, num_v_heads, **f), attn)
 
 
 def _check_heads(q, k, v):
@@ -146,7 +181,7 @@ def _check_heads(q, k, v):
 
 
 def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, max_q_len: int | None = None,
-                workspace=None) -> torch.Tensor:
+                tuning: PrefillTuning = PrefillTuning()) -> torch.Tensor:
     """q, k [T, Hk, K]; v [T, Hv, V]; g, beta [T, Hv]; state_pool [S, Hv, K, V] fp32 (in/out)."""
     t, _, dk = q.shape
     dv = v.shape[2]
@@ -163,16 +198,20 @@ def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, max_q_len
     assert state_pool.dtype == torch.float32 and state_pool.is_contiguous()
     g, beta = g.contiguous(), beta.contiguous()
     assert g.stride(0) == beta.stride(0)
-    w, u, gc = workspace if workspace is not None else prefill_workspace(t, hv, dk, dv, dev)
+    w, u, gc, attn = prefill_workspace(t, hv, dk, dv, dev, tuning)
+    attn = gc if attn is None else attn  # a pointer the kernels never read without ATTN
     bk, bv_full = max(16, next_pow2(dk)), max(16, next_pow2(dv))
+    scale = dk ** -0.5
     _prep_kernel[(bsz, triton.cdiv(max_q_len, CHUNK), hv)](
-        k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), g, beta, g.stride(0), cu, w, u, gc,
-        HV=hv, REP=rep, DK=dk, DV=dv, BK=bk, BV=bv_full, C=CHUNK, PREC="ieee" if interpreting() else "tf32x3",
+        q, k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), g, beta, g.stride(0), cu, w, u, gc, attn,
+        scale, HV=hv, REP=rep, DK=dk, DV=dv, BK=bk, BV=bv_full, C=CHUNK,
+        PREC="ieee" if interpreting() else "tf32x3", SQUARE=tuning.square, ATTN=tuning.attn_in_prep,
         num_warps=8, num_stages=1)
-    bv = min(bv_full, 32)
+    bv = min(bv_full, tuning.scan_bv)
     _scan_kernel[(bsz, hv, triton.cdiv(dv, bv))](
-        q, k, q.stride(0), q.stride(1), w, u, gc, cu, slots, state_pool, out, out.stride(0), out.stride(1),
-        dk ** -0.5, HV=hv, REP=rep, DK=dk, DV=dv, BK=bk, BV=bv, C=CHUNK, num_warps=8, num_stages=1)
+        q, k, q.stride(0), q.stride(1), w, u, gc, attn, cu, slots, state_pool, out, out.stride(0), out.stride(1),
+        scale, HV=hv, REP=rep, DK=dk, DV=dv, BK=bk, BV=bv, C=CHUNK, ATTN=tuning.attn_in_prep,
+        num_warps=tuning.scan_warps, num_stages=tuning.scan_stages)
     return out
 
 

@@ -1,0 +1,165 @@
+"""Prefill kernels of Qwen3.6-35B-A3B's mixers on the GPU: attention and Gated DeltaNet.
+
+    python benchmarks/prefill_kernels.py [--out DIR] [--tokens 8192] [--no-sweep]
+
+attention (16 q heads, 2 kv heads, head_dim 256, bf16), one whole prompt of T tokens: the
+paged Triton flash kernel (`triton.attention.paged_attention_prefill`, what every chunk used
+before) against SDPA flash from the prompt's own k/v (`ops.attention.prompt_attention`, what
+whole prompts use now). FLOPs = 4 * T^2 / 2 * H_q * D (causal); ceiling: the bf16 matmul rate
+measured in this run.
+
+Gated DeltaNet (16 k heads, 32 v heads, 128 x 128 state, bf16 in, fp32 state): the chunked
+prefill (`triton.gdn.gdn_prefill`) under each `PrefillTuning`; the baseline is the kernels as
+they were (inverse by forward substitution, q k^T in the scan, 32 state columns per scan
+program, 8 warps, 1 stage). Every variant's output and final state are checked against the
+baseline's (relative error), and the chosen one against the fp32 PyTorch reference on the
+first 1024 tokens. Bound: the bytes the layer must move (q, k, v in, output out, the fp32
+W/U workspace written and read once) at the copy bandwidth measured in this run.
+Writes prefill_kernels.md / .json under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import moe_kernels as MK  # noqa: E402  (timing helpers, ceilings, logger)
+from moeferry.ops import gdn as ref_gdn  # noqa: E402
+from moeferry.ops.attention import prompt_attention, sequence_slots, store_kv_ref  # noqa: E402
+from moeferry.ops.triton import attention as ta  # noqa: E402
+from moeferry.ops.triton import gdn as tg  # noqa: E402
+
+DEV = MK.DEV
+HQ, HKV, D = 16, 2, 256
+HK, HV, DK, DV = 16, 32, 128, 128
+BASELINE = tg.PrefillTuning(square=False, attn_in_prep=False, scan_bv=32, scan_warps=8, scan_stages=1)
+
+
+def rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def attention_rows(t: int, mm: float) -> list[dict]:
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q, k, v = (torch.randn(t, h, D, generator=g, device=DEV).bfloat16() for h in (HQ, HKV, HKV))
+    ps = 16
+    table = torch.arange(-(-t // ps), dtype=torch.int32, device=DEV)[None]
+    kc = torch.empty(table.numel() * ps, HKV, D, device=DEV, dtype=torch.bfloat16)
+    vc = torch.empty_like(kc)
+    store_kv_ref(kc, vc, k, v, sequence_slots(table[0], t, ps))
+    cu = torch.tensor([0, t], dtype=torch.int32, device=DEV)
+    kvl = torch.tensor([t], dtype=torch.int32, device=DEV)
+    flops = 4 * t * t / 2 * HQ * D
+    paged = lambda: ta.paged_attention_prefill(q, kc, vc, cu, kvl, table, ps, D ** -0.5, t)  # noqa: E731
+    flash = lambda: prompt_attention(q, k, v, [0, t], D ** -0.5)  # noqa: E731
+    err = rel(flash(), paged())
+    rows = []
+    for name, fn in (("paged Triton (baseline)", paged), ("SDPA flash", flash)):
+        s = MK.ev_time(fn, iters=10)
+        rows.append(dict(kernel="attention", variant=name, tokens=t, ms=s * 1e3, tflops=flops / s / 1e12,
+                         pct_matmul=100 * flops / s / mm, err_vs_baseline=err if "flash" in name else 0.0))
+    return rows
+
+
+def gdn_inputs(t: int):
+    g = torch.Generator(device=DEV).manual_seed(1)
+    q, k = (torch.randn(t, HK, DK, generator=g, device=DEV).bfloat16() for _ in range(2))
+    v = torch.randn(t, HV, DV, generator=g, device=DEV).bfloat16()
+    a, b = (torch.randn(t, HV, generator=g, device=DEV).bfloat16() for _ in range(2))
+    a_log, dt_bias = torch.rand(HV, generator=g, device=DEV).log(), torch.randn(HV, generator=g, device=DEV)
+    gg, beta = ref_gdn.gdn_gates(a, b, a_log, dt_bias)
+    pool = torch.randn(2, HV, DK, DV, generator=g, device=DEV) * 0.1
+    return q, k, v, gg, beta, pool
+
+
+def gdn_run(inputs, t, tuning):
+    q, k, v, gg, beta, pool = inputs
+    state = pool.clone()
+    out = tg.gdn_prefill(q, k, v, gg, beta, state, [0, t], [1], t, tuning=tuning)
+    return out, state
+
+
+def gdn_variants(sweep: bool) -> list[tg.PrefillTuning]:
+    if not sweep:
+        return [BASELINE, tg.PrefillTuning()]
+    out = [BASELINE]
+    for square, attn in itertools.product((False, True), (False, True)):
+        out.append(replace(BASELINE, square=square, attn_in_prep=attn))
+    for attn, bv, warps, stages in itertools.product((False, True), (16, 32), (4, 8), (1, 2)):
+        out.append(tg.PrefillTuning(square=True, attn_in_prep=attn, scan_bv=bv, scan_warps=warps, scan_stages=stages))
+    out.append(tg.PrefillTuning())
+    return list(dict.fromkeys(out))
+
+
+def gdn_rows(t: int, bw: float, sweep: bool, log) -> list[dict]:
+    inputs = gdn_inputs(t)
+    base_out, base_state = gdn_run(inputs, t, BASELINE)
+    moved = t * (2 * HK * DK * 2 + 2 * HV * DV * 2 + 2 * HV * (DK + DV) * 4)
+    rows = []
+    for tuning in gdn_variants(sweep):
+        try:
+            out, state = gdn_run(inputs, t, tuning)
+            s = MK.ev_time(lambda: gdn_run(inputs, t, tuning), iters=10)
+        except Exception as e:  # a variant that does not compile or fit (registers, shared memory)
+            log(f"gdn {tuning}: {type(e).__name__}: {str(e).splitlines()[0]}")
+            continue
+        err = max(rel(out, base_out), rel(state, base_state))
+        rows.append(dict(kernel="gdn", variant=str(asdict(tuning)), tokens=t, ms=s * 1e3,
+                         bound_ms=moved / bw * 1e3, err_vs_baseline=err, tuning=asdict(tuning)))
+        log(f"gdn {asdict(tuning)}: {s * 1e3:.3f} ms, err vs baseline {err:.2e}")
+    return rows
+
+
+def reference_error(tuning) -> float:
+    """The default tuning against the fp32 PyTorch recurrence on 1024 tokens."""
+    t = 1024
+    q, k, v, gg, beta, pool = gdn_inputs(t)
+    out, state = gdn_run((q, k, v, gg, beta, pool), t, tuning)
+    ref_pool = pool.clone()
+    ref = ref_gdn.gdn_prefill_ref(q.float(), k.float(), v.float(), gg, beta.float(), ref_pool, [0, t], [1])
+    return max(rel(out, ref), rel(state[1], ref_pool[1]))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("/tmp/prefill_kernels"))
+    ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--no-sweep", dest="sweep", action="store_false")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = MK.logger(args.out / "prefill_kernels.log")
+    bw, mm = MK.hbm_bandwidth(), MK.bf16_matmul_rate()
+    log(f"{torch.cuda.get_device_name()}: HBM copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s")
+    rows = []
+    for t in args.tokens:
+        rows += attention_rows(t, mm)
+    for t in args.tokens:
+        rows += gdn_rows(t, bw, args.sweep and t == max(args.tokens), log)
+    ref_err = reference_error(tg.PrefillTuning())
+    md = [f"Device: {torch.cuda.get_device_name()}; HBM copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s.",
+          "", "| kernel | variant | T | ms | TFLOP/s (attention) or bound ms (gdn) | % of ceiling | x baseline | "
+          "rel err vs baseline |",
+          "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = next(b for b in rows if b["kernel"] == r["kernel"] and b["tokens"] == r["tokens"])
+        perf = (f"{r['tflops']:.0f} | {r['pct_matmul']:.0f}%" if r["kernel"] == "attention"
+                else f"{r['bound_ms']:.3f} | {100 * r['bound_ms'] / r['ms']:.0f}%")
+        md.append(f"| {r['kernel']} | {r['variant']} | {r['tokens']} | {r['ms']:.3f} | {perf} | "
+                  f"{base['ms'] / r['ms']:.2f} | {r['err_vs_baseline']:.1e} |")
+    md.append(f"\nGDN default tuning against the fp32 reference (1024 tokens): rel err {ref_err:.1e}.")
+    (args.out / "prefill_kernels.md").write_text("\n".join(md) + "\n")
+    (args.out / "prefill_kernels.json").write_text(json.dumps(dict(rows=rows, ref_err=ref_err), indent=1))
+    log("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
