@@ -39,7 +39,8 @@
 #             device-managed decode under each policy, then the prefetch started before / after the layer's own gather
 #   sampling  sampling.py: the sampler's general path against the top-k short path, Qwen3.6's vocabulary
 #   inputs    graph_inputs.py: a decode step's page-table host time against context length (PageRows)
-#   gputests  pytest -m gpu over the files with the gpu marker (GPUTESTS: other pytest arguments), -v
+#   gputests  pytest -m gpu over the files with the gpu marker, one process per file in parallel (GPUTESTS: files
+#             and pytest arguments), -vv
 #   lanes     the miss lanes on a 4-layer skewed (1.0) checkpoint: `moeferry bench bw`, cpu_experts.py (the CPU
 #             lane's C kernel against the PyTorch reference) and offload_engine.py offload / hybrid / cpu at 25%,
 #             and offload with 2 of the 4 MoE layers on the CPU (--moe-cpu-layers 2)
@@ -150,15 +151,25 @@ peer() {  # peer NAME MODEL SHARED_FLAGS OURS_FLAGS FT_FLAGS [offload.py args...
     --ft-args "$FT_ARGS $ft" --boot-timeout 200 --request-timeout 60 --engine-budget 70 "$@" ${OFFLOAD_ARGS:-}
 }
 
-gputests() {  # the files that carry the gpu marker (the others import the API clients the GPU host lacks);
-  # each test's name and outcome as it runs, so a run cut by its limit still says how far it got
-  local files=${GPUTESTS:-$(grep -l "pytest.mark.gpu" tests/*.py | tr '\n' ' ')}
+gputests() {  # the files that carry the gpu marker (the others import the API clients the GPU host lacks), one
+  # pytest process per file, all at once (they mostly compile kernels and build checkpoints on the CPU); each
+  # test's name and outcome as it runs, so a run cut by its limit still says how far each file got.
+  # GPUTESTS: test files (tests/...) and pytest arguments given to every file's run
+  local words=${GPUTESTS:-$(grep -l "pytest.mark.gpu" tests/*.py | tr '\n' ' ')} files=() args=() w f rc=0
+  for w in $words; do case $w in tests/*) files+=("$w") ;; *) args+=("$w") ;; esac; done
   mkdir -p "$WORK/gputests"
   local max=${GPUTESTS_MAX_S:-300} l; l=$(left); [ "$l" -lt "$max" ] && max=$l
-  timeout -k 5 "$(( max - 20 ))" python3 -m pytest $files -m gpu -vv -p no:cacheprovider -rf --durations=10 \
-    > "$WORK/gputests/pytest.log" 2>&1
-  { grep -E "(PASSED|FAILED|ERROR|SKIPPED)" "$WORK/gputests/pytest.log" | grep "::" | sed 's/ *\[ *[0-9]*%\]//'
-    tail -n 25 "$WORK/gputests/pytest.log"; } > "$WORK/gputests/pytest.md"
+  for f in "${files[@]}"; do
+    timeout -k 5 "$(( max - 20 ))" python3 -m pytest "$f" -m gpu -vv -p no:cacheprovider -rf --durations=5 \
+      "${args[@]}" > "$WORK/gputests/$(basename "${f%%::*}" .py).log" 2>&1 &
+  done
+  for f in "${files[@]}"; do wait -n || rc=1; done
+  for f in "$WORK"/gputests/*.log; do
+    echo "### $(basename "$f" .log)"
+    grep -E "(PASSED|FAILED|ERROR|SKIPPED)" "$f" | grep "::" | sed 's/ *\[ *[0-9]*%\]//'
+    tail -n 12 "$f"
+  done > "$WORK/gputests/pytest.md"
+  return $rc
 }
 
 export -f left make_ckpt seed offload peer gputests  # step runs them under timeout, in a child bash

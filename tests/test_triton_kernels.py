@@ -270,8 +270,8 @@ def case_gdn_prefill(device, seed=7):
     ref_pool = init.clone()
     ref = ref_gdn.gdn_prefill_ref(q, k, v, gg, beta, ref_pool, _cu(lens), slots)
     tol, err = 20 * _dot_tol(device), 0.0
-    for tuning in (tg.PrefillTuning(), tg.PrefillTuning(square=False),
-                   tg.PrefillTuning(attn_in_prep=True, scan_bv=16, scan_stages=2)):
+    for tuning in (tg.PrefillTuning(), tg.PrefillTuning(square=True, attn_in_prep=False),
+                   tg.PrefillTuning(square=True, scan_bv=16, scan_stages=2)):
         pool = init.clone()
         out = tg.gdn_prefill(q, k, v, gg, beta, pool, _cu(lens), slots, tuning=tuning)
         err = max(err, _check(out, ref, tol, f"gdn out {tuning}"), _check(pool, ref_pool, tol, f"gdn state {tuning}"))
