@@ -2,11 +2,12 @@
 
     python benchmarks/prefill_kernels.py [--out DIR] [--tokens 8192] [--no-sweep]
 
-attention (16 q heads, 2 kv heads, head_dim 256, bf16), one whole prompt of T tokens: the
-paged Triton flash kernel (`triton.attention.paged_attention_prefill`, what every chunk used
-before) against SDPA flash from the prompt's own k/v (`ops.attention.prompt_attention`, what
-whole prompts use now). FLOPs = 4 * T^2 / 2 * H_q * D (causal); ceiling: the bf16 matmul rate
-measured in this run.
+attention (16 q heads, 2 kv heads, head_dim 256, bf16), one whole prompt of T tokens and a
+chunk of T after --prefix cached tokens: the paged Triton flash kernel
+(`triton.attention.paged_attention_prefill`, what every chunk used before) against SDPA flash
+(`ops.attention.chunk_attention`: the prompt's own k/v, or the context gathered from its pages).
+FLOPs = 4 * T * (prefix + T / 2) * H_q * D (causal); ceiling: the bf16 matmul rate measured in
+this run.
 
 Gated DeltaNet (16 k heads, 32 v heads, 128 x 128 state, bf16 in, fp32 state): the chunked
 prefill (`triton.gdn.gdn_prefill`) under each `PrefillTuning` (best of 3 interleaved rounds); the baseline is the kernels as
@@ -27,13 +28,14 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import moe_kernels as MK  # noqa: E402  (timing helpers, ceilings, logger)
 from moeferry.ops import gdn as ref_gdn  # noqa: E402
-from moeferry.ops.attention import prompt_attention, sequence_slots, store_kv_ref  # noqa: E402
+from moeferry.ops.attention import chunk_attention  # noqa: E402
 from moeferry.ops.triton import attention as ta  # noqa: E402
 from moeferry.ops.triton import gdn as tg  # noqa: E402
 
@@ -48,25 +50,27 @@ def rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def attention_rows(t: int, mm: float) -> list[dict]:
+def attention_rows(t: int, prefix: int, mm: float) -> list[dict]:
+    """A chunk of t new tokens after `prefix` cached ones."""
     g = torch.Generator(device=DEV).manual_seed(0)
-    q, k, v = (torch.randn(t, h, D, generator=g, device=DEV).bfloat16() for h in (HQ, HKV, HKV))
-    ps = 16
-    table = torch.arange(-(-t // ps), dtype=torch.int32, device=DEV)[None]
-    kc = torch.empty(table.numel() * ps, HKV, D, device=DEV, dtype=torch.bfloat16)
-    vc = torch.empty_like(kc)
-    store_kv_ref(kc, vc, k, v, sequence_slots(table[0], t, ps))
+    total, ps = prefix + t, 16
+    q = torch.randn(t, HQ, D, generator=g, device=DEV).bfloat16()
+    kc, vc = (torch.randn(total, HKV, D, generator=g, device=DEV).bfloat16() for _ in range(2))
+    table = torch.arange(-(-total // ps), dtype=torch.int32, device=DEV)[None]
+    kc, vc = (F.pad(x, (0, 0, 0, 0, 0, table.numel() * ps - total)) for x in (kc, vc))
+    k, v = kc[prefix:total], vc[prefix:total]
     cu = torch.tensor([0, t], dtype=torch.int32, device=DEV)
-    kvl = torch.tensor([t], dtype=torch.int32, device=DEV)
-    flops = 4 * t * t / 2 * HQ * D
+    kvl = torch.tensor([total], dtype=torch.int32, device=DEV)
+    flops = 4 * t * (prefix + t / 2) * HQ * D
     paged = lambda: ta.paged_attention_prefill(q, kc, vc, cu, kvl, table, ps, D ** -0.5, t)  # noqa: E731
-    flash = lambda: prompt_attention(q, k, v, [0, t], D ** -0.5)  # noqa: E731
+    flash = lambda: chunk_attention(q, k, v, kc, vc, [0, t], [total], table, ps, D ** -0.5)  # noqa: E731
     err = rel(flash(), paged())
     rows = []
     for name, fn in (("paged Triton (baseline)", paged), ("SDPA flash", flash)):
         s = MK.ev_time(fn, iters=10)
-        rows.append(dict(kernel="attention", variant=name, tokens=t, ms=s * 1e3, tflops=flops / s / 1e12,
-                         pct_matmul=100 * flops / s / mm, err_vs_baseline=err if "flash" in name else 0.0))
+        rows.append(dict(kernel="attention", variant=f"{name}, prefix {prefix}", tokens=t, prefix=prefix,
+                         ms=s * 1e3, tflops=flops / s / 1e12, pct_matmul=100 * flops / s / mm,
+                         err_vs_baseline=err if "flash" in name else 0.0))
     return rows
 
 
@@ -139,6 +143,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("/tmp/prefill_kernels"))
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--prefix", type=int, default=57344, help="cached tokens before the attention case's last chunk "
+                    "(default: the 8th 8192-token chunk of a 64k prompt)")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -147,7 +153,8 @@ def main():
     log(f"{torch.cuda.get_device_name()}: HBM copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s")
     rows = []
     for t in args.tokens:
-        rows += attention_rows(t, mm)
+        rows += attention_rows(t, 0, mm)
+    rows += attention_rows(max(args.tokens), args.prefix, mm)
     for t in args.tokens:
         rows += gdn_rows(t, bw, args.sweep and t == max(args.tokens), log)
     ref_err = reference_error(tg.PrefillTuning())
@@ -156,7 +163,8 @@ def main():
           "rel err vs baseline |",
           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        base = next(b for b in rows if b["kernel"] == r["kernel"] and b["tokens"] == r["tokens"])
+        base = next(b for b in rows if b["kernel"] == r["kernel"] and b["tokens"] == r["tokens"]
+                    and b.get("prefix") == r.get("prefix"))
         perf = (f"{r['tflops']:.0f} | {r['pct_matmul']:.0f}%" if r["kernel"] == "attention"
                 else f"{r['bound_ms']:.3f} | {100 * r['bound_ms'] / r['ms']:.0f}%")
         md.append(f"| {r['kernel']} | {r['variant']} | {r['tokens']} | {r['ms']:.3f} | {perf} | "

@@ -576,29 +576,32 @@ def test_reference_stays_default_on_cpu():
     assert not use_triton(torch.ones(1))
 
 
-def _prompt_attention_case(lens, hq, hkv, d, device, dtype):
-    """Whole prompts' q, k, v and the paged reference's output over a page pool holding their k/v."""
-    g = torch.Generator(device=device).manual_seed(len(lens))
-    t, ps = sum(lens), 16
-    q, k, v = (torch.randn(t, h, d, generator=g, device=device).to(dtype) for h in (hq, hkv, hkv))
-    kc, vc, table = _paged_kv(torch.Generator().manual_seed(3), lens, hkv, d, ps, device)
-    kc, vc = kc.to(dtype), vc.to(dtype)
-    cu = _cu(lens)
-    for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
-        ref_attn.store_kv_ref(kc, vc, k[start:end], v[start:end], ref_attn.sequence_slots(table[b], end - start, ps))
-    ref = ref_attn.paged_attention_ref(q.float(), kc.float(), vc.float(), cu, lens, table, ps, d ** -0.5)
-    return q, k, v, cu, ref
+def _chunk_attention_case(ctx, qlen, hq, hkv, d, device, dtype):
+    """Sequences of `ctx` tokens whose last `qlen` are new: q, the new k / v, a page pool holding
+    every token's k / v, and the paged reference's output."""
+    g = torch.Generator(device=device).manual_seed(len(ctx))
+    ps = 16
+    kc, vc, table = _paged_kv(torch.Generator().manual_seed(3), ctx, hkv, d, ps, device)
+    kc, vc, table = kc.to(dtype), vc.to(dtype), table.to(device)
+    q = torch.randn(sum(qlen), hq, d, generator=g, device=device).to(dtype)
+    new = [ref_attn.sequence_slots(table[b], c, ps)[c - n:] for b, (c, n) in enumerate(zip(ctx, qlen))]
+    k, v = kc[torch.cat(new)], vc[torch.cat(new)]
+    ref = ref_attn.paged_attention_ref(q.float(), kc.float(), vc.float(), _cu(qlen), ctx, table, ps, d ** -0.5)
+    return q, k, v, kc, vc, table, ref
 
 
-def test_prompt_attention_matches_paged_reference():
-    """SDPA over whole prompts' own k/v (GQA by enable_gqa) equals the paged reference over the
-    same keys and values in their pages; on the CPU the engine keeps the reference."""
-    lens = [37, 90, 5]
-    q, k, v, cu, ref = _prompt_attention_case(lens, 4, 2, 32, "cpu", torch.float32)
-    _check(ref_attn.prompt_attention(q, k, v, cu, 32 ** -0.5, flash_only=False), ref, 1e-5, "three prompts")
-    _check(ref_attn.prompt_attention(q[:37], k[:37], v[:37], cu[:2], 32 ** -0.5, flash_only=False), ref[:37],
-           1e-5, "one prompt")
-    assert not ref_attn.use_prompt_attention(q, k, lens, lens)
+def test_chunk_attention_matches_paged_reference():
+    """SDPA per sequence (GQA by enable_gqa) equals the paged reference: whole prompts over their
+    own k / v, chunks after a cached prefix over their gathered context (mask aligned to its end);
+    on the CPU the engine keeps the reference."""
+    ctx, qlen = [37, 90, 5, 70], [37, 40, 5, 1]
+    q, k, v, kc, vc, table, ref = _chunk_attention_case(ctx, qlen, 4, 2, 32, "cpu", torch.float32)
+    out = ref_attn.chunk_attention(q, k, v, kc, vc, _cu(qlen), ctx, table, 16, 32 ** -0.5, flash_only=False)
+    _check(out, ref, 1e-5, "four sequences")
+    one = ref_attn.chunk_attention(q[37:77], k[37:77], v[37:77], kc, vc, [0, 40], ctx[1:2], table[1:2], 16,
+                                   32 ** -0.5, flash_only=False)
+    _check(one, ref[37:77], 1e-5, "one chunk after a prefix")
+    assert not ref_attn.use_chunk_attention(q, k, kc, [2048])
 
 
 # -- GPU: compiled kernels ---------------------------------------------------------------------
@@ -645,15 +648,18 @@ def test_gpu_attention_real_shapes():
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_prompt_attention_flash():
-    """Qwen3.6-35B-A3B attention geometry (16 q heads, 2 kv heads, head_dim 256), bf16: whole
-    prompts of 2048 and 700 tokens through SDPA flash against the paged reference; the engine
-    takes this path for them and not for a chunk with a cached prefix."""
-    lens = [2048, 700]
-    q, k, v, cu, ref = _prompt_attention_case(lens, 16, 2, 256, "cuda", torch.bfloat16)
-    assert ref_attn.use_prompt_attention(q, k, lens, lens)
-    assert not ref_attn.use_prompt_attention(q, k, lens, [2048, 1400])
-    _check(ref_attn.prompt_attention(q, k, v, cu, 256 ** -0.5), ref, 1e-2, "flash")
+def test_gpu_chunk_attention_flash():
+    """Qwen3.6-35B-A3B attention geometry (16 q heads, 2 kv heads, head_dim 256), bf16, through
+    SDPA flash against the paged reference: whole prompts of 2048 and 700 tokens, then a
+    2048-token chunk after a 1536-token prefix batched with a 300-token prompt; the engine
+    takes this path for such steps, not for a few tokens or an fp8 cache."""
+    for ctx, qlen in (([2048, 700], [2048, 700]), ([3584, 300], [2048, 300])):
+        q, k, v, kc, vc, table, ref = _chunk_attention_case(ctx, qlen, 16, 2, 256, "cuda", torch.bfloat16)
+        assert ref_attn.use_chunk_attention(q, k, kc, qlen)
+        out = ref_attn.chunk_attention(q, k, v, kc, vc, _cu(qlen), ctx, table, 16, 256 ** -0.5)
+        _check(out, ref, 1e-2, f"flash {ctx} {qlen}")
+    assert not ref_attn.use_chunk_attention(q, k, kc, [16, 1])
+    assert not ref_attn.use_chunk_attention(q, k, kc.to(torch.float8_e4m3fn), qlen)
 
 
 @pytest.mark.gpu

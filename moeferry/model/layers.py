@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from moeferry.model.batch import ForwardBatch
 from moeferry.model.linear import Linear, Linears
 from moeferry.model.spec import ModelSpec
-from moeferry.ops.attention import paged_attention, prompt_attention, store_kv, use_prompt_attention
+from moeferry.ops.attention import chunk_attention, paged_attention, store_kv, use_chunk_attention
 from moeferry.ops.conv import causal_conv1d
 from moeferry.ops.gdn import gdn_decode_gated, gdn_gates, gdn_prefill
 from moeferry.ops.moe import route_topk
@@ -53,8 +53,9 @@ class FullAttention:
         v = v.view(t, s.num_kv_heads, d)
         k_cache, v_cache = ctx.kv_pool.k[self.kv_index], ctx.kv_pool.v[self.kv_index]
         store_kv(k_cache, v_cache, k, v, b.out_slots)
-        if not b.is_decode and use_prompt_attention(q, k, b.q_lens, b.kv_lens):
-            out = prompt_attention(q, k, v, b.cu_seqlens, d ** -0.5)
+        if not b.is_decode and use_chunk_attention(q, k, k_cache, b.q_lens):
+            out = chunk_attention(q, k, v, k_cache, v_cache, b.cu_seqlens, b.kv_lens, b.page_table, b.page_size,
+                                  d ** -0.5)
         else:
             out = paged_attention(q, k_cache, v_cache, _dev(b.cu_seqlens_t, b.cu_seqlens),
                                   _dev(b.kv_lens_t, b.kv_lens), b.page_table, b.page_size, d ** -0.5,

@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 import logging
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from moeferry.ops.triton import use_triton
 
 log = logging.getLogger(__name__)
 
-FLASH_MIN_TOKENS = 1024  # shorter prompts: the paged Triton kernel is as fast (one launch for the batch)
+FLASH_MIN_TOKENS = 1024  # steps of fewer new tokens: the paged Triton kernel (one launch for the batch)
 
 
 def _host(x) -> list[int]:
@@ -102,47 +103,59 @@ def paged_attention_ref(
     return out
 
 
-def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int], scale: float,
-                     flash_only: bool = True) -> torch.Tensor:
-    """Causal attention of whole prompts (no cached prefix) from their own keys and values
-    [T, H_kv, D] (those store_kv just wrote), one SDPA call per sequence: FlashAttention-2 on
-    the GPU, GQA native (no repeated kv heads). Needs no workspace beyond its [T, H_q, D] output
-    (plus one copy of it when the batch has several sequences)."""
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    cu_seqlens: list[int], kv_lens: list[int], page_table: torch.Tensor, page_size: int,
+                    scale: float, flash_only: bool = True) -> torch.Tensor:
+    """Causal attention of each sequence's new rows, one SDPA call per sequence (FlashAttention-2
+    on the GPU, GQA native: no repeated kv heads). A whole prompt attends over its own keys and
+    values k, v [T, H_kv, D] (those store_kv just wrote); a chunk after a cached prefix over its
+    context gathered from the pages (k_cache / v_cache, which hold the chunk too), the mask
+    aligned to the context's end. Workspace: that gather, 2 * context * H_kv * D elements for the
+    longest such sequence, and one copy of the output when the batch has several sequences."""
     outs = []
-    group = q.shape[1] != k.shape[1]
+    gqa = q.shape[1] != k.shape[1]
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if flash_only else contextlib.nullcontext():
-        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-            qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=group)
+        for b, (start, end) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
+            n, total = end - start, kv_lens[b]
+            if n == total:
+                ks, vs, mask = k[start:end], v[start:end], None
+            else:
+                slots = sequence_slots(page_table[b], total, page_size)
+                ks, vs, mask = k_cache[slots], v_cache[slots], causal_lower_right(n, total)
+            qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q[start:end], ks, vs))
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                               enable_gqa=gqa)
             outs.append(o[0].transpose(0, 1))  # flash's output is [1, n, H, D] in memory: a view, no copy
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def use_prompt_attention(q: torch.Tensor, k: torch.Tensor, q_lens: list[int], kv_lens: list[int]) -> bool:
-    """Whether `prompt_attention` (flash) serves this step: CUDA, half precision, every
-    sequence a whole prompt (no cached prefix), enough tokens, and flash taking this shape."""
-    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or sum(q_lens) < FLASH_MIN_TOKENS:
+def use_chunk_attention(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor, q_lens: list[int]) -> bool:
+    """Whether `chunk_attention` (flash) serves this step: CUDA, half precision (the cache's too),
+    enough new tokens, and flash taking this geometry."""
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or k_cache.dtype != q.dtype:
         return False
-    if any(n != total for n, total in zip(q_lens, kv_lens)):
+    if sum(q_lens) < FLASH_MIN_TOKENS:
         return False
     return _flash_takes(q.device.index or 0, q.dtype, q.shape[1], k.shape[1], q.shape[2])
 
 
 @functools.lru_cache(maxsize=None)
 def _flash_takes(device_index: int, dtype: torch.dtype, hq: int, hkv: int, d: int) -> bool:
-    """One small flash call of this geometry (GQA through enable_gqa and head dims up to 256
-    depend on the torch build and the GPU): its answer, logged once."""
+    """Two small flash calls of this geometry, a whole prompt and a chunk after a prefix (GQA
+    through enable_gqa and head dims up to 256 depend on the torch build and the GPU): their
+    answer, logged once."""
     dev = torch.device("cuda", device_index)
-    q = torch.randn(16, hq, d, device=dev, dtype=dtype)
-    k = torch.randn(16, hkv, d, device=dev, dtype=dtype)
+    q = torch.randn(32, hq, d, device=dev, dtype=dtype)
+    k = torch.randn(32, hkv, d, device=dev, dtype=dtype)
+    table = torch.arange(2, dtype=torch.int32, device=dev)[None].expand(2, 2)
     try:
         with warnings.catch_warnings():  # SDPA warns why each backend refused; the log line says it once
             warnings.simplefilter("ignore")
-            prompt_attention(q, k, k, [0, 16], d ** -0.5)
+            chunk_attention(q, k, k, k, k, [0, 16, 32], [16, 32], table, 16, d ** -0.5)
     except RuntimeError as e:
         log.info("attention prefill: the paged Triton kernel (flash does not take H_q=%d H_kv=%d D=%d %s: %s)",
                  hq, hkv, d, dtype, str(e).splitlines()[0])
         return False
-    log.info("attention prefill: SDPA flash for whole prompts of %d+ tokens (H_q=%d H_kv=%d D=%d)",
+    log.info("attention prefill: SDPA flash for steps of %d+ new tokens (H_q=%d H_kv=%d D=%d)",
              FLASH_MIN_TOKENS, hq, hkv, d)
     return True
