@@ -32,27 +32,20 @@ CHUNK = 64
 
 
 @triton.jit
-def _unit_lower_inverse(a, r, C: tl.constexpr, PREC: tl.constexpr, SQUARE: tl.constexpr):
-    """(I + A)^-1 for strictly lower A [C, C] (C = 4 * 16), blockwise: D = I + Ad (Ad: A's 16x16
-    diagonal blocks) is inverted either by repeated squaring, Ad^16 = 0 so
-    D^-1 = (I - Ad)(I + Ad^2)(I + Ad^4)(I + Ad^8) (SQUARE: 6 products), or by forward
-    substitution (16 products, each finishing row i of all four blocks); then with N = D^-1 L
-    (L the rest of A, strictly block-lower, so N^4 = 0): (I + A)^-1 = (I - N)(I + N^2) D^-1."""
+def _unit_lower_inverse(a, r, C: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 for strictly lower A [C, C] (C = 4 * 16), blockwise:
+    D = I + (A's 16x16 diagonal blocks) is inverted by forward substitution, 16 steps that each
+    finish row i of all four blocks with one matrix product; with N = D^-1 L (L the rest of A,
+    strictly block-lower, so N^4 = 0): (I + A)^-1 = (I - N)(I + N^2) D^-1. (Inverting D by
+    repeated squaring, 6 products, measured no faster: benchmarks/README.md.)"""
     same_block = (r[:, None] // 16) == (r[None, :] // 16)
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     ad = tl.where(same_block, a, 0.0)
-    if SQUARE:
-        a2 = tl.dot(ad, ad, input_precision=PREC)
-        a4 = tl.dot(a2, a2, input_precision=PREC)
-        a8 = tl.dot(a4, a4, input_precision=PREC)
-        dinv = tl.dot(tl.dot(eye - ad, eye + a2, input_precision=PREC),
-                      tl.dot(eye + a4, eye + a8, input_precision=PREC), input_precision=PREC)
-    else:
-        dinv = eye
-        for i in range(16):
-            sel = (r % 16) == i
-            upd = tl.dot(tl.where(sel[:, None], ad, 0.0), dinv, input_precision=PREC)
-            dinv = tl.where(sel[:, None], eye - upd, dinv)
+    dinv = eye
+    for i in range(16):
+        sel = (r % 16) == i
+        upd = tl.dot(tl.where(sel[:, None], ad, 0.0), dinv, input_precision=PREC)
+        dinv = tl.where(sel[:, None], eye - upd, dinv)
     nn = tl.dot(dinv, tl.where(same_block, 0.0, a), input_precision=PREC)
     n2 = tl.dot(nn, nn, input_precision=PREC)
     p = tl.dot(eye - nn, eye + n2, input_precision=PREC)
@@ -73,7 +66,7 @@ def _l2norm(x):
 def _prep_kernel(q_ptr, k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh, g_ptr, beta_ptr, stride_gt,
                  cu_ptr, w_ptr, u_ptr, gc_ptr, attn_ptr, scale, HV: tl.constexpr, REP: tl.constexpr,
                  DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                 PREC: tl.constexpr, SQUARE: tl.constexpr, ATTN: tl.constexpr):
+                 PREC: tl.constexpr, ATTN: tl.constexpr):
     b = tl.program_id(0)
     c0 = tl.program_id(1) * C
     h = tl.program_id(2)
@@ -95,7 +88,7 @@ def _prep_kernel(q_ptr, k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh
         decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
         kb = k * beta[:, None]
         a = tl.dot(kb, tl.trans(k)) * decay  # strictly lower (decay is 0 elsewhere)
-        t = _unit_lower_inverse(a, r, C, PREC, SQUARE)
+        t = _unit_lower_inverse(a, r, C, PREC)
         u = tl.dot(t, v * beta[:, None])
         w = tl.dot(t, kb * tl.exp(gc)[:, None])
         tl.store(u_ptr + (tok * HV + h)[:, None] * DV + vd[None, :], u, mask=valid[:, None] & (vd < DV)[None, :])
@@ -155,11 +148,10 @@ def _scan_kernel(q_ptr, k_ptr, stride_qt, stride_qh, w_ptr, u_ptr, gc_ptr, attn_
 @dataclass(frozen=True)
 class PrefillTuning:
     """The chunked prefill's kernel variants (benchmarks/gdn_prefill.py measures them)."""
-    square: bool = False  # D^-1 by repeated squaring (6 products) rather than forward substitution (16)
     attn_in_prep: bool = True  # the chunk's q k^T in the parallel kernel (a T * Hv * 64 * 4-byte buffer)
     scan_bv: int = 32  # V columns of the state per scan program
-    scan_warps: int = 8
-    scan_stages: int = 1
+    scan_warps: int = 4
+    scan_stages: int = 2
 
 
 def prefill_workspace(num_tokens: int, num_v_heads: int, k_dim: int, v_dim: int, device,
@@ -205,7 +197,7 @@ def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, max_q_len
     _prep_kernel[(bsz, triton.cdiv(max_q_len, CHUNK), hv)](
         q, k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), g, beta, g.stride(0), cu, w, u, gc, attn,
         scale, HV=hv, REP=rep, DK=dk, DV=dv, BK=bk, BV=bv_full, C=CHUNK,
-        PREC="ieee" if interpreting() else "tf32x3", SQUARE=tuning.square, ATTN=tuning.attn_in_prep,
+        PREC="ieee" if interpreting() else "tf32x3", ATTN=tuning.attn_in_prep,
         num_warps=8, num_stages=1)
     bv = min(bv_full, tuning.scan_bv)
     _scan_kernel[(bsz, hv, triton.cdiv(dv, bv))](
