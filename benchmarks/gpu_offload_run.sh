@@ -24,6 +24,8 @@
 #   load      load_speed.py: loading per layer, old and new paths, and load_model (issue 13 item 5)
 #   prepskew  in parallel: the skewed checkpoint (skew's) and gputests
 #   prepbf16  in parallel: the bf16_12 checkpoint and gputests
+#   loadcmp   load_speed.py on 4-layer mixed_nvfp4 and bf16 checkpoints: per-layer expert paths, whole
+#             load_model per backend, and quantized loading per byte against bf16's (issue 13 item 5)
 #   prefill   prefill_kernels.py: attention (paged Triton against SDPA flash) and the Gated DeltaNet
 #             prefill's kernel variants at 2048 / 8192 tokens (issue 13: the bf16_12 prefill)
 #   prep13    in parallel (no timing runs then): the main checkpoint, the bf16_12 checkpoint and gputests
@@ -190,7 +192,7 @@ export SKEW T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFF
 print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__)' || exit 4
   fi
   needs_ckpt=0  # prep13 makes the checkpoint itself, alongside other work; some runs do not read it
-  for run in $RUNS; do case $run in prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|prepbf16|prefill|gputests|moe|fused|sampling|inputs|skew|prepskew|e2e_skew|lanes) ;;
+  for run in $RUNS; do case $run in prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|prepbf16|prefill|loadcmp|gputests|moe|fused|sampling|inputs|skew|prepskew|e2e_skew|lanes) ;;
     *) needs_ckpt=1 ;; esac; done
   if [ "$needs_ckpt" = 1 ]; then
     step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; }
@@ -215,6 +217,10 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
                   make_ckpt "$WORK/ckpt" 0; rc=$?; wait; exit $rc' || { echo "no checkpoint: stopping"; break; } ;;
       prepbf16) step prepbf16 120 300 bash -c 'gputests & make_ckpt "$WORK/ckpt_bf16_12" 0 bf16 12; rc=$?; wait; \
                   exit $rc' || { echo "no bf16_12 checkpoint: stopping"; break; } ;;
+      loadcmp)  step make_load4 60 200 make_ckpt "$WORK/ckpt_load4" 0 mixed_nvfp4 4 \
+                  && step make_load4_bf16 60 200 make_ckpt "$WORK/ckpt_load4_bf16" 0 bf16 4 \
+                  && step loadcmp 60 240 python3 benchmarks/load_speed.py --model "$WORK/ckpt_load4" --device cuda \
+                  --layers 2 --load-model --compare "$WORK/ckpt_load4_bf16" --out "$WORK/loadcmp" ;;
       prefill)  step prefill 90 240 python3 benchmarks/prefill_kernels.py --out "$WORK/prefill" ;;
       prepskew) step prepskew 200 300 bash -c 'gputests & make_ckpt "$WORK/ckpt_skew" "$SKEW"; rc=$?; wait; exit $rc' \
                   || { echo "no skewed checkpoint: stopping"; break; } ;;

@@ -14,13 +14,16 @@ Rows, per MoE layer (the mean over the first `--layers` MoE layers), all from th
   resident after    the resident backend's path (`SlotBuffer.from_experts`)
 Banks are pinned with `--device cuda` (as the offload backends build them); resident slots go
 to `--device` (on the CPU the resident backend keeps the packed experts: no copy at all, so its
-row times only the read). `--load-model` also times a whole `load_model` per backend.
+row times only the read). `--load-model` also times a whole `load_model` per backend (1 and
+--threads threads), and with `--compare BF16_DIR` a bf16 checkpoint's resident load: the per-byte ratio.
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -151,6 +154,36 @@ def time_load_model(model: str, device: torch.device, backend: str, threads: int
     return t
 
 
+def checkpoint_bytes(model: str) -> int:
+    """The checkpoint's weight files, read once (into the page cache)."""
+    files = sorted(Path(model).glob("*.safetensors"))
+    for f in files:
+        with open(f, "rb") as fh:
+            while fh.read(1 << 26):
+                pass
+    return sum(f.stat().st_size for f in files)
+
+
+def load_model_rows(model: str, compare: str | None, device: torch.device, threads: int) -> list[str]:
+    """A whole load_model per backend and thread count, seconds and GB/s of checkpoint; with
+    `compare` (a bf16 checkpoint of the same geometry) its resident load, and the per-byte ratio."""
+    rows, rate = [], {}
+    for name, path, backends in (("quantized", model, ("resident", "offload")),
+                                 ("bf16", compare, ("resident",))):
+        if path is None:
+            continue
+        n = checkpoint_bytes(path)
+        for backend in backends:
+            for t_count in sorted({1, threads}):
+                t = time_load_model(path, device, backend, t_count)
+                rate[(name, backend, t_count)] = n / t
+                rows.append(f"| {name} | {backend} | {t_count} | {n / 1e9:.2f} | {t:.2f} | {n / t / 1e9:.2f} |")
+    if compare is not None:
+        q, b = rate[("quantized", "resident", threads)], rate[("bf16", "resident", threads)]
+        rows.append(f"\nquantized resident loading at {q / b:.2f}x bf16's rate per byte ({threads} threads)")
+    return ["| checkpoint | backend | threads | GB | load_model s | GB/s |", "|---|---|---|---|---|---|"] + rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="a quantized checkpoint (make-model --quant ...)")
@@ -159,19 +192,25 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1),
                     help="reader/copy threads, as --expert-load parallel uses (default min(8, cores))")
     ap.add_argument("--load-model", action="store_true", help="also time a whole load_model per backend")
+    ap.add_argument("--compare", help="with --load-model: a bf16 checkpoint of the same geometry, loaded resident "
+                    "(the per-byte rate to match)")
+    ap.add_argument("--out", type=Path, help="also write the tables to DIR/load_speed.md")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # load_model's phase times
     device = torch.device(args.device)
+    lines = []
     if args.layers > 0:
         rows = measure(args.model, device, args.layers, args.threads)
-        print(f"{args.model}: device {device}, {args.threads} threads, "
-              f"{rows[0][2] / 1e9:.3f} GB of experts per layer")
-        print("| path | s/layer | GB/s | s per 20 GB |\n|---|---|---|---|")
-        for name, t, n in rows:
-            print(f"| {name} | {t:.3f} | {n / t / 1e9:.2f} | {20e9 / (n / t):.1f} |")
+        lines += [f"{args.model}: device {device}, {args.threads} threads, "
+                  f"{rows[0][2] / 1e9:.3f} GB of experts per layer", "",
+                  "| path | s/layer | GB/s | s per 20 GB |", "|---|---|---|---|"]
+        lines += [f"| {name} | {t:.3f} | {n / t / 1e9:.2f} | {20e9 / (n / t):.1f} |" for name, t, n in rows]
     if args.load_model:
-        for backend in ("resident", "offload"):
-            print(f"load_model --moe-backend {backend}: "
-                  f"{time_load_model(args.model, device, backend, args.threads):.2f} s")
+        lines += [""] + load_model_rows(args.model, args.compare, device, args.threads)
+    print("\n".join(lines))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "load_speed.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
