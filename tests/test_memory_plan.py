@@ -412,3 +412,25 @@ def test_human_bytes():
     assert human_bytes(int(14.6 * GiB)) == "14.60 GiB"
     assert human_bytes(6815744) == "6.50 MiB"
     assert human_bytes(1536) == "1.50 KiB" and human_bytes(12) == "12 B"
+
+
+def test_worst_prefill_counts_the_attention_gather_the_moe_peak_hides():
+    """The probe's prefill peaks at depth 0 and D1 are equal when the MoE layers' peak hides the
+    attention layer's (its flash context gather grows with depth): the worst chunk is still
+    counted at least at D1's peak plus the gather's growth to the deepest start; without a
+    gather (CPU, the paged kernel) the plain extrapolation stands, and it wins when larger."""
+    import torch
+
+    from moeferry.memory.probe import worst_prefill
+    from moeferry.ops.attention import context_gather_bytes
+
+    per_token = context_gather_bytes(2, 256, torch.bfloat16, torch.device("cuda"))
+    assert per_token == 2 * 2 * 256 * 2
+    assert context_gather_bytes(2, 256, torch.bfloat16, torch.device("cpu")) == 0
+    assert context_gather_bytes(2, 256, torch.float8_e4m3fn, torch.device("cuda")) == 0
+    moe_peak = 600 * MiB
+    assert worst_prefill(moe_peak, moe_peak, 8192, 8192, per_token) == moe_peak  # no deeper start
+    assert worst_prefill(moe_peak, moe_peak, 8192, 253952, 0) == moe_peak
+    assert worst_prefill(moe_peak, moe_peak, 8192, 253952, per_token) == moe_peak + per_token * (253952 - 8192)
+    steep = worst_prefill(100 * MiB, 600 * MiB, 8192, 253952, 1)  # measured growth beyond the gather's
+    assert steep == 600 * MiB + 500 * MiB * (253952 - 8192) // 8192

@@ -5,8 +5,10 @@ small temporary pools:
 
     prefill   a chunk of max_extend_tokens at depth 0 and at depth D1 (two depths: the growth
               with context depth is extrapolated linearly to the deepest start the context allows,
-              which is conservative for the kernels here: flash-style prefill attention and the
-              GDN chunk scratch do not grow with depth, split-K decode scratch grows at most linearly)
+              which is conservative for the kernels here: the paged prefill attention and the GDN
+              chunk scratch do not grow with depth, split-K decode scratch grows at most linearly;
+              SDPA flash's context gather grows linearly and is added analytically beyond D1, as
+              the MoE layers' larger peak can hide it at D1: `worst_prefill`)
     decode    the largest batch (max_running_requests) at depth 1 and D1, extrapolated the same way
     sampling  temperature sampling with logprobs over [batch, vocab] fp32 logits
 
@@ -27,6 +29,7 @@ import torch
 
 from moeferry.cache.manager import CacheManager
 from moeferry.model.batch import ForwardBatch, SeqChunk
+from moeferry.ops.attention import context_gather_bytes
 
 log = logging.getLogger("moeferry.memory")
 
@@ -104,6 +107,17 @@ def _extrapolate(at0: int, at1: int, depth1: int, depth: int) -> int:
     return max(at0, at1) + max(at1 - at0, 0) * (depth - depth1) // depth1
 
 
+def worst_prefill(at0: int, at1: int, depth1: int, deepest: int, gather_per_token: int) -> int:
+    """The largest prefill chunk's peak at the deepest start: the measured growth extrapolated,
+    and at least the peak at depth1 plus what the flash attention's context gather adds beyond
+    depth1 (`gather_per_token` bytes a token of context; the MoE layers' peak can hide that
+    growth at depth1 while the attention layer's outgrows it deeper)."""
+    worst = _extrapolate(at0, at1, depth1, deepest)
+    if depth1 > 0 and deepest > depth1:
+        worst = max(worst, at1 + gather_per_token * (deepest - depth1))
+    return worst
+
+
 @torch.inference_mode()
 def probe_transients(model, spec, cfg, context: int, dtype: torch.dtype, device: torch.device) -> Transients:
     """Run the worst steps the configuration allows through temporary pools; measure each."""
@@ -140,7 +154,9 @@ def probe_transients(model, spec, cfg, context: int, dtype: torch.dtype, device:
         steps[f"decode@{depth1}"] = decode(depth1)
     steps["sampling"] = meter.measure(lambda: _sample(batch, vocab, device))
     deepest = context - full_chunk
-    worst_prefill = int(scale * _extrapolate(steps["prefill@0"], steps.get(f"prefill@{depth1}", 0), depth1, deepest))
+    gather = context_gather_bytes(spec.num_kv_heads, spec.head_dim, dtype, device)
+    prefill_peak = int(scale * worst_prefill(steps["prefill@0"], steps.get(f"prefill@{depth1}", 0), depth1, deepest,
+                                             gather))
     worst_decode = _extrapolate(steps["decode@1"], steps.get(f"decode@{depth1}", 0), depth1, context - 1)
     spread = abs(steps["prefill@0"] - steps["prefill@0 again"])
     margin = meter.fragmentation + 2 * spread  # memory outside the allocator: measured into the weights term
@@ -148,10 +164,12 @@ def probe_transients(model, spec, cfg, context: int, dtype: torch.dtype, device:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    worst = max(worst_prefill, worst_decode) + steps["sampling"]
+    worst = max(prefill_peak, worst_decode) + steps["sampling"]
     note = (f"measured: prefill {chunk} tokens at depth 0" + (f" and {depth1}" if depth1 else "")
             + (f", scaled to {full_chunk} tokens" if scale != 1 else "")
             + (f", extrapolated to depth {deepest}" if depth1 and deepest > depth1 else "")
+            + (f" (attention's context gather: {gather} bytes a token)" if gather and depth1 and deepest > depth1
+               else "")
             + f"; decode x{batch}; sampling+logprobs ({time.perf_counter() - t0:.1f} s)")
     log.info("probe: %s; peaks %s; fragmentation %d, outside the allocator %d, spread %d", note, steps,
              meter.fragmentation, meter.outside, spread)

@@ -112,21 +112,35 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     context gathered from the pages (k_cache / v_cache, which hold the chunk too), the mask
     aligned to the context's end. Workspace: that gather, 2 * context * H_kv * D elements for the
     longest such sequence, and one copy of the output when the batch has several sequences."""
-    outs = []
     gqa = q.shape[1] != k.shape[1]
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if flash_only else contextlib.nullcontext():
-        for b, (start, end) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
-            n, total = end - start, kv_lens[b]
-            if n == total:
-                ks, vs, mask = k[start:end], v[start:end], None
-            else:
-                slots = sequence_slots(page_table[b], total, page_size)
-                ks, vs, mask = k_cache[slots], v_cache[slots], causal_lower_right(n, total)
-            qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q[start:end], ks, vs))
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                               enable_gqa=gqa)
-            outs.append(o[0].transpose(0, 1))  # flash's output is [1, n, H, D] in memory: a view, no copy
+        outs = [_sequence_attention(q, k, v, k_cache, v_cache, start, end, kv_lens[b], page_table[b], page_size,
+                                    scale, gqa)
+                for b, (start, end) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:]))]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _sequence_attention(q, k, v, k_cache, v_cache, start: int, end: int, total: int, page_row, page_size: int,
+                        scale: float, gqa: bool) -> torch.Tensor:
+    """One sequence's rows of `chunk_attention` (its gather freed on return, before the next's)."""
+    n = end - start
+    if n == total:
+        ks, vs, mask = k[start:end], v[start:end], None
+    else:
+        slots = sequence_slots(page_row, total, page_size)
+        ks, vs, mask = k_cache[slots], v_cache[slots], causal_lower_right(n, total)
+    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q[start:end], ks, vs))
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                       enable_gqa=gqa)
+    return o[0].transpose(0, 1)  # flash's output is [1, n, H, D] in memory: a view, no copy
+
+
+def context_gather_bytes(num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes a token of context costs `chunk_attention`'s gather (its keys and values) for a chunk
+    after a prefix, where that path may serve (CUDA, half precision); 0 where the paged kernel does."""
+    if torch.device(device).type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return 0
+    return 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def use_chunk_attention(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor, q_lens: list[int]) -> bool:

@@ -68,8 +68,8 @@ def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, max_q_len
 
     q, k [T, Hk, K]; v [T, Hv, V]; g, beta [T, Hv]; state_pool [S, Hv, K, V] fp32 (in/out).
     cu_seqlens [B+1], state_slots [B]: host lists or int tensors. Returns o [T, Hv, V] in v's dtype.
-    Triton path: chunk 64, UT form (`moeferry.ops.triton.gdn`). Workspace (fp32 W, U, G):
-    T * Hv * (K + V + 1) * 4 bytes (`triton.gdn.prefill_workspace`), made per call.
+    Triton path: chunk 64, UT form (`moeferry.ops.triton.gdn`). Workspace (fp32 W, U, G and the
+    chunks' q k^T): T * Hv * (K + V + 65) * 4 bytes (`triton.gdn.prefill_workspace`), made per call.
     """
     if use_triton(v):
         from moeferry.ops.triton import gdn as tg

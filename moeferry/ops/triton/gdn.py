@@ -147,7 +147,7 @@ def _scan_kernel(q_ptr, k_ptr, stride_qt, stride_qh, w_ptr, u_ptr, gc_ptr, attn_
 
 @dataclass(frozen=True)
 class PrefillTuning:
-    """The chunked prefill's kernel variants (benchmarks/gdn_prefill.py measures them)."""
+    """The chunked prefill's kernel variants (benchmarks/prefill_kernels.py measures them)."""
     attn_in_prep: bool = True  # the chunk's q k^T in the parallel kernel (a T * Hv * 64 * 4-byte buffer)
     scan_bv: int = 32  # V columns of the state per scan program
     scan_warps: int = 4
