@@ -174,9 +174,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="hybrid backend: at most N experts copied over PCIe per layer and step (default: no cap)")
     g.add_argument("--expert-load", choices=EXPERT_LOADS, default="auto",
                    help="how expert weights are read at boot (into the host banks of the offload backends): "
-                   "serial = one expert after another; parallel = several threads (they copy the experts into "
-                   "their banks or slots, and read those whose format needs a new layout, e.g. int4_awq; "
-                   "experts stored in their device layout are mapped views, made in one); auto = parallel when "
+                   "serial = one expert after another; parallel = several threads read the experts whose format "
+                   "needs a new layout, e.g. int4_awq (experts stored in their device layout are mapped views, "
+                   "made in one thread; the copies into banks or slots run in one thread, each copy spread over "
+                   "torch's threads: faster than several copying threads); auto = parallel when "
                    "free host RAM holds the banks plus every reader's layer, else serial (default: auto)")
 
     g = p.add_argument_group("memory")

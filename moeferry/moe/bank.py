@@ -37,6 +37,13 @@ def available_host_ram() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+# Python threads copying a layer's experts into its bank or slots. Each part's copy is already
+# spread over torch's intra-op threads; 8 copying threads made a whole mixed_nvfp4 load_model
+# 1.5x slower than 1 (H100 host, 2026-12-05: benchmarks/load_speed.py --compare). Reader threads
+# (`plan_loading`) still unpack repacking formats (int4 AWQ) in parallel.
+PLACEMENT_THREADS = 1
+
+
 def plan_loading(bank_bytes: int, layer_bytes: int, mode: str, available: int | None = None,
                  max_threads: int = 8) -> int:
     """Reader threads for building the banks: 1 (serial) or more (parallel). Refuses with the

@@ -41,7 +41,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from moeferry.moe.bank import build_bank, pinnable, plan_loading
+from moeferry.moe.bank import PLACEMENT_THREADS, build_bank, pinnable, plan_loading
 from moeferry.moe.cpu_layers import resolve as resolve_cpu_layers
 from moeferry.moe.expert_cache import ExpertCache, LayerCounters
 from moeferry.moe.layer_experts import LayerExperts
@@ -151,7 +151,7 @@ class OffloadBackend:
         self.load_threads = plan_loading(bank_bytes, layer_bytes, self.cfg.expert_load)
 
     def add_layer(self, layer: int, experts: LayerExperts):
-        self.banks[layer] = build_bank(experts, pinnable(self.device), self.load_threads)
+        self.banks[layer] = build_bank(experts, pinnable(self.device), PLACEMENT_THREADS)
         self.groups.setdefault(self._layout(self.banks[layer]), []).append(layer)
         self.executors[layer] = OffloadExperts(self, layer)
         return self.executors[layer]
