@@ -66,16 +66,24 @@ def hf_greedy(model, prompt: list[int], steps: int, device):
     return toks, logits
 
 
-def moeferry_greedy(engine, prompts: list[list[int]], steps: int):
-    """Same as hf_greedy for every prompt at once: one prefill step, then batched decode."""
+def moeferry_greedy(engine, prompts: list[list[int]], steps: int, chunk: int | None = None):
+    """Same as hf_greedy for every prompt at once: the prefill in one step (or in steps of
+    `chunk` tokens a prompt, each after the cached prefix of the ones before), then batched decode."""
     from moeferry.model.batch import SeqChunk
     with engine.cache.sequences([len(p) + steps + 1 for p in prompts]) as held:
         pages, slots = [b.pages for b in held], [b.state_slot for b in held]
-        logits = engine.forward([SeqChunk(p, 0, pages[i], slots[i], all_logits=True) for i, p in enumerate(prompts)])
-        rows, per = 0, []
-        for p in prompts:
-            per.append([logits[rows:rows + len(p)]])
-            rows += len(p)
+        step_len = chunk or max(len(p) for p in prompts)
+        parts = [[] for _ in prompts]
+        for start in range(0, max(len(p) for p in prompts), step_len):
+            live = [i for i, p in enumerate(prompts) if start < len(p)]
+            logits = engine.forward([SeqChunk(prompts[i][start:start + step_len], start, pages[i], slots[i],
+                                              all_logits=True) for i in live])
+            rows = 0
+            for i in live:
+                n = len(prompts[i][start:start + step_len])
+                parts[i].append(logits[rows:rows + n])
+                rows += n
+        per = [[torch.cat(ps)] for ps in parts]
         toks = [[int(lg[0][-1].argmax())] for lg in per]
         for s in range(steps):
             chunks = [SeqChunk([toks[i][-1]], len(p) + s, pages[i], slots[i]) for i, p in enumerate(prompts)]
@@ -87,14 +95,14 @@ def moeferry_greedy(engine, prompts: list[list[int]], steps: int):
 
 
 def run_parity(config: dict, device: str, dtype=torch.bfloat16, prompt_lens=PROMPT_LENS, steps=STEPS,
-               seed: int = 0, fp32_reference: bool = True) -> dict:
+               seed: int = 0, fp32_reference: bool = True, chunk: int | None = None) -> dict:
     from inmemory import build_hf, moe_path, moeferry_engine
     hf = build_hf(config, device, dtype, seed=seed, planted=True)
     engine = moeferry_engine(config, hf, device, dtype, num_tokens=4096, max_seqs=8)
     path = moe_path(engine)
     g = torch.Generator().manual_seed(seed + 1)
     prompts = [torch.randint(0, config["vocab_size"], (n,), generator=g).tolist() for n in prompt_lens]
-    ours_t, ours_l = moeferry_greedy(engine, prompts, steps)
+    ours_t, ours_l = moeferry_greedy(engine, prompts, steps, chunk)
     res = {"moe": path, "graphs": None if engine.graphs is None else (engine.graphs.disabled or
                                                                        sorted(engine.graphs.graphs)),
            "token_match": [], "prefill_err": [], "decode_err_max": [], "decode_err_mean": []}
@@ -159,6 +167,25 @@ def test_parity_fused_moe_cuda_graphs(config):
     _check(res)
     assert res["moe"] == "TritonExperts", res["moe"]
     assert isinstance(res["graphs"], list) and res["graphs"], f"decode did not run in CUDA graphs: {res['graphs']}"
+
+
+def test_long_prompts_through_flash_attention(config, monkeypatch):
+    """Prompts of 2300 and 1500 tokens prefilled in 1200-token steps: the first step's whole
+    prompts and the second step's chunk after a 1200-token cached prefix go through SDPA flash
+    (`chunk_attention`; its calls counted), the rest as in the tests above, against transformers."""
+    import moeferry.model.layers as layers
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[5])  # the step's cu_seqlens
+        return chunk_attention(*args, **kwargs)
+
+    chunk_attention = layers.chunk_attention
+    monkeypatch.setattr(layers, "chunk_attention", counted)
+    res = run_parity(config, "cuda", prompt_lens=(2300, 1500), steps=8, chunk=1200)
+    _report("parity_long_prompts_flash", res)
+    _check(res)
+    assert [0, 1200, 2400] in calls and [0, 1100, 1400] in calls, calls
 
 
 @pytest.mark.parametrize("preset", ("bf16",) + PRESETS)
