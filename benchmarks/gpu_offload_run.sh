@@ -51,7 +51,7 @@
 # Knobs (env): BUDGET_S, RUNS, SEED_EST_S (the seed run's estimate, default 150), SEED_MAX_S / OFFLOAD_MAX_S (those runs' limits, default 360 / 400: FreeToken 0.1.2 boots in 70-110 s), LEAVE_GIB (empty: no ballast), CACHE_SIZE, SKEW, SKEW_FT, FT_ARGS,
 # BENCH_FLAGS / BENCH_ARGS (serve flags of both engines / bench_serve.py options of the bench run),
 # SIZE / LAYERS / QUANT_DEVICE (make-model geometry, quantizer device; empty = CPU), SEED_ARGS / OFFLOAD_ARGS (appended to every seed_scenario.py /
-# offload.py call), GPUTESTS (pytest arguments of the gputests run, default the files with the gpu marker), GPUTESTS_MAX_S, SKIP_WHEELS=1 (a machine that has the packages).
+# offload.py call), GPUTESTS (the gputests run's test files and the pytest arguments each file's run gets; default the files with the gpu marker), GPUTESTS_MAX_S, SKIP_WHEELS=1 (a machine that has the packages).
 # moeferry's own flags reach its servers only, through the environment (e.g. MOEFERRY_MOE_CACHE_POLICY=lfu). A CPU wiring check:
 #   SKIP_WHEELS=1 SIZE=tiny QUANT_DEVICE= LEAVE_GIB= CACHE_SIZE=12 RUNS="seed offload" SEED_ARGS="--host 127.0.0.1 --prompts 2 \
 #   --prompt-tokens 64" OFFLOAD_ARGS="--prefill 64 --out-tokens 8" bash benchmarks/gpu_offload_run.sh
