@@ -590,6 +590,16 @@ def _chunk_attention_case(ctx, qlen, hq, hkv, d, device, dtype):
     return q, k, v, kc, vc, table, ref
 
 
+def test_reference_row_blocks_change_nothing(monkeypatch):
+    """The reference's query-row blocks (REF_ROWS, bounding its scores) give the one-block result
+    (to fp32 rounding: the matmuls block differently), for chunks after a prefix and whole prompts."""
+    ctx, qlen = [37, 90, 5, 70], [37, 40, 5, 1]
+    q, _, _, kc, vc, table, whole = _chunk_attention_case(ctx, qlen, 4, 2, 32, "cpu", torch.float32)
+    monkeypatch.setattr(ref_attn, "REF_ROWS", 7)
+    blocks = ref_attn.paged_attention_ref(q, kc, vc, _cu(qlen), ctx, table, 16, 32 ** -0.5)
+    _check(blocks, whole, 1e-6, "row blocks")
+
+
 def test_chunk_attention_matches_paged_reference():
     """SDPA per sequence (GQA by enable_gqa) equals the paged reference: whole prompts over their
     own k / v, chunks after a cached prefix over their gathered context (mask aligned to its end);

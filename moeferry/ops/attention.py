@@ -22,6 +22,7 @@ from moeferry.ops.triton import use_triton
 
 log = logging.getLogger(__name__)
 
+REF_ROWS = 1024  # query rows per block of the reference (bounds its scores)
 FLASH_MIN_TOKENS = 1024  # steps of fewer new tokens: the paged Triton kernel (one launch for the batch)
 
 
@@ -84,22 +85,24 @@ def paged_attention_ref(
     page_size: int,
     scale: float,
 ) -> torch.Tensor:
-    """Reference implementation: softmax in fp32, GQA by repeating kv heads."""
+    """Reference implementation: softmax in fp32, GQA by repeating kv heads; query rows in
+    blocks of REF_ROWS (the scores of a block, H x REF_ROWS x context fp32, are its workspace)."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[1]
     for b in range(len(kv_lens)):
         start, end = cu_seqlens[b], cu_seqlens[b + 1]
-        n, total = end - start, kv_lens[b]
+        total = kv_lens[b]
         slots = sequence_slots(page_table[b], total, page_size)
         k = k_cache[slots].repeat_interleave(group, dim=1)  # [L, H, D]
         v = v_cache[slots].repeat_interleave(group, dim=1)
-        qs = q[start:end]
-        scores = torch.einsum("thd,lhd->htl", qs, k).float() * scale
-        q_pos = torch.arange(total - n, total, device=q.device)[:, None]
         k_pos = torch.arange(total, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out[start:end] = torch.einsum("htl,lhd->thd", probs, v)
+        for r0 in range(start, end, REF_ROWS):
+            r1 = min(end, r0 + REF_ROWS)
+            scores = torch.einsum("thd,lhd->htl", q[r0:r1], k).float() * scale
+            q_pos = torch.arange(total - (end - r0), total - (end - r1), device=q.device)[:, None]
+            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(q.dtype)
+            out[r0:r1] = torch.einsum("htl,lhd->thd", probs, v)
     return out
 
 
