@@ -12,6 +12,8 @@ Rows, per MoE layer (the mean over the first `--layers` MoE layers), all from th
   pinned alloc only the bank's pinned allocation alone, as `bank after` makes it
   resident before   per-expert reads, `pack`, one write per expert into the device slots
   resident after    the resident backend's path (`SlotBuffer.from_experts`)
+  resident span     the slots filled from the files' spans (`moe.span_load`: one copy per span of
+                    nearby parts, then device copies into place)
 Banks are pinned with `--device cuda` (as the offload backends build them); resident slots go
 to `--device` (on the CPU the resident backend keeps the packed experts: no copy at all, so its
 row times only the read). `--load-model` also times a whole `load_model` per backend (1 and
@@ -34,6 +36,7 @@ from moeferry.model.weights import WeightLoader
 from moeferry.memory.allocator import configure_allocator
 from moeferry.moe.bank import build_bank
 from moeferry.moe.slots import SlotBuffer
+from moeferry.moe.span_load import fill_from_spans
 
 
 def expert_ranges(reader: CheckpointReader, layer: int) -> list[tuple[str, int, int]]:
@@ -75,6 +78,12 @@ def per_expert_slots(experts, device, pin: bool, threads: int) -> SlotBuffer:
 
 def resident_slots(experts, device, threads: int) -> SlotBuffer:
     return SlotBuffer.from_experts(experts.format, experts.experts, device, threads=threads)
+
+
+def span_slots(experts, device) -> SlotBuffer:
+    buf = SlotBuffer.allocate(experts.format, experts.num_experts, experts.experts[0], device)
+    fill_from_spans(buf, experts.experts)
+    return buf
 
 
 def pinned_bank(experts) -> SlotBuffer:
@@ -130,6 +139,7 @@ def measure(model: str, device: torch.device, layers: int, threads: int) -> list
             cases["resident before"] = lambda: per_expert_slots(_layer_experts(w, spec, p, threads, mapped=False),
                                                                 device, False, threads)
             cases["resident after"] = lambda: resident_slots(_layer_experts(w, spec, p, threads), device, threads)
+            cases["resident span"] = lambda: span_slots(_layer_experts(w, spec, p, threads), device)
         for name, fn in cases.items():
             t, out = timed(fn, device)
             rows.setdefault(name, []).append(t)

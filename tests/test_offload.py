@@ -27,6 +27,7 @@ from moeferry.memory.allocator import allocator_settings, configure_allocator, p
 from moeferry.moe.bank import HostRamError, build_bank, plan_loading
 from moeferry.moe.offload import OffloadExperts
 from moeferry.moe.slots import SlotBuffer
+from moeferry.moe.span_load import fill_from_spans
 from moeferry.scheduler.sampling import SamplingParams
 from tests.conftest import rel_err
 from tests.test_quant_models import quant_checkpoint  # noqa: F401  (session fixture)
@@ -1063,7 +1064,8 @@ def _same_bytes(a: SlotBuffer, b: SlotBuffer, what) -> None:
 def test_mapped_loading_is_byte_identical(ckpt, preset):
     """The loader's path (views of the mapped files, each part copied once into place, threads)
     builds banks and resident slots byte for byte equal to the per-expert path (tensors read as
-    copies, each expert `pack`ed, then written); mapped views equal the read tensors."""
+    copies, each expert `pack`ed, then written), and so does filling slots from the files' spans
+    (`span_load`); mapped views equal the read tensors."""
     reader = CheckpointReader(ckpt("qwen3_5_moe", preset))
     spec = resolve_spec(reader)
     w = WeightLoader(reader, torch.float32, "cpu")
@@ -1081,6 +1083,12 @@ def test_mapped_loading_is_byte_identical(ckpt, preset):
         _same_bytes(build_bank(mapped, pin=False), ref, (preset, layer, "serial bank"))
         _same_bytes(SlotBuffer.from_experts(mapped.format, mapped.experts, "cpu", threads=2), ref,
                     (preset, layer, "resident slots"))
+        spans = SlotBuffer.allocate(mapped.format, mapped.num_experts, mapped.experts[0], "cpu")
+        moved = fill_from_spans(spans, mapped.experts)
+        _same_bytes(spans, ref, (preset, layer, "slots from file spans"))
+        if preset != "int4_awq":  # AWQ's repacked parts are new tensors, copied one by one
+            assert moved >= sum(t.nbytes for m in (ref.gate_up, ref.down) for k, t in m.tensors().items()
+                                if k == "w"), (preset, moved)
         more = ref.to("cpu", ref.num_slots + 3)  # how resident slots reach a device: one copy per tensor
         assert more.num_slots == ref.num_slots + 3
         for mine, theirs in ((more.gate_up, ref.gate_up), (more.down, ref.down)):

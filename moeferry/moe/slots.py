@@ -17,7 +17,7 @@ import torch
 from moeferry.checkpoint.formats import FORMATS
 from moeferry.moe.layer_experts import ExpertWeights
 from moeferry.ops.cpu.experts import kernel as cpu_kernel
-from moeferry.ops.triton.moe_formats import DENSE, MoEKernel, SlotMatrix
+from moeferry.ops.triton.moe_formats import DENSE, MoEKernel, SlotMatrix, copy_part
 from moeferry.ops.triton.moe_decode import DecodeConfig
 from moeferry.ops.triton.moe_gemm import MoEConfig, decode_config, fused_moe
 from moeferry.ops.triton.moe_prep import RoutingScratch
@@ -126,11 +126,11 @@ class SlotBuffer:
         self.gate_up.write(slot, packed[0])
         self.down.write(slot, packed[1])
 
-    def write(self, slot: int, expert: ExpertWeights) -> None:
-        """One expert into `slot`, each part copied straight into place."""
+    def write(self, slot: int, expert: ExpertWeights, copy=copy_part) -> None:
+        """One expert into `slot`, each part copied straight into place (by `copy(dst, src)`)."""
         gate, up, down = expert
-        self.gate_up.write_weights(slot, [gate, up])
-        self.down.write_weights(slot, [down])
+        self.gate_up.write_weights(slot, [gate, up], copy)
+        self.down.write_weights(slot, [down], copy)
 
     def write_experts(self, experts: Sequence[ExpertWeights], threads: int = 1) -> None:
         """Expert s into slot s for every expert; `threads` copy in parallel (copies release the GIL)."""

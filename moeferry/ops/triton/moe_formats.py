@@ -237,6 +237,10 @@ def fp8_block_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
 # fp4_gemv and int4_gemv work on packed fp16x2 halves: nibble_gemv.py.
 
 
+def copy_part(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
 # -- slot tensors ---------------------------------------------------------------------------
 @dataclass
 class SlotMatrix:
@@ -289,10 +293,10 @@ class SlotMatrix:
         for name, t in parts.items():
             getattr(self, name)[slot].copy_(t, non_blocking=True)
 
-    def write_weights(self, slot: int, weights: list) -> None:
+    def write_weights(self, slot: int, weights: list, copy=copy_part) -> None:
         """Pack one expert's PackedWeights (stacked by rows, as `MoEKernel.pack`) straight into
-        `slot`: one copy from the source (e.g. a memory-mapped checkpoint) into place."""
-        self.kernel.pack(weights, {name: t[slot] for name, t in self.tensors().items()})
+        `slot`: one `copy(dst, src)` a part, from the source (e.g. a memory-mapped checkpoint) into place."""
+        self.kernel.pack(weights, {name: t[slot] for name, t in self.tensors().items()}, copy)
 
     def read(self, slot: int) -> dict[str, torch.Tensor]:
         """A copy of one slot's tensors, in `MoEKernel.pack`'s form (the inverse of `write`)."""
@@ -375,58 +379,60 @@ class MoEKernel:
         return SlotMatrix(self, n, example[0].in_features, part or n, **stacked, **meta)
 
 
-# `_pack_<form>(ws, out=None)`: one slot's tensors from the PackedWeights stacked by rows into it;
-# with `out` (that slot's tensors, e.g. a view of a bank) each part is copied straight into place.
-def _rows(parts: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
+# `_pack_<form>(ws, out=None, copy=copy_part)`: one slot's tensors from the PackedWeights stacked by
+# rows into it; with `out` (that slot's tensors, e.g. a view of a bank) each part goes straight
+# into place by `copy(dst, src)` (a copy now, or recorded: `moe.span_load`).
+def _rows(parts: list[torch.Tensor], out: torch.Tensor | None, copy=copy_part) -> torch.Tensor:
     if out is None:
         return torch.cat(parts, dim=0)
     row = 0
     for p in parts:
-        out[row:row + p.shape[0]].copy_(p)
+        copy(out[row:row + p.shape[0]], p)
         row += p.shape[0]
     return out
 
 
-def _cat(ws, attr, out=None):
-    return _rows([getattr(w, attr) for w in ws], out)
+def _cat(ws, attr, out=None, copy=copy_part):
+    return _rows([getattr(w, attr) for w in ws], out, copy)
 
 
-def _row_scale(ws, attr, out=None):
-    return _rows([getattr(w, attr).float().reshape(-1).expand(w.out_features) for w in ws], out)
+def _row_scale(ws, attr, out=None, copy=copy_part):
+    return _rows([getattr(w, attr).float().reshape(-1).expand(w.out_features) for w in ws], out, copy)
 
 
 def _slot(out, key):
     return None if out is None else out[key]
 
 
-def _pack_dense(ws, out=None):
-    return {"w": _cat(ws, "weight", _slot(out, "w"))}, {}
+def _pack_dense(ws, out=None, copy=copy_part):
+    return {"w": _cat(ws, "weight", _slot(out, "w"), copy)}, {}
 
 
-def _pack_fp8_row(ws, out=None):
-    return {"w": _cat(ws, "weight", _slot(out, "w")), "rs": _row_scale(ws, "scale", _slot(out, "rs"))}, {}
+def _pack_fp8_row(ws, out=None, copy=copy_part):
+    return ({"w": _cat(ws, "weight", _slot(out, "w"), copy), "rs": _row_scale(ws, "scale", _slot(out, "rs"), copy)},
+            {})
 
 
-def _pack_fp8_block(ws, out=None):
+def _pack_fp8_block(ws, out=None, copy=copy_part):
     b0, b1 = ws[0].block_size
     if any(tuple(w.block_size) != (b0, b1) for w in ws):
         raise ValueError("fp8_block: gate and up use different block sizes")
-    return ({"w": _cat(ws, "weight", _slot(out, "w")), "s": _cat(ws, "scale_inv", _slot(out, "s")).float()},
-            {"group": b1, "group_n": b0})
+    return ({"w": _cat(ws, "weight", _slot(out, "w"), copy),
+             "s": _cat(ws, "scale_inv", _slot(out, "s"), copy).float()}, {"group": b1, "group_n": b0})
 
 
-def _pack_fp4(ws, out=None):
-    return ({"w": _cat(ws, "packed", _slot(out, "w")), "s": _cat(ws, "scale", _slot(out, "s")),
-             "rs": _row_scale(ws, "global_scale", _slot(out, "rs"))}, {"group": 16})
+def _pack_fp4(ws, out=None, copy=copy_part):
+    return ({"w": _cat(ws, "packed", _slot(out, "w"), copy), "s": _cat(ws, "scale", _slot(out, "s"), copy),
+             "rs": _row_scale(ws, "global_scale", _slot(out, "rs"), copy)}, {"group": 16})
 
 
-def _pack_int4(ws, out=None):
+def _pack_int4(ws, out=None, copy=copy_part):
     g = ws[0].group_size
     if any(w.group_size != g for w in ws) or len({w.zeros is None for w in ws}) > 1:
         raise ValueError("int4: gate and up use different group sizes or zero-point modes")
-    t = {"w": _cat(ws, "packed", _slot(out, "w")), "s": _cat(ws, "scales", _slot(out, "s"))}
+    t = {"w": _cat(ws, "packed", _slot(out, "w"), copy), "s": _cat(ws, "scales", _slot(out, "s"), copy)}
     if ws[0].zeros is not None:
-        t["z"] = _cat(ws, "zeros", _slot(out, "z"))
+        t["z"] = _cat(ws, "zeros", _slot(out, "z"), copy)
     return t, {"group": g}
 
 
