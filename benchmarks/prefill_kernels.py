@@ -98,7 +98,8 @@ def gdn_variants(sweep: bool) -> list[tg.PrefillTuning]:
     out = [BASELINE, tg.PrefillTuning()]
     for attn, warps, stages in itertools.product((False, True), (4, 8), (1, 2)):
         out.append(tg.PrefillTuning(attn_in_prep=attn, scan_bv=32, scan_warps=warps, scan_stages=stages))
-    out += [replace(tg.PrefillTuning(), scan_bv=16), replace(tg.PrefillTuning(), scan_bv=64)]
+    out += [replace(tg.PrefillTuning(), scan_bv=16), replace(tg.PrefillTuning(), scan_bv=64),
+            replace(tg.PrefillTuning(), prep_precision="tf32")]
     return list(dict.fromkeys(out))
 
 

@@ -149,6 +149,7 @@ def _scan_kernel(q_ptr, k_ptr, stride_qt, stride_qh, w_ptr, u_ptr, gc_ptr, attn_
 class PrefillTuning:
     """The chunked prefill's kernel variants (benchmarks/prefill_kernels.py measures them)."""
     attn_in_prep: bool = True  # the chunk's q k^T in the parallel kernel (a T * Hv * 64 * 4-byte buffer)
+    prep_precision: str = "tf32x3"  # the parallel kernel's products (the chunk inverse): tf32x3 or tf32
     scan_bv: int = 32  # V columns of the state per scan program
     scan_warps: int = 4
     scan_stages: int = 2
@@ -197,7 +198,7 @@ def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, max_q_len
     _prep_kernel[(bsz, triton.cdiv(max_q_len, CHUNK), hv)](
         q, k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), g, beta, g.stride(0), cu, w, u, gc, attn,
         scale, HV=hv, REP=rep, DK=dk, DV=dv, BK=bk, BV=bv_full, C=CHUNK,
-        PREC="ieee" if interpreting() else "tf32x3", ATTN=tuning.attn_in_prep,
+        PREC="ieee" if interpreting() else tuning.prep_precision, ATTN=tuning.attn_in_prep,
         num_warps=8, num_stages=1)
     bv = min(bv_full, tuning.scan_bv)
     _scan_kernel[(bsz, hv, triton.cdiv(dv, bv))](
