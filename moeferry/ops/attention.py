@@ -138,10 +138,15 @@ def _sequence_attention(q, k, v, k_cache, v_cache, start: int, end: int, total: 
     return o[0].transpose(0, 1)  # flash's output is [1, n, H, D] in memory: a view, no copy
 
 
+def _flash_may_serve(device, dtype: torch.dtype) -> bool:
+    """The device and dtype `chunk_attention` may serve (CUDA, half precision)."""
+    return torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+
 def context_gather_bytes(num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
     """Bytes a token of context costs `chunk_attention`'s gather (its keys and values) for a chunk
-    after a prefix, where that path may serve (CUDA, half precision); 0 where the paged kernel does."""
-    if torch.device(device).type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+    after a prefix, where that path may serve; 0 where the paged kernel does."""
+    if not _flash_may_serve(device, dtype):
         return 0
     return 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
@@ -149,7 +154,7 @@ def context_gather_bytes(num_kv_heads: int, head_dim: int, dtype: torch.dtype, d
 def use_chunk_attention(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor, q_lens: list[int]) -> bool:
     """Whether `chunk_attention` (flash) serves this step: CUDA, half precision (the cache's too),
     enough new tokens, and flash taking this geometry."""
-    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or k_cache.dtype != q.dtype:
+    if not _flash_may_serve(q.device, q.dtype) or k_cache.dtype != q.dtype:
         return False
     if sum(q_lens) < FLASH_MIN_TOKENS:
         return False
