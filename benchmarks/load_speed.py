@@ -7,11 +7,14 @@ Rows, per MoE layer (the mean over the first `--layers` MoE layers), all from th
   raw read          the layer's expert bytes read from the files with plain reads (the bound)
   bank before       per-expert reads (`get`), `pack` (a copy), then the slot write (runs first: its
                     pinned memory comes from cudaHostAlloc, as before)
-  bank after        the loader's path: views of the mapped files, each part copied once into the bank
-                    (pinned by malloc + cudaHostRegister from several threads: `configure_allocator`)
+  bank after        the loader's path (pinned by malloc + cudaHostRegister from several threads:
+                    `configure_allocator`): one `moe.placement.Placement` for all timed layers, so
+                    the first layer is placed from views of the mapped files (each part copied once
+                    into the bank) and the next ones from its template (no views)
   pinned alloc only the bank's pinned allocation alone, as `bank after` makes it
   resident before   per-expert reads, `pack`, one write per expert into the device slots
-  resident after    the resident backend's path (`SlotBuffer.from_experts`)
+  resident after    the resident backend's path: one `HostStaging` for all timed layers (its buffer
+                    allocated at the first layer, its placement's template from the second)
   resident span     the slots filled from the files' spans (`moe.span_load`: one copy per span of
                     nearby parts, then device copies into place)
 Banks are pinned with `--device cuda` (as the offload backends build them); resident slots go
@@ -35,7 +38,8 @@ from moeferry.model.registry import resolve_spec
 from moeferry.model.weights import WeightLoader
 from moeferry.memory.allocator import configure_allocator
 from moeferry.moe.bank import build_bank
-from moeferry.moe.slots import SlotBuffer
+from moeferry.moe.placement import Placement
+from moeferry.moe.slots import HostStaging, SlotBuffer
 from moeferry.moe.span_load import fill_from_spans
 
 
@@ -76,8 +80,8 @@ def per_expert_slots(experts, device, pin: bool, threads: int) -> SlotBuffer:
     return buf
 
 
-def resident_slots(experts, device, threads: int) -> SlotBuffer:
-    return SlotBuffer.from_experts(experts.format, experts.experts, device, threads=threads)
+def resident_slots(experts, device, staging: HostStaging) -> SlotBuffer:
+    return staging.to_device(experts, [], device)
 
 
 def span_slots(experts, device) -> SlotBuffer:
@@ -117,6 +121,7 @@ def measure(model: str, device: torch.device, layers: int, threads: int) -> list
     w = WeightLoader(reader, torch.bfloat16, "cpu")
     moe = [i for i in range(spec.num_layers) if spec.is_moe_layer(i)][:layers]
     pin = device.type == "cuda"
+    placement, staging = Placement(), HostStaging(pin=pin, depth=2)  # kept from layer to layer, as loading keeps them
     rows: dict[str, list[float]] = {}
     nbytes = 0
     for layer in moe:
@@ -129,16 +134,16 @@ def measure(model: str, device: torch.device, layers: int, threads: int) -> list
         cases = {
             "bank before": lambda: per_expert_slots(_layer_experts(w, spec, p, threads, mapped=False), "cpu", pin,
                                                     threads),
-            "bank after": lambda: build_bank(_layer_experts(w, spec, p, threads), pin, threads),
+            "bank after": lambda: build_bank(_layer_experts(w, spec, p, threads), pin, placement),
         }
         if pin:
             cases["pinned alloc only"] = lambda: pinned_bank(_layer_experts(w, spec, p, threads))
         if device.type == "cpu":
-            cases["resident after (read only)"] = lambda: _layer_experts(w, spec, p, threads)
+            cases["resident after (read only)"] = lambda: list(_layer_experts(w, spec, p, threads).experts)
         else:
             cases["resident before"] = lambda: per_expert_slots(_layer_experts(w, spec, p, threads, mapped=False),
                                                                 device, False, threads)
-            cases["resident after"] = lambda: resident_slots(_layer_experts(w, spec, p, threads), device, threads)
+            cases["resident after"] = lambda: resident_slots(_layer_experts(w, spec, p, threads), device, staging)
             cases["resident span"] = lambda: span_slots(_layer_experts(w, spec, p, threads), device)
         for name, fn in cases.items():
             t, out = timed(fn, device)

@@ -42,7 +42,7 @@ from moeferry.ops.triton import gdn as tg  # noqa: E402
 DEV = MK.DEV
 HQ, HKV, D = 16, 2, 256
 HK, HV, DK, DV = 16, 32, 128, 128
-BASELINE = tg.PrefillTuning(attn_in_prep=False, scan_bv=32, scan_warps=8, scan_stages=1)
+BASELINE = tg.PrefillTuning(attn_in_prep=False, prep_precision="tf32x3", scan_bv=32, scan_warps=8, scan_stages=1)
 
 
 def rel(a, b) -> float:
@@ -99,7 +99,7 @@ def gdn_variants(sweep: bool) -> list[tg.PrefillTuning]:
     for attn, warps, stages in itertools.product((False, True), (4, 8), (1, 2)):
         out.append(tg.PrefillTuning(attn_in_prep=attn, scan_bv=32, scan_warps=warps, scan_stages=stages))
     out += [replace(tg.PrefillTuning(), scan_bv=16), replace(tg.PrefillTuning(), scan_bv=64),
-            replace(tg.PrefillTuning(), prep_precision="tf32")]
+            replace(tg.PrefillTuning(), prep_precision="tf32x3")]
     return list(dict.fromkeys(out))
 
 

@@ -26,7 +26,8 @@ from moeferry.moe.bandwidth import MissSplit
 from moeferry.memory.allocator import allocator_settings, configure_allocator, pinned_register_settings
 from moeferry.moe.bank import HostRamError, build_bank, plan_loading
 from moeferry.moe.offload import OffloadExperts
-from moeferry.moe.slots import SlotBuffer
+from moeferry.moe.slots import HostStaging, SlotBuffer
+from moeferry.moe.placement import Placement
 from moeferry.moe.span_load import fill_from_spans
 from moeferry.scheduler.sampling import SamplingParams
 from tests.conftest import rel_err
@@ -1060,9 +1061,10 @@ def _same_bytes(a: SlotBuffer, b: SlotBuffer, what) -> None:
             assert torch.equal(x[k].contiguous().view(torch.uint8), y[k].contiguous().view(torch.uint8)), (what, k)
 
 
-@pytest.mark.parametrize("preset", ["mixed_nvfp4", "int4_awq", "fp8_block"])
+@pytest.mark.parametrize("preset", ["mixed_nvfp4", "int4_awq", "fp8_block", "nvfp4_ct", "int4_ct"])
 def test_mapped_loading_is_byte_identical(ckpt, preset):
-    """The loader's path (views of the mapped files, each part copied once into place, threads)
+    """The loader's path (views of the mapped files, each part copied once into place; from a
+    layout's second layer on the copies come from the first layer's template, without views)
     builds banks and resident slots byte for byte equal to the per-expert path (tensors read as
     copies, each expert `pack`ed, then written), and so does filling slots from the files' spans
     (`span_load`); mapped views equal the read tensors."""
@@ -1073,16 +1075,19 @@ def test_mapped_loading_is_byte_identical(ckpt, preset):
         view, read = reader.view(name), reader.get(name)
         assert view.dtype == read.dtype and view.shape == read.shape, name
         assert torch.equal(view.reshape(-1).view(torch.uint8), read.reshape(-1).view(torch.uint8)), name
-    for layer in (i for i in range(spec.num_layers) if spec.is_moe_layer(i)):
+    placement, staging = Placement(), HostStaging(pin=False)
+    layers = [i for i in range(spec.num_layers) if spec.is_moe_layer(i)]
+    for layer in layers:
         p = f"model.layers.{layer}.mlp."
-        mapped, copied = _layer_experts(w, spec, p, threads=2), _layer_experts(w, spec, p, mapped=False)
+        copied = _layer_experts(w, spec, p, mapped=False)
         ref = SlotBuffer.allocate(copied.format, copied.num_experts, copied.experts[0], "cpu")
         for e, ex in enumerate(copied.experts):
             ref.write_packed(e, ref.pack(ex))
-        _same_bytes(build_bank(mapped, pin=False, threads=2), ref, (preset, layer, "bank"))
-        _same_bytes(build_bank(mapped, pin=False), ref, (preset, layer, "serial bank"))
-        _same_bytes(SlotBuffer.from_experts(mapped.format, mapped.experts, "cpu", threads=2), ref,
-                    (preset, layer, "resident slots"))
+        _same_bytes(build_bank(_layer_experts(w, spec, p), pin=False, placement=placement), ref,
+                    (preset, layer, "bank"))
+        _same_bytes(build_bank(_layer_experts(w, spec, p, threads=2), pin=False), ref, (preset, layer, "alone"))
+        _same_bytes(staging.filled(_layer_experts(w, spec, p)).to("cpu"), ref, (preset, layer, "resident slots"))
+        mapped = _layer_experts(w, spec, p)
         spans = SlotBuffer.allocate(mapped.format, mapped.num_experts, mapped.experts[0], "cpu")
         moved = fill_from_spans(spans, mapped.experts)
         _same_bytes(spans, ref, (preset, layer, "slots from file spans"))
@@ -1094,6 +1099,38 @@ def test_mapped_loading_is_byte_identical(ckpt, preset):
         for mine, theirs in ((more.gate_up, ref.gate_up), (more.down, ref.down)):
             for k, t in theirs.tensors().items():
                 assert torch.equal(mine.tensors()[k][:ref.num_slots].view(torch.uint8), t.view(torch.uint8))
+    assert len(layers) >= 2
+    # computed parts take no template: AWQ's repacked words, nvfp4_ct's row scale (1 / its stored global scale)
+    templated = 0 if preset in ("int4_awq", "nvfp4_ct") else len(layers) - 1
+    assert (placement.templated, placement.plain) == (templated, len(layers) - templated)
+    assert staging.placement.templated == templated
+
+
+def test_placement_template_falls_back_on_a_different_layer(ckpt, monkeypatch):
+    """A layer whose tensors differ from the template layer's (shape or dtype) is not placed from
+    the template: `instantiate` refuses it and the layer takes the plain path (same bytes)."""
+    import dataclasses
+    from moeferry.moe import placement as placement_mod
+
+    reader = CheckpointReader(ckpt("qwen3_5_moe", "mixed_nvfp4"))
+    spec = resolve_spec(reader)
+    w = WeightLoader(reader, torch.float32, "cpu")
+    first, second = [f"model.layers.{i}.mlp." for i in range(spec.num_layers) if spec.is_moe_layer(i)][:2]
+    placement = Placement()
+    bank = build_bank(_layer_experts(w, spec, first), pin=False, placement=placement)
+    template = next(iter(placement._templates.values()))
+    assert template is not None and template.instantiate(reader, second, bank) is not None
+    name = second + "experts.1.down_proj.weight_scale"
+    monkeypatch.setitem(reader.tensors, name, dataclasses.replace(reader.tensors[name], dtype="F32"))
+    assert template.instantiate(reader, second, bank) is None
+    monkeypatch.undo()
+    monkeypatch.setattr(placement_mod._Template, "instantiate", lambda *a: None)
+    copied = _layer_experts(w, spec, second, mapped=False)
+    ref = SlotBuffer.allocate(copied.format, copied.num_experts, copied.experts[0], "cpu")
+    for e, ex in enumerate(copied.experts):
+        ref.write_packed(e, ref.pack(ex))
+    _same_bytes(build_bank(_layer_experts(w, spec, second), pin=False, placement=placement), ref, "fallback")
+    assert (placement.templated, placement.plain) == (0, 2)
 
 
 # -- 10. elastic shrink ----------------------------------------------------------------------------------

@@ -163,23 +163,30 @@ def test_run_reference_reads_each_used_slot_once_and_skips_missing():
     assert empty.shape == (0, H)
 
 
-def test_host_staging_reuses_one_buffer_per_layout():
+@pytest.mark.parametrize("depth", [1, 2])
+def test_host_staging_reuses_one_buffer_per_layout(depth):
     """Placing layers through `HostStaging` (as the resident backend does on CUDA): each layer
-    reuses its layout's host buffer, a different format or quantization gets its own, and every
-    layer's copy holds that layer's experts after later layers refilled the buffer."""
+    reuses its layout's host buffers (`depth` of them, taken in turn), a different format or
+    quantization gets its own, and every layer's copy holds that layer's experts after later
+    layers refilled the buffer."""
+    from moeferry.moe.layer_experts import LayerExperts
     from moeferry.moe.slots import HostStaging
     gen = torch.Generator().manual_seed(5)
-    staging = HostStaging(pin=False)
+    staging = HostStaging(pin=False, depth=depth)
     layers = [("nvfp4", None), ("nvfp4", None), ("int4_awq", None), ("int4_awq", QuantParams(group_size=32)),
               ("nvfp4", None)]
     placed, buffers = [], []
     for fmt, params in layers:
         experts = [_quantized_expert(fmt, H, I, gen, params) for _ in range(3)]
-        host = staging.filled(fmt, experts)
+        host = staging.filled(LayerExperts(fmt, experts))
         buffers.append(host)
         placed.append((host.to("cpu"), experts, fmt))
-    assert buffers[0] is buffers[1] is buffers[4]
-    assert len({id(b) for b in buffers}) == 3  # nvfp4, int4 g128, int4 g32
+    if depth == 1:
+        assert buffers[0] is buffers[1] is buffers[4]
+        assert len({id(b) for b in buffers}) == 3  # nvfp4, int4 g128, int4 g32
+    else:  # nvfp4's layers take its two buffers in turn
+        assert buffers[0] is not buffers[1] and buffers[4] is buffers[0]
+        assert len({id(b) for b in buffers}) == 4
     for buf, experts, fmt in placed:
         want = SlotBuffer.from_experts(fmt, experts, "cpu")
         for a, b in ((buf.gate_up, want.gate_up), (buf.down, want.down)):

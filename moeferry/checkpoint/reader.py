@@ -148,14 +148,16 @@ class CheckpointReader:
         dtype = DTYPES.get(info.dtype)
         if dtype is None:
             return self.get(name, shape)
-        data = self._file_bytes(info.file)[info.start:info.end]
+        data = self.mapped_file(info.file)[info.start:info.end]
         if info.start % dtype.itemsize:
             data = data.clone()
         return data.view(dtype).view(info.shape)
 
-    def _file_bytes(self, path: Path) -> torch.Tensor:
+    def mapped_file(self, path: Path, create: bool = True) -> torch.Tensor | None:
+        """One weight file as a uint8 tensor over its private memory mapping (made on first use;
+        `create=False`: None until then). `view`'s tensors are slices of it."""
         data = self._maps.get(path)
-        if data is None:
+        if data is None and create:
             with open(path, "rb") as f:
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
             data = self._maps[path] = torch.frombuffer(mapped, dtype=torch.uint8)

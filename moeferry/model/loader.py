@@ -18,7 +18,7 @@ from moeferry.model.layers import DecoderLayer, DenseMLP, FullAttention, GatedDe
 from moeferry.model.model import CausalLM
 from moeferry.model.spec import FULL_ATTENTION, ModelSpec
 from moeferry.model.weights import WeightLoader
-from moeferry.moe.layer_experts import LayerExperts
+from moeferry.moe.layer_experts import ExpertSource, LayerExperts, LazyExperts
 
 log = logging.getLogger(__name__)
 
@@ -86,16 +86,19 @@ def _layer_experts(w: WeightLoader, spec: ModelSpec, p: str, threads: int = 1, m
         return (w.packed(q + "gate_proj", i, h, mapped), w.packed(q + "up_proj", i, h, mapped),
                 w.packed(q + "down_proj", h, i, mapped))
 
+    source = None
     if threads > 1 and (FORMATS[fmt].repacks or not mapped):  # views are Python work: threads only contend
         with ThreadPoolExecutor(threads) as pool:
             experts = list(pool.map(read, range(e)))
+    elif mapped:  # views made when asked for: a placement from the files' index makes none
+        experts, source = LazyExperts(e, read), ExpertSource(w.reader, p)
     else:
         experts = [read(x) for x in range(e)]
     mixed = {w.format_for(f"{p}experts.{x}.{m}") for x in range(e) for m in ("gate_proj", "up_proj", "down_proj")}
     if len(mixed) > 1:
         raise CheckpointError(f"{p}experts mix formats {sorted(mixed)} within one layer; one format per layer "
                               f"is supported (checkpoint {w.reader.dir})")
-    return LayerExperts(fmt, experts)
+    return LayerExperts(fmt, experts, source=source)
 
 
 def _moe(w: WeightLoader, spec: ModelSpec, p: str, layer: int, experts_backend, times: LoadTimes) -> SparseMoE:
@@ -113,7 +116,8 @@ def _moe(w: WeightLoader, spec: ModelSpec, p: str, layer: int, experts_backend, 
     shared_gate = w.linear(p + "shared_expert_gate", 1, h)
     sp = p + "shared_expert."
     if _shared_fits_slots(w, spec, p, routed, experts_backend):  # the shared expert as one more slot
-        shared = (w.packed(sp + "gate_proj", si, h), w.packed(sp + "up_proj", si, h), w.packed(sp + "down_proj", h, si))
+        shared = tuple(w.packed(sp + m, o, n, mapped=True) for m, o, n in
+                       (("gate_proj", si, h), ("up_proj", si, h), ("down_proj", h, si)))
         return SparseMoE(spec, router, place(shared), None, shared_gate)
     return SparseMoE(spec, router, place(), _mlp(w, sp, h, si), shared_gate)
 

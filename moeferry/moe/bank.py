@@ -16,6 +16,7 @@ import torch
 from moeferry.moe.layer_experts import LayerExperts
 
 if TYPE_CHECKING:  # slots import the Triton kernels: only the offload backends need them
+    from moeferry.moe.placement import Placement
     from moeferry.moe.slots import SlotBuffer
 
 log = logging.getLogger("moeferry.moe")
@@ -35,13 +36,6 @@ def available_host_ram() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-# Python threads copying a layer's experts into its bank or slots. Each part's copy is already
-# spread over torch's intra-op threads; 8 copying threads made a whole mixed_nvfp4 load_model
-# 1.5x slower than 1 (H100 host, 2026-12-05: benchmarks/load_speed.py --compare). Reader threads
-# (`plan_loading`) still unpack repacking formats (int4 AWQ) in parallel.
-PLACEMENT_THREADS = 1
 
 
 def plan_loading(bank_bytes: int, layer_bytes: int, mode: str, available: int | None = None,
@@ -71,12 +65,14 @@ def plan_loading(bank_bytes: int, layer_bytes: int, mode: str, available: int | 
     return threads if fits_parallel else 1
 
 
-def build_bank(experts: LayerExperts, pin: bool, threads: int = 1) -> "SlotBuffer":
-    """One layer's bank: expert e in slot e, in pinned memory when `pin`."""
+def build_bank(experts: LayerExperts, pin: bool, placement: "Placement | None" = None) -> "SlotBuffer":
+    """One layer's bank: expert e in slot e, in pinned memory when `pin`; `placement` keeps its
+    templates from layer to layer (`moe.placement`)."""
+    from moeferry.moe.placement import Placement
     from moeferry.moe.slots import SlotBuffer
 
     bank = SlotBuffer.allocate(experts.format, experts.num_experts, experts.experts[0], "cpu", pin=pin)
-    bank.write_experts(experts.experts, threads)
+    (placement or Placement()).fill(bank, experts)
     return bank
 
 

@@ -41,10 +41,11 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from moeferry.moe.bank import PLACEMENT_THREADS, build_bank, pinnable, plan_loading
+from moeferry.moe.bank import build_bank, pinnable, plan_loading
 from moeferry.moe.cpu_layers import resolve as resolve_cpu_layers
 from moeferry.moe.expert_cache import ExpertCache, LayerCounters
 from moeferry.moe.layer_experts import LayerExperts
+from moeferry.moe.placement import Placement
 from moeferry.moe.resident import use_kernels
 from moeferry.moe.slots import SlotBuffer
 from moeferry.ops.cpu.experts import kernel as cpu_kernel
@@ -111,6 +112,7 @@ class OffloadBackend:
         self.cfg, self.spec, self.device, self.dtype, self.name = cfg, spec, device, dtype, name
         self.kernels = use_kernels(device)
         self.banks: dict[int, SlotBuffer] = {}
+        self.placement: Placement | None = Placement()  # while loading: the banks' copy templates
         self.groups: dict[tuple, list[int]] = {}      # slot layout -> layers
         self.caches: dict[int, ExpertCache] = {}      # layer -> its group's cache
         self.staging: dict[tuple, SlotBuffer] = {}
@@ -151,7 +153,7 @@ class OffloadBackend:
         self.load_threads = plan_loading(bank_bytes, layer_bytes, self.cfg.expert_load)
 
     def add_layer(self, layer: int, experts: LayerExperts):
-        self.banks[layer] = build_bank(experts, pinnable(self.device), PLACEMENT_THREADS)
+        self.banks[layer] = build_bank(experts, pinnable(self.device), self.placement)
         self.groups.setdefault(self._layout(self.banks[layer]), []).append(layer)
         self.executors[layer] = OffloadExperts(self, layer)
         return self.executors[layer]
@@ -295,6 +297,7 @@ class OffloadBackend:
         total = expert_slots if expert_slots is not None else self.requested_slots()
         if total is None:
             raise ValueError("the offload backend needs an expert slot count (--moe-cache-size / -rate / -auto)")
+        self.placement = None  # loading is over (its templates hold the checkpoint's index)
         self.settle()
         self._release_device()
         if not self.transfer_chosen:  # before the cache takes the device's memory

@@ -106,15 +106,12 @@ class ResidentBackend:
         if shared is not None and not self.takes_shared:
             raise ValueError("the reference executors take no shared expert (takes_shared is False)")
         if use_kernels(self.device):
-            from moeferry.moe.bank import PLACEMENT_THREADS
-            from moeferry.moe.slots import HostStaging, SlotBuffer
+            from moeferry.moe.slots import HostStaging
             from moeferry.moe.triton_experts import TritonExperts
 
-            if self.staging is None:  # one page-locked host buffer per slot layout, reused by every layer
-                self.staging = HostStaging(pin=self.device.type == "cuda")
-            slots = experts.experts + ([shared] if shared is not None else [])
-            buf = SlotBuffer.from_experts(experts.format, slots, self.device, threads=PLACEMENT_THREADS,
-                                          staging=self.staging)
+            if self.staging is None:  # two page-locked host buffers per slot layout, reused by every layer
+                self.staging = HostStaging(pin=True, depth=2)
+            buf = self.staging.to_device(experts, [shared] if shared is not None else [], self.device)
             ex = TritonExperts(buf, torch.arange(experts.num_experts, dtype=torch.int32, device=self.device),
                                shared_slot=experts.num_experts if shared is not None else -1)
         elif experts.stacked is not None:

@@ -15,7 +15,8 @@ from typing import Sequence
 import torch
 
 from moeferry.checkpoint.formats import FORMATS
-from moeferry.moe.layer_experts import ExpertWeights
+from moeferry.moe.layer_experts import ExpertWeights, LayerExperts
+from moeferry.moe.placement import Placement
 from moeferry.ops.cpu.experts import kernel as cpu_kernel
 from moeferry.ops.triton.moe_formats import DENSE, MoEKernel, SlotMatrix, copy_part
 from moeferry.ops.triton.moe_decode import DecodeConfig
@@ -78,18 +79,18 @@ class SlotBuffer:
         the CPU the slots are filled on the host first (in `staging`'s reused buffer, else a new
         one) and copied over in one copy per tensor."""
         if torch.device(device).type != "cpu":
-            host = (staging or HostStaging(pin=False)).filled(fmt, experts, threads)
+            host = (staging or HostStaging(pin=False)).filled(LayerExperts(fmt, experts))
             return host.to(device, num_slots)
         buf = cls.allocate(fmt, num_slots or len(experts), experts[0], device)
         buf.write_experts(experts, threads)
         return buf
 
-    def to(self, device, num_slots: int | None = None) -> "SlotBuffer":
+    def to(self, device, num_slots: int | None = None, non_blocking: bool = False) -> "SlotBuffer":
         """A copy on `device` (with `num_slots` slots, the first ones filled from these)."""
         out = self.allocate_like(self, num_slots or self.num_slots, device)
         for src, dst in ((self.gate_up, out.gate_up), (self.down, out.down)):
             for name, t in src.tensors().items():
-                getattr(dst, name)[:self.num_slots].copy_(t)
+                getattr(dst, name)[:self.num_slots].copy_(t, non_blocking=non_blocking)
         return out
 
     # -- slots ----------------------------------------------------------------------------
@@ -262,27 +263,50 @@ class SlotTable:
 
 class HostStaging:
     """Host slot buffers reused from layer to layer while experts are placed on a device: each
-    layer's experts are packed into the buffer of their layout (page-locked with `pin`, so the
-    copy to the device is a DMA and no layer allocates and faults in fresh host memory), then
-    copied over synchronously, so the buffer is free again when `SlotBuffer.from_experts`
-    returns. One buffer per layout (format, slot count, tensor shapes): mixed checkpoints
-    alternate formats. `release()` frees them after loading."""
+    layer's experts are packed into a buffer of their layout (page-locked with `pin`, so the
+    copy to the device is a DMA and no layer allocates and faults in fresh host memory). One
+    set of buffers per layout (format, slot count, tensor shapes): mixed checkpoints alternate
+    formats. With `depth` 2, `to_device` leaves a layer's copy running while the next layer is
+    packed into the other buffer (a buffer is refilled only after its copy is done). Layers are
+    packed by one `Placement` (its templates skip the per-expert work after a layout's first
+    layer). `release()` frees them after loading."""
 
-    def __init__(self, pin: bool):
-        self.pin = pin
-        self._buffers: dict[tuple, SlotBuffer] = {}
+    def __init__(self, pin: bool, depth: int = 1):
+        self.pin, self.depth = pin, depth
+        self._buffers: dict[tuple, list[list]] = {}  # layout -> [[buffer, its copy's event or None], ...]
+        self._turn: dict[tuple, int] = {}
+        self._last: list | None = None  # the entry `filled` gave last
+        self.placement = Placement()
 
-    def filled(self, fmt, experts: Sequence[ExpertWeights], threads: int = 1) -> SlotBuffer:
-        """This layout's buffer (made on first use) with expert s in slot s."""
-        key = (kernel_for(fmt).name, len(experts), _layout(fmt, experts[0]))
-        buf = self._buffers.get(key)
-        if buf is None:
-            buf = self._buffers[key] = SlotBuffer.allocate(fmt, len(experts), experts[0], "cpu", pin=self.pin)
-        buf.write_experts(experts, threads)
-        return buf
+    def filled(self, experts: LayerExperts, extra: Sequence[ExpertWeights] = ()) -> SlotBuffer:
+        """A buffer of this layout (made on first use) with expert s in slot s, then `extra`."""
+        fmt, first, slots = experts.format, experts.experts[0], experts.num_experts + len(extra)
+        key = (kernel_for(fmt).name, slots, _layout(fmt, first))
+        ring = self._buffers.setdefault(key, [])
+        turn = self._turn[key] = (self._turn.get(key, -1) + 1) % self.depth
+        if turn == len(ring):
+            ring.append([SlotBuffer.allocate(fmt, slots, first, "cpu", pin=self.pin), None])
+        entry = self._last = ring[turn]
+        if entry[1] is not None:
+            entry[1].synchronize()  # its last copy to the device has finished reading it
+        self.placement.fill(entry[0], experts, extra)
+        return entry[0]
+
+    def to_device(self, experts: LayerExperts, extra: Sequence[ExpertWeights], device) -> SlotBuffer:
+        """The layer's slots on `device` (CUDA), the copy left running on the current stream."""
+        host = self.filled(experts, extra)
+        out = host.to(device, non_blocking=self.pin)
+        self._last[1] = torch.cuda.Event()
+        self._last[1].record()
+        return out
 
     def release(self) -> None:
+        for ring in self._buffers.values():
+            for _, done in ring:
+                if done is not None:
+                    done.synchronize()
         self._buffers.clear()
+        self.placement = Placement()
 
 
 def _layout(fmt, example: ExpertWeights) -> tuple:

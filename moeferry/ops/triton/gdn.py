@@ -149,7 +149,10 @@ def _scan_kernel(q_ptr, k_ptr, stride_qt, stride_qh, w_ptr, u_ptr, gc_ptr, attn_
 class PrefillTuning:
     """The chunked prefill's kernel variants (benchmarks/prefill_kernels.py measures them)."""
     attn_in_prep: bool = True  # the chunk's q k^T in the parallel kernel (a T * Hv * 64 * 4-byte buffer)
-    prep_precision: str = "tf32x3"  # the parallel kernel's products (the chunk inverse): tf32x3 or tf32
+    # the parallel kernel's products (the chunk inverse): "tf32" (one TF32 MMA, 10-bit mantissas:
+    # more than bf16 inputs carry) or "tf32x3" (split into three, fp32-exact). H100, 8192 tokens:
+    # 2.48 -> 1.57 ms, 1.1e-3 relative to tf32x3's output (benchmarks/prefill_kernels.py)
+    prep_precision: str = "tf32"
     scan_bv: int = 32  # V columns of the state per scan program
     scan_warps: int = 4
     scan_stages: int = 2

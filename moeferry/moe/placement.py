@@ -1,0 +1,181 @@
+"""Copying a layer's experts into slot buffers (host banks, the resident backend's staging).
+
+A layer's experts reach their slots as a list of copies, one per part (for NVFP4 about 2300 a
+layer: each expert's packed weights, block scales and row scales; `MoEKernel.pack` decides
+them). The first layer of a slot layout is placed the plain way: its experts are read as views
+of the memory-mapped checkpoint, each part recorded by `SlotBuffer.write`'s copy hook, and the
+copies run in one `torch._foreach_copy_`. When every recorded source is a byte range of one
+checkpoint tensor (or one element of it, broadcast) in the same dtype as its destination, the
+copies are kept as a template in layer-relative tensor names. The next layers of that layout
+then skip the per-expert views and packing: the template is instantiated from the checkpoint's
+index (each tensor checked for the template layer's shape and dtype; any difference, and the
+layer is placed the plain way), which is dictionary lookups and slices. Byte-identical to the
+plain path (tests); formats whose parts are computed (int4 AWQ's repacking) always take it.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from moeferry.moe.layer_experts import ExpertWeights, LayerExperts
+
+if TYPE_CHECKING:
+    from moeferry.checkpoint.reader import CheckpointReader
+    from moeferry.moe.slots import SlotBuffer
+
+Pairs = tuple[list[torch.Tensor], list[torch.Tensor]]  # (destinations, sources) of copy_
+
+
+def copy_pairs(pairs: Pairs) -> None:
+    """Every dst.copy_(src) of `pairs` in one call (no Python between the copies)."""
+    if pairs[0]:
+        torch._foreach_copy_(*pairs)
+
+
+def record(buf: "SlotBuffer", slots: Sequence[ExpertWeights]) -> Pairs:
+    """The copies that put slots[s] into slot s of `buf`, not yet run."""
+    dsts, srcs = [], []
+
+    def hook(dst: torch.Tensor, src: torch.Tensor) -> None:
+        dsts.append(dst)
+        srcs.append(src)
+    for slot, expert in enumerate(slots):
+        buf.write(slot, expert, hook)
+    return dsts, srcs
+
+
+def _slot_tensors(buf: "SlotBuffer") -> list[torch.Tensor]:
+    return [t for m in (buf.gate_up, buf.down) for t in m.tensors().values()]
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class _Part:
+    dst: int          # index into the buffer's slot tensors
+    dst_off: int      # byte offset in that tensor
+    src: str          # tensor name after the layer prefix
+    src_off: int      # byte offset in that tensor
+    nbytes: int       # bytes copied (broadcast: the one element's size)
+    count: int        # 0: a plain byte copy; else the element repeated `count` times
+    dtype: torch.dtype
+
+
+class _SourceIndex:
+    """Which checkpoint tensor a host pointer lies in: the reader's mapped files by address."""
+
+    def __init__(self, reader: "CheckpointReader"):
+        self.reader = reader
+        by_file: dict[object, list[tuple[int, str, int]]] = {}
+        for name, info in reader.tensors.items():
+            by_file.setdefault(info.file, []).append((info.start, name, info.end))
+        self._files = {path: sorted(rows) for path, rows in by_file.items()}
+        self._starts = {path: [r[0] for r in rows] for path, rows in self._files.items()}
+
+    def locate(self, ptr: int, nbytes: int) -> tuple[str, int] | None:
+        """(tensor name, byte offset in it) of [ptr, ptr + nbytes), None unless inside one tensor
+        of a mapped file."""
+        for path, rows in self._files.items():
+            data = self.reader.mapped_file(path, create=False)
+            off = ptr - data.data_ptr() if data is not None else -1
+            if 0 <= off < (data.numel() if data is not None else 0):
+                i = bisect.bisect_right(self._starts[path], off) - 1
+                if i >= 0 and off + nbytes <= rows[i][2]:
+                    return rows[i][1], off - rows[i][0]
+                return None
+        return None
+
+
+class _Template:
+    """A layer's copies in layer-relative names; `instantiate` gives another layer's."""
+
+    def __init__(self, parts: list[_Part], shapes: dict[str, tuple]):
+        self.parts, self.shapes = parts, shapes
+
+    @classmethod
+    def build(cls, pairs: Pairs, buf: "SlotBuffer", index: _SourceIndex, prefix: str) -> "_Template | None":
+        bases = [(t.untyped_storage().data_ptr(), t.data_ptr(), t) for t in _slot_tensors(buf)]
+        parts = []
+        for dst, src in zip(*pairs):
+            part = _part(dst, src, bases, index, prefix)
+            if part is None:
+                return None
+            parts.append(part)
+        infos = index.reader.tensors
+        return cls(parts, {p.src: (infos[prefix + p.src].shape, infos[prefix + p.src].dtype) for p in parts})
+
+    def instantiate(self, reader: "CheckpointReader", prefix: str, buf: "SlotBuffer") -> Pairs | None:
+        """The copies of the layer at `prefix` into `buf`; None when one of its tensors is
+        missing or differs in shape or dtype from the template layer's."""
+        infos = {}
+        for name, shape_dtype in self.shapes.items():
+            info = reader.tensors.get(prefix + name)
+            if info is None or (info.shape, info.dtype) != shape_dtype:
+                return None
+            infos[name] = (reader.mapped_file(info.file), info.start)
+        dst_bytes = [_byte_view(t) for t in _slot_tensors(buf)]
+        dsts, srcs = [], []
+        for p in self.parts:
+            data, start = infos[p.src]
+            a = start + p.src_off
+            if p.count:
+                dsts.append(dst_bytes[p.dst][p.dst_off:p.dst_off + p.nbytes * p.count].view(p.dtype))
+                srcs.append(data[a:a + p.nbytes].view(p.dtype).expand(p.count))
+            else:
+                dsts.append(dst_bytes[p.dst][p.dst_off:p.dst_off + p.nbytes])
+                srcs.append(data[a:a + p.nbytes])
+        return dsts, srcs
+
+
+def _part(dst: torch.Tensor, src: torch.Tensor, bases, index: _SourceIndex, prefix: str) -> _Part | None:
+    """One recorded copy as a template part; None when it cannot be one (a computed source, a
+    dtype conversion, a strided destination)."""
+    if src.dtype != dst.dtype or not dst.is_contiguous() or src.device.type != "cpu":
+        return None
+    where = next(((i, dst.data_ptr() - base) for i, (storage, base, _) in enumerate(bases)
+                  if dst.untyped_storage().data_ptr() == storage), None)
+    if where is None:
+        return None
+    if src.is_contiguous():
+        nbytes, count = src.nbytes, 0
+    elif all(st == 0 or n == 1 for st, n in zip(src.stride(), src.shape)):  # one element, broadcast
+        nbytes, count = src.element_size(), dst.numel()
+    else:
+        return None
+    found = index.locate(src.data_ptr(), nbytes)
+    if found is None or not found[0].startswith(prefix):
+        return None
+    return _Part(where[0], where[1], found[0][len(prefix):], found[1], nbytes, count, dst.dtype)
+
+
+class Placement:
+    """Places layers one after another, keeping a template per slot layout (see module doc).
+    `templated` / `plain`: layers placed each way (the log and tests read them)."""
+
+    def __init__(self):
+        self._templates: dict[tuple, _Template | None] = {}
+        self._index: _SourceIndex | None = None
+        self.templated = self.plain = 0
+
+    def fill(self, buf: "SlotBuffer", experts: LayerExperts, extra: Sequence[ExpertWeights] = ()) -> None:
+        """Slot s of `buf` <- experts.experts[s], then `extra` (e.g. the shared expert) after them."""
+        source = experts.source
+        key = (experts.format, experts.num_experts, len(extra),
+               tuple((t.shape[1:], t.dtype) for t in _slot_tensors(buf)))
+        template = self._templates.get(key) if source is not None else None
+        pairs = template.instantiate(source.reader, source.prefix, buf) if template is not None else None
+        if pairs is not None:
+            self.templated += 1
+        else:
+            pairs = record(buf, list(experts.experts) + list(extra))
+            self.plain += 1
+            if source is not None and key not in self._templates:
+                if self._index is None or self._index.reader is not source.reader:
+                    self._index = _SourceIndex(source.reader)
+                self._templates[key] = _Template.build(pairs, buf, self._index, source.prefix)
+        copy_pairs(pairs)
