@@ -220,7 +220,7 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       loadcmp)  step make_load4 60 200 make_ckpt "$WORK/ckpt_load4" 0 mixed_nvfp4 4 \
                   && step make_load4_bf16 60 200 make_ckpt "$WORK/ckpt_load4_bf16" 0 bf16 4 \
                   && step loadcmp 60 240 python3 benchmarks/load_speed.py --model "$WORK/ckpt_load4" --device cuda \
-                  --layers 2 --load-model --compare "$WORK/ckpt_load4_bf16" --out "$WORK/loadcmp" ;;
+                  --layers 4 --load-model --compare "$WORK/ckpt_load4_bf16" --out "$WORK/loadcmp" ;;
       prefill)  step prefill 90 240 python3 benchmarks/prefill_kernels.py --out "$WORK/prefill" ;;
       prepskew) step prepskew 200 300 bash -c 'gputests & make_ckpt "$WORK/ckpt_skew" "$SKEW"; rc=$?; wait; exit $rc' \
                   || { echo "no skewed checkpoint: stopping"; break; } ;;

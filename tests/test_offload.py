@@ -10,6 +10,7 @@ bookkeeping is a plain-Python LRU (or LFU) replaying the routing trace the execu
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections import defaultdict
 
@@ -1075,7 +1076,7 @@ def test_mapped_loading_is_byte_identical(ckpt, preset):
         view, read = reader.view(name), reader.get(name)
         assert view.dtype == read.dtype and view.shape == read.shape, name
         assert torch.equal(view.reshape(-1).view(torch.uint8), read.reshape(-1).view(torch.uint8)), name
-    placement, staging = Placement(), HostStaging(pin=False)
+    placement, reading, staging = Placement(), Placement(read_threads=2), HostStaging(pin=False)
     layers = [i for i in range(spec.num_layers) if spec.is_moe_layer(i)]
     for layer in layers:
         p = f"model.layers.{layer}.mlp."
@@ -1085,6 +1086,8 @@ def test_mapped_loading_is_byte_identical(ckpt, preset):
             ref.write_packed(e, ref.pack(ex))
         _same_bytes(build_bank(_layer_experts(w, spec, p), pin=False, placement=placement), ref,
                     (preset, layer, "bank"))
+        _same_bytes(build_bank(_layer_experts(w, spec, p), pin=False, placement=reading), ref,
+                    (preset, layer, "bank, templated layers read from the files"))
         _same_bytes(build_bank(_layer_experts(w, spec, p, threads=2), pin=False), ref, (preset, layer, "alone"))
         _same_bytes(staging.filled(_layer_experts(w, spec, p)).to("cpu"), ref, (preset, layer, "resident slots"))
         mapped = _layer_experts(w, spec, p)
@@ -1103,7 +1106,42 @@ def test_mapped_loading_is_byte_identical(ckpt, preset):
     # computed parts take no template: AWQ's repacked words, nvfp4_ct's row scale (1 / its stored global scale)
     templated = 0 if preset in ("int4_awq", "nvfp4_ct") else len(layers) - 1
     assert (placement.templated, placement.plain) == (templated, len(layers) - templated)
+    assert (reading.templated, reading.plain) == (templated, len(layers) - templated)
     assert staging.placement.templated == templated
+
+
+def test_read_parts_joins_nearby_parts_and_finishes_short_reads(tmp_path, monkeypatch):
+    """`read_parts`: parts close together in a file are one preadv (the gap read into scratch),
+    parts far apart or out of order are separate reads, and a read that returns fewer bytes
+    than asked is continued until every buffer is full."""
+    import numpy as np
+    from moeferry.moe import placement as placement_mod
+
+    data = bytes(range(256)) * 1024
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    spans = [(10, 100), (120, 5000), (200_000, 300), (5, 3)]  # out of order; 5..5120 is one run, 200000 another
+    outs = [np.zeros(n, dtype=np.uint8) for _, n in spans]
+    calls = []
+    real = os.preadv
+
+    def short(fd, bufs, offset):  # at most 777 bytes a call
+        calls.append((offset, len(bufs)))
+        room, views = 777, []
+        for b in bufs:
+            m = memoryview(b).cast("B")
+            if room <= 0:
+                break
+            views.append(m[:room])
+            room -= m.nbytes
+        return real(fd, views, offset)
+    monkeypatch.setattr(placement_mod.os, "preadv", short)
+    placement_mod.read_parts([(path, off, arr) for (off, _), arr in zip(spans, outs)], threads=2)
+    for (off, n), arr in zip(spans, outs):
+        assert arr.tobytes() == data[off:off + n]
+    starts = {off for off, _ in calls}
+    assert 5 in starts and 200_000 in starts and not starts & {10, 120}  # joined, continued past 777 bytes
+    assert len(calls) == 1 + -(-(5120 - 5) // 777)
 
 
 def test_placement_template_falls_back_on_a_different_layer(ckpt, monkeypatch):
