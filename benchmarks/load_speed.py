@@ -12,15 +12,10 @@ are read once first):
                     `configure_allocator`): one `moe.placement.Placement` for all timed layers, so
                     the first layer is placed from views of the mapped files (each part copied once
                     into the bank) and the next ones from its template (no views)
-  bank read         `bank after` with the templated layers' bytes read from the files by `preadv` on
-                    --threads threads (`Placement(read_threads=...)`) instead of copied from the mappings
   pinned alloc only the bank's pinned allocation alone, as `bank after` makes it
   resident before   per-expert reads, `pack`, one write per expert into the device slots
-  resident after    the resident backend's path: one `HostStaging` for all timed layers (its buffer
-                    allocated at the first layer, its placement's template from the second)
-  resident read     `resident after` with file reads, as `bank read`
-  resident span     the slots filled from the files' spans (`moe.span_load`: one copy per span of
-                    nearby parts, then device copies into place)
+  resident after    the resident backend's path: one `HostStaging` for all timed layers (its buffers
+                    allocated at the first layers, its placement's template from the second)
 Banks are pinned with `--device cuda` (as the offload backends build them); resident slots go
 to `--device` (on the CPU the resident backend keeps the packed experts: no copy at all, so its
 row times only the read). `--load-model` also times a whole `load_model` per backend (1 and
@@ -44,7 +39,6 @@ from moeferry.memory.allocator import configure_allocator
 from moeferry.moe.bank import build_bank
 from moeferry.moe.placement import Placement
 from moeferry.moe.slots import HostStaging, SlotBuffer
-from moeferry.moe.span_load import fill_from_spans
 
 
 def expert_ranges(reader: CheckpointReader, layer: int) -> list[tuple[str, int, int]]:
@@ -88,12 +82,6 @@ def resident_slots(experts, device, staging: HostStaging) -> SlotBuffer:
     return staging.to_device(experts, [], device)
 
 
-def span_slots(experts, device) -> SlotBuffer:
-    buf = SlotBuffer.allocate(experts.format, experts.num_experts, experts.experts[0], device)
-    fill_from_spans(buf, experts.experts)
-    return buf
-
-
 def pinned_bank(experts) -> SlotBuffer:
     configure_allocator(torch.device("cuda"))
     return SlotBuffer.allocate(experts.format, experts.num_experts, experts.experts[0], "cpu", pin=True)
@@ -125,10 +113,7 @@ def measure(model: str, device: torch.device, layers: int, threads: int) -> list
     w = WeightLoader(reader, torch.bfloat16, "cpu")
     moe = [i for i in range(spec.num_layers) if spec.is_moe_layer(i)][:layers]
     pin = device.type == "cuda"
-    # kept from layer to layer, as loading keeps them
-    placement, reading = Placement(), Placement(read_threads=threads)
-    staging, read_staging = HostStaging(pin=pin, depth=2), HostStaging(pin=pin, depth=2)
-    read_staging.placement = Placement(read_threads=threads)
+    placement, staging = Placement(), HostStaging(pin=pin, depth=2)  # kept from layer to layer, as loading keeps them
     rows: dict[str, list[float]] = {}
     nbytes = 0
     for layer in moe:
@@ -142,7 +127,6 @@ def measure(model: str, device: torch.device, layers: int, threads: int) -> list
             "bank before": lambda: per_expert_slots(_layer_experts(w, spec, p, threads, mapped=False), "cpu", pin,
                                                     threads),
             "bank after": lambda: build_bank(_layer_experts(w, spec, p, threads), pin, placement),
-            "bank read": lambda: build_bank(_layer_experts(w, spec, p, threads), pin, reading),
         }
         if pin:
             cases["pinned alloc only"] = lambda: pinned_bank(_layer_experts(w, spec, p, threads))
@@ -152,8 +136,6 @@ def measure(model: str, device: torch.device, layers: int, threads: int) -> list
             cases["resident before"] = lambda: per_expert_slots(_layer_experts(w, spec, p, threads, mapped=False),
                                                                 device, False, threads)
             cases["resident after"] = lambda: resident_slots(_layer_experts(w, spec, p, threads), device, staging)
-            cases["resident read"] = lambda: resident_slots(_layer_experts(w, spec, p, threads), device, read_staging)
-            cases["resident span"] = lambda: span_slots(_layer_experts(w, spec, p, threads), device)
         for name, fn in cases.items():
             t, out = timed(fn, device)
             rows.setdefault(name, []).append(t)

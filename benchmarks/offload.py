@@ -123,7 +123,8 @@ def render(info: dict, rows: list[dict], prefill_n: int) -> str:
 
 
 def _pair(a, b) -> str:
-    return " / ".join("-" if x is None else str(x) for x in (a, b))
+    """Two numbers as the table's cell "a / b" (two decimals, "-" for a missing one)."""
+    return " / ".join("-" if x is None else f"{x:.2f}" for x in (a, b))
 
 
 def main() -> int:

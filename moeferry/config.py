@@ -175,9 +175,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-load", choices=EXPERT_LOADS, default="auto",
                    help="how expert weights are read at boot (into the host banks of the offload backends): "
                    "serial = one expert after another; parallel = several threads read the experts whose format "
-                   "needs a new layout, e.g. int4_awq (experts stored in their device layout are mapped views, "
-                   "made in one thread; the copies into banks or slots run in one thread, each copy spread over "
-                   "torch's threads: faster than several copying threads); auto = parallel when "
+                   "needs a new layout, e.g. int4_awq (experts stored in their device layout are mapped views; "
+                   "a layer's copies into banks or slots run in one batched call spread over torch's threads, "
+                   "and from a layout's second layer on they come from the first layer's copy template, with "
+                   "no per-expert work); auto = parallel when "
                    "free host RAM holds the banks plus every reader's layer, else serial (default: auto)")
 
     g = p.add_argument_group("memory")

@@ -10,7 +10,6 @@ bookkeeping is a plain-Python LRU (or LFU) replaying the routing trace the execu
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from collections import defaultdict
 
@@ -29,7 +28,6 @@ from moeferry.moe.bank import HostRamError, build_bank, plan_loading
 from moeferry.moe.offload import OffloadExperts
 from moeferry.moe.slots import HostStaging, SlotBuffer
 from moeferry.moe.placement import Placement
-from moeferry.moe.span_load import fill_from_spans
 from moeferry.scheduler.sampling import SamplingParams
 from tests.conftest import rel_err
 from tests.test_quant_models import quant_checkpoint  # noqa: F401  (session fixture)
@@ -1067,8 +1065,7 @@ def test_mapped_loading_is_byte_identical(ckpt, preset):
     """The loader's path (views of the mapped files, each part copied once into place; from a
     layout's second layer on the copies come from the first layer's template, without views)
     builds banks and resident slots byte for byte equal to the per-expert path (tensors read as
-    copies, each expert `pack`ed, then written), and so does filling slots from the files' spans
-    (`span_load`); mapped views equal the read tensors."""
+    copies, each expert `pack`ed, then written); mapped views equal the read tensors."""
     reader = CheckpointReader(ckpt("qwen3_5_moe", preset))
     spec = resolve_spec(reader)
     w = WeightLoader(reader, torch.float32, "cpu")
@@ -1076,7 +1073,7 @@ def test_mapped_loading_is_byte_identical(ckpt, preset):
         view, read = reader.view(name), reader.get(name)
         assert view.dtype == read.dtype and view.shape == read.shape, name
         assert torch.equal(view.reshape(-1).view(torch.uint8), read.reshape(-1).view(torch.uint8)), name
-    placement, reading, staging = Placement(), Placement(read_threads=2), HostStaging(pin=False)
+    placement, staging = Placement(), HostStaging(pin=False)
     layers = [i for i in range(spec.num_layers) if spec.is_moe_layer(i)]
     for layer in layers:
         p = f"model.layers.{layer}.mlp."
@@ -1086,17 +1083,8 @@ def test_mapped_loading_is_byte_identical(ckpt, preset):
             ref.write_packed(e, ref.pack(ex))
         _same_bytes(build_bank(_layer_experts(w, spec, p), pin=False, placement=placement), ref,
                     (preset, layer, "bank"))
-        _same_bytes(build_bank(_layer_experts(w, spec, p), pin=False, placement=reading), ref,
-                    (preset, layer, "bank, templated layers read from the files"))
         _same_bytes(build_bank(_layer_experts(w, spec, p, threads=2), pin=False), ref, (preset, layer, "alone"))
         _same_bytes(staging.filled(_layer_experts(w, spec, p)).to("cpu"), ref, (preset, layer, "resident slots"))
-        mapped = _layer_experts(w, spec, p)
-        spans = SlotBuffer.allocate(mapped.format, mapped.num_experts, mapped.experts[0], "cpu")
-        moved = fill_from_spans(spans, mapped.experts)
-        _same_bytes(spans, ref, (preset, layer, "slots from file spans"))
-        if preset != "int4_awq":  # AWQ's repacked parts are new tensors, copied one by one
-            assert moved >= sum(t.nbytes for m in (ref.gate_up, ref.down) for k, t in m.tensors().items()
-                                if k == "w"), (preset, moved)
         more = ref.to("cpu", ref.num_slots + 3)  # how resident slots reach a device: one copy per tensor
         assert more.num_slots == ref.num_slots + 3
         for mine, theirs in ((more.gate_up, ref.gate_up), (more.down, ref.down)):
@@ -1106,42 +1094,7 @@ def test_mapped_loading_is_byte_identical(ckpt, preset):
     # computed parts take no template: AWQ's repacked words, nvfp4_ct's row scale (1 / its stored global scale)
     templated = 0 if preset in ("int4_awq", "nvfp4_ct") else len(layers) - 1
     assert (placement.templated, placement.plain) == (templated, len(layers) - templated)
-    assert (reading.templated, reading.plain) == (templated, len(layers) - templated)
     assert staging.placement.templated == templated
-
-
-def test_read_parts_joins_nearby_parts_and_finishes_short_reads(tmp_path, monkeypatch):
-    """`read_parts`: parts close together in a file are one preadv (the gap read into scratch),
-    parts far apart or out of order are separate reads, and a read that returns fewer bytes
-    than asked is continued until every buffer is full."""
-    import numpy as np
-    from moeferry.moe import placement as placement_mod
-
-    data = bytes(range(256)) * 1024
-    path = tmp_path / "f.bin"
-    path.write_bytes(data)
-    spans = [(10, 100), (120, 5000), (200_000, 300), (5, 3)]  # out of order; 5..5120 is one run, 200000 another
-    outs = [np.zeros(n, dtype=np.uint8) for _, n in spans]
-    calls = []
-    real = os.preadv
-
-    def short(fd, bufs, offset):  # at most 777 bytes a call
-        calls.append((offset, len(bufs)))
-        room, views = 777, []
-        for b in bufs:
-            m = memoryview(b).cast("B")
-            if room <= 0:
-                break
-            views.append(m[:room])
-            room -= m.nbytes
-        return real(fd, views, offset)
-    monkeypatch.setattr(placement_mod.os, "preadv", short)
-    placement_mod.read_parts([(path, off, arr) for (off, _), arr in zip(spans, outs)], threads=2)
-    for (off, n), arr in zip(spans, outs):
-        assert arr.tobytes() == data[off:off + n]
-    starts = {off for off, _ in calls}
-    assert 5 in starts and 200_000 in starts and not starts & {10, 120}  # joined, continued past 777 bytes
-    assert len(calls) == 1 + -(-(5120 - 5) // 777)
 
 
 def test_placement_template_falls_back_on_a_different_layer(ckpt, monkeypatch):

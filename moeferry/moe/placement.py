@@ -15,7 +15,6 @@ plain path (tests); formats whose parts are computed (int4 AWQ's repacking) alwa
 from __future__ import annotations
 
 import bisect
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -139,25 +138,6 @@ class _Template:
                 srcs.append(data[a:a + p.nbytes])
         return dsts, srcs
 
-    def reads(self, reader: "CheckpointReader", prefix: str, buf: "SlotBuffer") -> tuple[list, Pairs] | None:
-        """The layer at `prefix` as file reads straight into `buf` ((file, offset, destination
-        array) per byte copy) and the broadcasts as copies (None: see `_sources`)."""
-        found = self._sources(reader, prefix)
-        if found is None:
-            return None
-        dst_bytes = [_byte_view(t) for t in _slot_tensors(buf)]
-        dst_arrays = [t.numpy() for t in dst_bytes]
-        reads, dsts, srcs = [], [], []
-        for p in self.parts:
-            path, start = found[p.src]
-            a = start + p.src_off
-            if p.count:
-                dsts.append(dst_bytes[p.dst][p.dst_off:p.dst_off + p.nbytes * p.count].view(p.dtype))
-                srcs.append(reader.mapped_file(path)[a:a + p.nbytes].view(p.dtype).expand(p.count))
-            else:
-                reads.append((path, a, dst_arrays[p.dst][p.dst_off:p.dst_off + p.nbytes]))
-        return reads, (dsts, srcs)
-
 
 def _part(dst: torch.Tensor, src: torch.Tensor, bases, index: _SourceIndex, prefix: str) -> _Part | None:
     """One recorded copy as a template part; None when it cannot be one (a computed source, a
@@ -180,61 +160,13 @@ def _part(dst: torch.Tensor, src: torch.Tensor, bases, index: _SourceIndex, pref
     return _Part(where[0], where[1], found[0][len(prefix):], found[1], nbytes, count, dst.dtype)
 
 
-IOV_MAX = 1024        # buffers one preadv call takes (Linux)
-MAX_GAP = 1 << 16     # bytes between two parts that one read still spans (into a scratch buffer)
-
-
-def read_parts(reads: list, threads: int) -> None:
-    """Each (file, offset, destination array) filled from the file with plain reads (no page
-    of the mapped file is touched): parts that lie close together in a file are one `preadv`
-    (the bytes between them go to a scratch buffer); the reads run on `threads` threads."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    runs = []
-    for path in dict.fromkeys(r[0] for r in reads):
-        end, run = None, None
-        for _, off, arr in sorted((r for r in reads if r[0] == path), key=lambda r: r[1]):
-            if run is None or off - end > MAX_GAP or off < end or len(run[2]) >= IOV_MAX - 1:
-                run = [path, off, []]
-                runs.append(run)
-            elif off > end:
-                run[2].append(bytearray(off - end))
-            run[2].append(arr)
-            end = off + arr.nbytes
-    fds = {path: os.open(path, os.O_RDONLY) for path in dict.fromkeys(r[0] for r in runs)}
-    try:
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            list(pool.map(lambda r: _preadv_all(fds[r[0]], r[2], r[1]), runs))
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-
-
-def _preadv_all(fd: int, bufs: list, offset: int) -> None:
-    """preadv until every buffer is full (a read may return fewer bytes than asked)."""
-    views = [memoryview(b).cast("B") for b in bufs]
-    while views:
-        got = os.preadv(fd, views, offset)
-        if got <= 0:
-            raise OSError(f"checkpoint read ended early at byte {offset}")
-        offset += got
-        while views and got >= views[0].nbytes:
-            got -= views[0].nbytes
-            views.pop(0)
-        if views and got:
-            views[0] = views[0][got:]
-
-
 class Placement:
     """Places layers one after another, keeping a template per slot layout (see module doc).
-    `read_threads` > 0: a templated layer's byte copies are file reads on that many threads
-    (`read_parts`) instead of copies from the mapped files. `templated` / `plain`: layers
-    placed each way (the log and tests read them)."""
+    `templated` / `plain`: layers placed each way (the log and tests read them)."""
 
-    def __init__(self, read_threads: int = 0):
+    def __init__(self):
         self._templates: dict[tuple, _Template | None] = {}
         self._index: _SourceIndex | None = None
-        self.read_threads = read_threads
         self.templated = self.plain = 0
 
     def fill(self, buf: "SlotBuffer", experts: LayerExperts, extra: Sequence[ExpertWeights] = ()) -> None:
@@ -243,14 +175,7 @@ class Placement:
         key = (experts.format, experts.num_experts, len(extra),
                tuple((t.shape[1:], t.dtype) for t in _slot_tensors(buf)))
         template = self._templates.get(key) if source is not None else None
-        pairs = None
-        if template is not None and self.read_threads:
-            planned = template.reads(source.reader, source.prefix, buf)
-            if planned is not None:
-                read_parts(planned[0], self.read_threads)
-                pairs = planned[1]
-        elif template is not None:
-            pairs = template.instantiate(source.reader, source.prefix, buf)
+        pairs = template.instantiate(source.reader, source.prefix, buf) if template is not None else None
         if pairs is not None:
             self.templated += 1
         else:

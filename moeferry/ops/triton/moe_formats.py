@@ -381,7 +381,7 @@ class MoEKernel:
 
 # `_pack_<form>(ws, out=None, copy=copy_part)`: one slot's tensors from the PackedWeights stacked by
 # rows into it; with `out` (that slot's tensors, e.g. a view of a bank) each part goes straight
-# into place by `copy(dst, src)` (a copy now, or recorded: `moe.span_load`).
+# into place by `copy(dst, src)` (a copy now, or recorded: `moe.placement`).
 def _rows(parts: list[torch.Tensor], out: torch.Tensor | None, copy=copy_part) -> torch.Tensor:
     if out is None:
         return torch.cat(parts, dim=0)
