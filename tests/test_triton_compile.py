@@ -168,3 +168,42 @@ def test_route_topk_compiles(monkeypatch):
     router.route_topk(torch.randn(1, 256).bfloat16(), 8, True)
     (fn, args, kw), = launches
     assert "cubin" in _compile_launch(fn, args, kw).asm
+
+
+def test_compile_watch_counts_kernels_and_restores_hooks():
+    """`CompileWatch` (the boot log's compile time) sets Triton's compile hooks only while
+    watching, counts each compile from its start hook to its end hook, calls hooks already set
+    (and returns what they return: True would skip a compile), then puts them back."""
+    import time
+    import types
+
+    from triton import knobs
+
+    from moeferry.ops.triton.compile_watch import CompileWatch
+
+    seen = []
+
+    def theirs(**kw):
+        seen.append(kw["key"])
+        return None
+    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = theirs, None
+    try:
+        watch = CompileWatch()
+        assert watch.describe() == "no Triton kernel compiled"
+        with watch.watching():
+            hooks = knobs.runtime
+            assert hooks.jit_cache_hook is not theirs
+            for name in ("gemv", "gather"):
+                kw = dict(key=("sig", name), repr=name, fn=types.SimpleNamespace(module="m", name=name), compile={},
+                          is_manual_warmup=False, already_compiled=False)
+                assert hooks.jit_cache_hook(**kw) is None
+                time.sleep(0.01)
+                hooks.jit_post_compile_hook(**kw)
+            hooks.jit_post_compile_hook(**kw)  # an end without a start counts nothing
+        assert watch.kernels == 2 and watch.seconds >= 0.02
+        assert seen == [("sig", "gemv"), ("sig", "gather")]
+        assert knobs.runtime.jit_cache_hook is theirs and knobs.runtime.jit_post_compile_hook is None
+        assert watch.describe().startswith("2 Triton kernels compiled or loaded")
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved

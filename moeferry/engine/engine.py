@@ -39,6 +39,7 @@ from moeferry.memory.plan import MemoryPlan
 from moeferry.model.batch import ForwardBatch, SeqChunk
 from moeferry.model.loader import load_model
 from moeferry.model.registry import resolve_spec
+from moeferry.ops.triton.compile_watch import CompileWatch
 from moeferry.moe import make_backend
 
 log = logging.getLogger("moeferry.engine")
@@ -129,6 +130,16 @@ class Engine:
         reader = reader or CheckpointReader(cfg.model_dir)
         spec = resolve_spec(reader)                                              # 1. resolve
         cfg = choose_backend(cfg, reader, device, free_at_start)
+        watch = CompileWatch()
+        with watch.watching():  # the boot log says how much of the build went to compiling kernels
+            engine = cls._assemble(cfg, reader, spec, device, dtype, free_at_start, report)
+        log.info("engine built in %.1f s (%s): %s", time.perf_counter() - t0, watch.describe(), engine.describe())
+        return engine                                                            # 6. report: engine.sizes
+
+    @classmethod
+    def _assemble(cls, cfg: EngineConfig, reader: CheckpointReader, spec, device: torch.device, dtype: torch.dtype,
+                  free_at_start: int, report: Progress) -> "Engine":
+        """`build`'s steps 2-5: place the weights, plan, allocate, warm up (and self-test)."""
         report("loading weights", 0.05)
         experts = make_backend(cfg, spec, device, dtype)                         # 2. place
         model = load_model(reader, spec, dtype, device, experts, progress=cfg.progress)
@@ -151,8 +162,7 @@ class Engine:
             settle_after_warm_up(engine, free_at_start)
             report("boot self-test", 0.97)
             self_test(engine)
-        log.info("engine built in %.1f s: %s", time.perf_counter() - t0, engine.describe())
-        return engine                                                            # 6. report: engine.sizes
+        return engine
 
     # -- steps ------------------------------------------------------------------------------
     @property

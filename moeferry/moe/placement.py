@@ -130,6 +130,8 @@ class _Template:
         for p in self.parts:
             path, start = found[p.src]
             data, a = reader.mapped_file(path), start + p.src_off
+            if p.count and a % p.nbytes:  # an element the mapped bytes cannot be viewed as (the plain path copies it)
+                return None
             if p.count:
                 dsts.append(dst_bytes[p.dst][p.dst_off:p.dst_off + p.nbytes * p.count].view(p.dtype))
                 srcs.append(data[a:a + p.nbytes].view(p.dtype).expand(p.count))

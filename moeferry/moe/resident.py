@@ -110,7 +110,7 @@ class ResidentBackend:
             from moeferry.moe.triton_experts import TritonExperts
 
             if self.staging is None:  # two page-locked host buffers per slot layout, reused by every layer
-                self.staging = HostStaging(pin=True, depth=2)
+                self.staging = HostStaging(pin=self.device.type == "cuda", depth=2)
             buf = self.staging.to_device(experts, [shared] if shared is not None else [], self.device)
             ex = TritonExperts(buf, torch.arange(experts.num_experts, dtype=torch.int32, device=self.device),
                                shared_slot=experts.num_experts if shared is not None else -1)

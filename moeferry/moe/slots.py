@@ -293,11 +293,13 @@ class HostStaging:
         return entry[0]
 
     def to_device(self, experts: LayerExperts, extra: Sequence[ExpertWeights], device) -> SlotBuffer:
-        """The layer's slots on `device` (CUDA), the copy left running on the current stream."""
+        """The layer's slots on `device`; from page-locked buffers (CUDA) the copy is left running
+        on the current stream, and the buffer is refilled only after it."""
         host = self.filled(experts, extra)
         out = host.to(device, non_blocking=self.pin)
-        self._last[1] = torch.cuda.Event()
-        self._last[1].record()
+        if self.pin:
+            self._last[1] = torch.cuda.Event()
+            self._last[1].record()
         return out
 
     def release(self) -> None:
