@@ -16,7 +16,6 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from moeferry.ops.triton import use_triton
 
@@ -130,6 +129,8 @@ def _sequence_attention(q, k, v, k_cache, v_cache, start: int, end: int, total: 
     if n == total:
         ks, vs, mask = k[start:end], v[start:end], None
     else:
+        from torch.nn.attention.bias import causal_lower_right  # imports torch._dynamo (~1 s): when first needed
+
         slots = sequence_slots(page_row, total, page_size)
         ks, vs, mask = k_cache[slots], v_cache[slots], causal_lower_right(n, total)
     qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q[start:end], ks, vs))
