@@ -99,7 +99,7 @@ class _Template:
 
     @classmethod
     def build(cls, pairs: Pairs, buf: "SlotBuffer", index: _SourceIndex, prefix: str) -> "_Template | None":
-        bases = [(t.untyped_storage().data_ptr(), t.data_ptr(), t) for t in _slot_tensors(buf)]
+        bases = [(t.data_ptr(), t.numel() * t.element_size()) for t in _slot_tensors(buf)]
         parts = []
         for dst, src in zip(*pairs):
             part = _part(dst, src, bases, index, prefix)
@@ -146,8 +146,9 @@ def _part(dst: torch.Tensor, src: torch.Tensor, bases, index: _SourceIndex, pref
     dtype conversion, a strided destination)."""
     if src.dtype != dst.dtype or not dst.is_contiguous() or src.device.type != "cpu":
         return None
-    where = next(((i, dst.data_ptr() - base) for i, (storage, base, _) in enumerate(bases)
-                  if dst.untyped_storage().data_ptr() == storage), None)
+    ptr = dst.data_ptr()
+    where = next(((i, ptr - base) for i, (base, size) in enumerate(bases)
+                  if base <= ptr and ptr + dst.numel() * dst.element_size() <= base + size), None)
     if where is None:
         return None
     if src.is_contiguous():
