@@ -19,7 +19,9 @@ are read once first):
 Banks are pinned with `--device cuda` (as the offload backends build them); resident slots go
 to `--device` (on the CPU the resident backend keeps the packed experts: no copy at all, so its
 row times only the read). `--load-model` also times a whole `load_model` per backend (1 and
---threads threads), and with `--compare BF16_DIR` a bf16 checkpoint's resident load: the per-byte ratio.
+--threads threads), and with `--compare BF16_DIR` a bf16 checkpoint's resident load: the per-byte
+ratio. `--compare` also times the resident placement alone per layer in steady state for both
+checkpoints (no dense weights, no first-layer costs): the per-byte ratio of the experts' path.
 """
 from __future__ import annotations
 
@@ -146,6 +148,35 @@ def measure(model: str, device: torch.device, layers: int, threads: int) -> list
     return [(name, sum(ts) / len(ts), per_layer) for name, ts in zip(rows, steady)]
 
 
+def resident_steady(model: str, device: torch.device, layers: int, threads: int) -> tuple[float, int]:
+    """The resident backend's placement of one MoE layer (the loader's read, the staging, the
+    copy to `device`): seconds, the mean over `layers` layers but the first; the layer's expert bytes."""
+    reader = CheckpointReader(model)
+    spec = resolve_spec(reader)
+    w = WeightLoader(reader, torch.bfloat16, "cpu")
+    staging = HostStaging(pin=device.type == "cuda", depth=2)
+    times, nbytes = [], 0
+    for layer in [i for i in range(spec.num_layers) if spec.is_moe_layer(i)][:max(2, layers)]:
+        ranges = expert_ranges(reader, layer)
+        nbytes = raw_read(ranges)  # into the page cache
+        p = f"model.layers.{layer}.mlp."
+        times.append(timed(lambda: resident_slots(_layer_experts(w, spec, p, threads), device, staging), device)[0])
+    steady = times[1:] or times
+    return sum(steady) / len(steady), nbytes
+
+
+def steady_rows(model: str, compare: str, device: torch.device, layers: int, threads: int) -> list[str]:
+    """Per-byte rates of the resident placement alone, in steady state (no dense weights, no
+    first-layer costs): the quantized checkpoint against the bf16 one."""
+    rows, rate = [], {}
+    for name, path in (("quantized", model), ("bf16", compare)):
+        t, n = resident_steady(path, device, layers, threads)
+        rate[name] = n / t
+        rows.append(f"| {name} | {n / 1e9:.3f} | {t:.3f} | {n / t / 1e9:.2f} |")
+    return ["| checkpoint | expert GB per layer | s per layer | GB/s |", "|---|---|---|---|", *rows,
+            f"\nsteady-state resident placement: quantized at {rate['quantized'] / rate['bf16']:.2f}x bf16's rate per byte"]
+
+
 def time_load_model(model: str, device: torch.device, backend: str, threads: int) -> float:
     from moeferry.engine.config import EngineConfig
     from moeferry.model.loader import load_model
@@ -199,8 +230,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1),
                     help="reader/copy threads, as --expert-load parallel uses (default min(8, cores))")
     ap.add_argument("--load-model", action="store_true", help="also time a whole load_model per backend")
-    ap.add_argument("--compare", help="with --load-model: a bf16 checkpoint of the same geometry, loaded resident "
-                    "(the per-byte rate to match)")
+    ap.add_argument("--compare", help="a bf16 checkpoint of the same geometry: its resident placement per layer in "
+                    "steady state and (with --load-model) its whole resident load (the per-byte rates to match)")
     ap.add_argument("--out", type=Path, help="also write the tables to DIR/load_speed.md")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # load_model's phase times
@@ -214,6 +245,8 @@ def main() -> None:
         lines += [f"| {name} | {t:.3f} | {n / t / 1e9:.2f} | {20e9 / (n / t):.1f} |" for name, t, n in rows]
     if args.load_model:
         lines += [""] + load_model_rows(args.model, args.compare, device, args.threads)
+    if args.compare:
+        lines += [""] + steady_rows(args.model, args.compare, device, max(args.layers, 3), args.threads)
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
