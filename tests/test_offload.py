@@ -1098,8 +1098,9 @@ def test_mapped_loading_is_byte_identical(ckpt, preset):
 
 
 def test_placement_template_falls_back_on_a_different_layer(ckpt, monkeypatch):
-    """A layer whose tensors differ from the template layer's (shape or dtype) is not placed from
-    the template: `instantiate` refuses it and the layer takes the plain path (same bytes)."""
+    """A layer whose tensors differ from the template layer's (shape or dtype) or run past their
+    file, or a buffer too small for the copies, is not placed from the template: `instantiate`
+    refuses it and the layer takes the plain path (same bytes)."""
     import dataclasses
     from moeferry.moe import placement as placement_mod
 
@@ -1112,9 +1113,16 @@ def test_placement_template_falls_back_on_a_different_layer(ckpt, monkeypatch):
     template = next(iter(placement._templates.values()))
     assert template is not None and template.instantiate(reader, second, bank) is not None
     name = second + "experts.1.down_proj.weight_scale"
-    monkeypatch.setitem(reader.tensors, name, dataclasses.replace(reader.tensors[name], dtype="F32"))
+    info = reader.tensors[name]
+    monkeypatch.setitem(reader.tensors, name, dataclasses.replace(info, dtype="F32"))
+    assert template.instantiate(reader, second, bank) is None
+    past_end = reader.mapped_file(info.file).numel() + 1  # a truncated file: no raw copy may read past it
+    monkeypatch.setitem(reader.tensors, name, dataclasses.replace(info, start=past_end - 4, end=past_end))
     assert template.instantiate(reader, second, bank) is None
     monkeypatch.undo()
+    layer = _layer_experts(w, spec, second)
+    small = SlotBuffer.allocate(layer.format, 2, layer.experts[0], "cpu")
+    assert template.instantiate(reader, second, small) is None  # a buffer too small for the copies
     monkeypatch.setattr(placement_mod._Template, "instantiate", lambda *a: None)
     copied = _layer_experts(w, spec, second, mapped=False)
     ref = SlotBuffer.allocate(copied.format, copied.num_experts, copied.experts[0], "cpu")
