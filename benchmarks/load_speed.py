@@ -109,11 +109,16 @@ def timed(fn, device) -> tuple[float, object]:
     return time.perf_counter() - t, out
 
 
-def measure(model: str, device: torch.device, layers: int, threads: int) -> list[tuple[str, float, int]]:
+def open_layers(model: str, layers: int) -> tuple[CheckpointReader, object, WeightLoader, list[int]]:
+    """The checkpoint's reader, spec, a host WeightLoader and its first `layers` MoE layers."""
     reader = CheckpointReader(model)
     spec = resolve_spec(reader)
-    w = WeightLoader(reader, torch.bfloat16, "cpu")
     moe = [i for i in range(spec.num_layers) if spec.is_moe_layer(i)][:layers]
+    return reader, spec, WeightLoader(reader, torch.bfloat16, "cpu"), moe
+
+
+def measure(model: str, device: torch.device, layers: int, threads: int) -> list[tuple[str, float, int]]:
+    reader, spec, w, moe = open_layers(model, layers)
     pin = device.type == "cuda"
     placement, staging = Placement(), HostStaging(pin=pin, depth=2)  # kept from layer to layer, as loading keeps them
     rows: dict[str, list[float]] = {}
@@ -151,12 +156,10 @@ def measure(model: str, device: torch.device, layers: int, threads: int) -> list
 def resident_steady(model: str, device: torch.device, layers: int, threads: int) -> tuple[float, int]:
     """The resident backend's placement of one MoE layer (the loader's read, the staging, the
     copy to `device`): seconds, the mean over `layers` layers but the first; the layer's expert bytes."""
-    reader = CheckpointReader(model)
-    spec = resolve_spec(reader)
-    w = WeightLoader(reader, torch.bfloat16, "cpu")
+    reader, spec, w, moe = open_layers(model, max(2, layers))
     staging = HostStaging(pin=device.type == "cuda", depth=2)
     times, nbytes = [], 0
-    for layer in [i for i in range(spec.num_layers) if spec.is_moe_layer(i)][:max(2, layers)]:
+    for layer in moe:
         ranges = expert_ranges(reader, layer)
         nbytes = raw_read(ranges)  # into the page cache
         p = f"model.layers.{layer}.mlp."

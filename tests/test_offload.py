@@ -1060,6 +1060,16 @@ def _same_bytes(a: SlotBuffer, b: SlotBuffer, what) -> None:
             assert torch.equal(x[k].contiguous().view(torch.uint8), y[k].contiguous().view(torch.uint8)), (what, k)
 
 
+def _per_expert_slots(w: WeightLoader, spec, prefix: str) -> SlotBuffer:
+    """A layer's experts the old way, the reference bytes: tensors read as copies, each expert
+    `pack`ed, then written into its slot."""
+    copied = _layer_experts(w, spec, prefix, mapped=False)
+    ref = SlotBuffer.allocate(copied.format, copied.num_experts, copied.experts[0], "cpu")
+    for e, ex in enumerate(copied.experts):
+        ref.write_packed(e, ref.pack(ex))
+    return ref
+
+
 @pytest.mark.parametrize("preset", ["mixed_nvfp4", "int4_awq", "fp8_block", "nvfp4_ct", "int4_ct"])
 def test_mapped_loading_is_byte_identical(ckpt, preset):
     """The loader's path (views of the mapped files, each part copied once into place; from a
@@ -1077,10 +1087,7 @@ def test_mapped_loading_is_byte_identical(ckpt, preset):
     layers = [i for i in range(spec.num_layers) if spec.is_moe_layer(i)]
     for layer in layers:
         p = f"model.layers.{layer}.mlp."
-        copied = _layer_experts(w, spec, p, mapped=False)
-        ref = SlotBuffer.allocate(copied.format, copied.num_experts, copied.experts[0], "cpu")
-        for e, ex in enumerate(copied.experts):
-            ref.write_packed(e, ref.pack(ex))
+        ref = _per_expert_slots(w, spec, p)
         _same_bytes(build_bank(_layer_experts(w, spec, p), pin=False, placement=placement), ref,
                     (preset, layer, "bank"))
         _same_bytes(build_bank(_layer_experts(w, spec, p, threads=2), pin=False), ref, (preset, layer, "alone"))
@@ -1124,10 +1131,7 @@ def test_placement_template_falls_back_on_a_different_layer(ckpt, monkeypatch):
     small = SlotBuffer.allocate(layer.format, 2, layer.experts[0], "cpu")
     assert template.instantiate(reader, second, small) is None  # a buffer too small for the copies
     monkeypatch.setattr(placement_mod._Template, "instantiate", lambda *a: None)
-    copied = _layer_experts(w, spec, second, mapped=False)
-    ref = SlotBuffer.allocate(copied.format, copied.num_experts, copied.experts[0], "cpu")
-    for e, ex in enumerate(copied.experts):
-        ref.write_packed(e, ref.pack(ex))
+    ref = _per_expert_slots(w, spec, second)
     _same_bytes(build_bank(_layer_experts(w, spec, second), pin=False, placement=placement), ref, "fallback")
     assert (placement.templated, placement.plain) == (0, 2)
 

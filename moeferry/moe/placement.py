@@ -87,12 +87,11 @@ class _SourceIndex:
         of a mapped file."""
         for path, rows in self._files.items():
             data = self.reader.mapped_file(path, create=False)
-            off = ptr - data.data_ptr() if data is not None else -1
-            if 0 <= off < (data.numel() if data is not None else 0):
-                i = bisect.bisect_right(self._starts[path], off) - 1
-                if i >= 0 and off + nbytes <= rows[i][2]:
-                    return rows[i][1], off - rows[i][0]
-                return None
+            if data is None or not 0 <= ptr - data.data_ptr() < data.numel():
+                continue
+            off = ptr - data.data_ptr()
+            i = bisect.bisect_right(self._starts[path], off) - 1
+            return (rows[i][1], off - rows[i][0]) if i >= 0 and off + nbytes <= rows[i][2] else None
         return None
 
 

@@ -9,7 +9,6 @@ slot, identity table) and the offload cache (a few slots, a table its eviction p
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import torch
@@ -73,17 +72,13 @@ class SlotBuffer:
         return buf
 
     @classmethod
-    def from_experts(cls, fmt, experts: Sequence[ExpertWeights], device, num_slots: int | None = None,
-                     threads: int = 1, staging: "HostStaging | None" = None) -> "SlotBuffer":
+    def from_experts(cls, fmt, experts: Sequence[ExpertWeights], device, num_slots: int | None = None) -> "SlotBuffer":
         """Slots 0..len(experts)-1 filled with `experts` (one slot each), `num_slots` in all. Off
-        the CPU the slots are filled on the host first (in `staging`'s reused buffer, else a new
-        one) and copied over in one copy per tensor."""
-        if torch.device(device).type != "cpu":
-            host = (staging or HostStaging(pin=False)).filled(LayerExperts(fmt, experts))
-            return host.to(device, num_slots)
-        buf = cls.allocate(fmt, num_slots or len(experts), experts[0], device)
-        buf.write_experts(experts, threads)
-        return buf
+        the CPU the slots are filled on the host first and copied over in one copy per tensor."""
+        on_cpu = torch.device(device).type == "cpu"
+        buf = cls.allocate(fmt, (num_slots or len(experts)) if on_cpu else len(experts), experts[0], "cpu")
+        Placement().fill(buf, LayerExperts(fmt, experts))
+        return buf if on_cpu else buf.to(device, num_slots)
 
     def to(self, device, num_slots: int | None = None, non_blocking: bool = False) -> "SlotBuffer":
         """A copy on `device` (with `num_slots` slots, the first ones filled from these)."""
@@ -132,15 +127,6 @@ class SlotBuffer:
         gate, up, down = expert
         self.gate_up.write_weights(slot, [gate, up], copy)
         self.down.write_weights(slot, [down], copy)
-
-    def write_experts(self, experts: Sequence[ExpertWeights], threads: int = 1) -> None:
-        """Expert s into slot s for every expert; `threads` copy in parallel (copies release the GIL)."""
-        if threads > 1:
-            with ThreadPoolExecutor(threads) as pool:
-                list(pool.map(self.write, range(len(experts)), experts))
-        else:
-            for s, ex in enumerate(experts):
-                self.write(s, ex)
 
     def copy_slots(self, dst: list[int], src: "SlotBuffer", src_slots: list[int],
                    gather: tuple | None = None) -> int:
@@ -275,31 +261,35 @@ class HostStaging:
         self.pin, self.depth = pin, depth
         self._buffers: dict[tuple, list[list]] = {}  # layout -> [[buffer, its copy's event or None], ...]
         self._turn: dict[tuple, int] = {}
-        self._last: list | None = None  # the entry `filled` gave last
         self.placement = Placement()
 
-    def filled(self, experts: LayerExperts, extra: Sequence[ExpertWeights] = ()) -> SlotBuffer:
-        """A buffer of this layout (made on first use) with expert s in slot s, then `extra`."""
+    def _fill(self, experts: LayerExperts, extra: Sequence[ExpertWeights]) -> list:
+        """The next [buffer, event] of this layout (made on first use), its buffer holding
+        expert s in slot s, then `extra`."""
         fmt, first, slots = experts.format, experts.experts[0], experts.num_experts + len(extra)
         key = (kernel_for(fmt).name, slots, _layout(fmt, first))
         ring = self._buffers.setdefault(key, [])
         turn = self._turn[key] = (self._turn.get(key, -1) + 1) % self.depth
         if turn == len(ring):
             ring.append([SlotBuffer.allocate(fmt, slots, first, "cpu", pin=self.pin), None])
-        entry = self._last = ring[turn]
+        entry = ring[turn]
         if entry[1] is not None:
             entry[1].synchronize()  # its last copy to the device has finished reading it
         self.placement.fill(entry[0], experts, extra)
-        return entry[0]
+        return entry
+
+    def filled(self, experts: LayerExperts, extra: Sequence[ExpertWeights] = ()) -> SlotBuffer:
+        """A buffer of this layout (made on first use) with expert s in slot s, then `extra`."""
+        return self._fill(experts, extra)[0]
 
     def to_device(self, experts: LayerExperts, extra: Sequence[ExpertWeights], device) -> SlotBuffer:
         """The layer's slots on `device`; from page-locked buffers (CUDA) the copy is left running
         on the current stream, and the buffer is refilled only after it."""
-        host = self.filled(experts, extra)
-        out = host.to(device, non_blocking=self.pin)
+        entry = self._fill(experts, extra)
+        out = entry[0].to(device, non_blocking=self.pin)
         if self.pin:
-            self._last[1] = torch.cuda.Event()
-            self._last[1].record()
+            entry[1] = torch.cuda.Event()
+            entry[1].record()
         return out
 
     def release(self) -> None:
