@@ -37,6 +37,8 @@
 #   e2e_bf16  the same on the 12-layer bf16 checkpoint (bf16_12's): its decode and 8192-token prefill profiles
 #   e2e_offload  quant_decode.py e2e --offload CACHE_SIZE: in-process offload decode, graphs with the
 #             cache managed on the device, piecewise graphs, eager; where a piecewise step's time goes (no ballast)
+#   e2e_widths  quant_decode.py e2e --offload CACHE_SIZE --policies lru --widths WIDTHS (default 4,5,6,7,8): in-process
+#             device-managed decode with the prefetch guessing each width a row (bytes, hit rate, tok/s; no ballast)
 #   e2e_skew  quant_decode.py e2e --offload CACHE_SIZE --policies lru,lfu --orders on skew's checkpoint: in-process
 #             device-managed decode under each policy, then the prefetch started before / after the layer's own gather
 #   sampling  sampling.py: the sampler's general path against the top-k short path, Qwen3.6's vocabulary
@@ -234,6 +236,8 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
                   --out "$WORK/e2e_bf16" --profile ;;
       e2e_offload) step e2e_offload 220 360 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e_offload" \
                   --offload "$CACHE_SIZE" ;;
+      e2e_widths) step e2e_widths 180 300 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e_widths" \
+                  --offload "$CACHE_SIZE" --policies lru --widths "${WIDTHS:-4,5,6,7,8}" ;;
       e2e_skew) step make_skew 200 300 make_ckpt "$WORK/ckpt_skew" "$SKEW" \
                   && step e2e_skew 200 380 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt_skew" \
                   --out "$WORK/e2e_skew" --offload "$CACHE_SIZE" --policies lru,lfu --orders ;;

@@ -472,9 +472,11 @@ def backend_variants(engine, log, names: tuple[str, ...], combos, tag, **steps) 
             for n, v in zip(names, combo):
                 setattr(backend, n, v)
             engine.graphs.invalidate()
-            row = tag(*combo)
-            rates[row] = {b: round(decode_rate(engine, b, **steps), 1) for b in (1, 4)}
-            log(f"  device-managed, {row}: decode b1 {rates[row][1]} tok/s  b4 {rates[row][4]}")
+            row, counted = tag(*combo), {}
+            offload_rates(engine, counted, "v", log, **steps)
+            rates[row] = {k.removeprefix("v_"): round(v, 4) if isinstance(v, float) else v
+                          for k, v in counted.items()}
+            log(f"  device-managed, {row}: decode b1 {rates[row]['b1']:.1f} tok/s  b4 {rates[row]['b4']:.1f}")
     finally:
         for n, v in zip(names, default):
             setattr(backend, n, v)
@@ -586,19 +588,22 @@ def gather_variants(engine, log) -> dict:
                             steps=64, warmup=32)
 
 
-def width_variants(engine, log) -> dict:
-    """Device-managed decode with the prefetch guessing the top-k (the default), 1.5x and 2x as
-    many experts a row: a wider guess catches more of the layer's own misses (gathered on the
-    critical path) and copies what it guessed that is not cached (on the copy stream)."""
+def width_variants(engine, log, widths: list[int] | None = None) -> dict:
+    """Device-managed decode with the prefetch guessing `widths` experts a row (default: the
+    top-k, 1.5x and 2x as many): a wider guess catches more of the layer's own misses (gathered
+    on the critical path), a narrower one copies fewer wrong guesses (bytes on a busy link)."""
     k = engine.spec.top_k
-    return backend_variants(engine, log, ("prefetch_width",), [(None,), (k * 3 // 2,), (2 * k,)],
+    combos = [(w if w != k else None,) for w in (widths or [k, k * 3 // 2, 2 * k])]
+    return backend_variants(engine, log, ("prefetch_width",), combos,
                             lambda w: f"prefetch guessing {w or k} a row", steps=64, warmup=32)
 
 
-def bench_offload(engine, slots: int, out: dict, log, policies: list[str], orders: bool = False) -> dict:
+def bench_offload(engine, slots: int, out: dict, log, policies: list[str], orders: bool = False,
+                  widths: list[int] | None = None) -> dict:
     """Offload decode through a partial cache three ways: graphs with the cache managed on the
     device (the default where it can be), piecewise graphs (host-managed), eager; then where a
-    piecewise step's time goes. `policies`: instead, the default mode under each eviction policy."""
+    piecewise step's time goes. `policies`: instead, the default mode under each eviction policy
+    (then `orders`: the prefetch's variants; `widths`: the prefetch guessing each width a row)."""
     backend = engine.experts
     mode = backend.graph_mode(engine.graphs.max_batch) if engine.graphs is not None else None
     out["graph_mode"] = mode
@@ -609,6 +614,8 @@ def bench_offload(engine, slots: int, out: dict, log, policies: list[str], order
             out["orders"] = attempt(log, order_variants, engine, log)
             out["prefetch_gathers"] = attempt(log, gather_variants, engine, log)
             out["prefetch_widths"] = attempt(log, width_variants, engine, log)
+        elif widths and backend.graph_mode(engine.graphs.max_batch) == "device":
+            out["prefetch_widths"] = attempt(log, width_variants, engine, log, widths)
         attempt(log, scheduler_rates, engine, out, log)  # under the last policy
         return out
     offload_rates(engine, out, mode or "eager", log)
@@ -644,7 +651,8 @@ def bench_e2e(args, log):
     load_s = time.perf_counter() - t0
     out = dict(load_s=load_s, checkpoint=args.checkpoint)
     if args.offload:  # decode through a partial cache: device-managed graphs, piecewise, eager; the breakdown
-        return bench_offload(engine, args.offload, out, log, [p for p in args.policies.split(",") if p], args.orders)
+        return bench_offload(engine, args.offload, out, log, [p for p in args.policies.split(",") if p], args.orders,
+                             [int(w) for w in args.widths.split(",") if w])
     for b in (1, 4, 16):
         out[f"b{b}"] = decode_rate(engine, b)
     out["graphs"] = graphs_state(engine.graphs)
@@ -695,6 +703,8 @@ def main():
     ap.add_argument("--orders", action="store_true", help="e2e --offload --policies: then the prefetch's gather "
                     "in each launch shape, its guess 1-2x the top-k wide, and the prefetch started "
                     "before or after the layer's own gather, on two grids (the last policy)")
+    ap.add_argument("--widths", default="", help="e2e --offload --policies (without --orders): then the "
+                    "decode prefetch guessing each of these many experts a row (e.g. 4,6,8)")
     ap.add_argument("--forms", default="", help="dense: device forms to run (default all)")
     ap.add_argument("--rows", default="1,4,16,4096", help="dense: values of M")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (set MOEFERRY_TRITON_INTERPRET=1)")

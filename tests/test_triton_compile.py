@@ -170,40 +170,38 @@ def test_route_topk_compiles(monkeypatch):
     assert "cubin" in _compile_launch(fn, args, kw).asm
 
 
-def test_compile_watch_counts_kernels_and_restores_hooks():
-    """`CompileWatch` (the boot log's compile time) sets Triton's compile hooks only while
-    watching, counts each compile from its start hook to its end hook, calls hooks already set
-    (and returns what they return: True would skip a compile), then puts them back."""
-    import time
-    import types
-
+def test_compile_watch_counts_real_compiles_and_restores_the_listener(tmp_path, monkeypatch):
+    """`CompileWatch` (the boot log's compile time) hears `triton.compile` through its
+    compilation listener while watching: a real sm_90 compile counts as compiled, the same
+    kernel again as loaded from the on-disk cache; a listener already set still hears every
+    compile, and is put back after. The JIT's launch hooks stay unset (one set makes every first
+    launch serialize its specialization, which fails for a function given as a constexpr)."""
     from triton import knobs
 
     from moeferry.ops.triton.compile_watch import CompileWatch
 
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a fresh cache: the first compile is one
     seen = []
 
     def theirs(**kw):
-        seen.append(kw["key"])
-        return None
-    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
-    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = theirs, None
+        seen.append(kw["cache_hit"])
+    saved = knobs.compilation.listener
+    knobs.compilation.listener = theirs
+    sig = dict(ids_ptr="*i32", n="i32", table_ptr="*i32", owner_ptr="*i32", stamp_ptr="*i64", flag_ptr="*i8",
+               prio_ptr="*i64", uses_ptr="*i32", state_ptr="*i64", dst_ptr="*i32", count_ptr="*i64",
+               key_base="i32", num_slots="i32", PREFETCH="constexpr", LFU="constexpr", N="constexpr", S="constexpr")
+    consts = dict(PREFETCH=False, LFU=False, N=16, S=1024)
     try:
         watch = CompileWatch()
         assert watch.describe() == "no Triton kernel compiled"
         with watch.watching():
-            hooks = knobs.runtime
-            assert hooks.jit_cache_hook is not theirs
-            for name in ("gemv", "gather"):
-                kw = dict(key=("sig", name), repr=name, fn=types.SimpleNamespace(module="m", name=name), compile={},
-                          is_manual_warmup=False, already_compiled=False)
-                assert hooks.jit_cache_hook(**kw) is None
-                time.sleep(0.01)
-                hooks.jit_post_compile_hook(**kw)
-            hooks.jit_post_compile_hook(**kw)  # an end without a start counts nothing
-        assert watch.kernels == 2 and watch.seconds >= 0.02
-        assert seen == [("sig", "gemv"), ("sig", "gather")]
-        assert knobs.runtime.jit_cache_hook is theirs and knobs.runtime.jit_post_compile_hook is None
-        assert watch.describe().startswith("2 Triton kernels compiled or loaded")
+            assert knobs.compilation.listener is not theirs
+            for _ in range(2):
+                _compile(cache_resolve._resolve_kernel, sig, consts)
+            assert knobs.runtime.jit_cache_hook is None and knobs.runtime.jit_post_compile_hook is None
+        assert (watch.compiled, watch.loaded) == (1, 1) and watch.seconds > 0
+        assert seen == [False, True]
+        assert knobs.compilation.listener is theirs
+        assert watch.describe().startswith("Triton: 1 kernels compiled, 1 loaded from its cache")
     finally:
-        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
+        knobs.compilation.listener = saved

@@ -3,28 +3,27 @@
 A kernel's first launch in a process compiles it, or loads it from Triton's on-disk cache when an
 earlier process compiled the same specialization (then it takes milliseconds). On a machine's
 first boot that is most of the memory probe and the warm-up; the log says how much, so a slow
-first boot is told apart from a slow engine. Triton's two compile hooks (`knobs.runtime.
-jit_cache_hook`, called before a compile, and `jit_post_compile_hook`, after it) are set only
-while `watching`, chained to any hooks already set, and restored after.
+first boot is told apart from a slow engine. Triton's compilation listener (`knobs.compilation.
+listener`, called by `triton.compile` at its end with the stage times and whether the on-disk
+cache held the kernel) is set only while `watching`, chained to a listener already set, and
+restored after. (Not the JIT's `jit_cache_hook`: setting it makes every launch serialize its
+specialization to JSON first, which fails for kernels given a function as a constexpr.)
 """
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 
 
 class CompileWatch:
-    """Kernels compiled (or loaded from Triton's cache) while `watching`, and their seconds."""
+    """Kernels compiled, and loaded from Triton's cache, while `watching`, with their seconds."""
 
     def __init__(self):
-        self.kernels = 0
+        self.compiled = self.loaded = 0
         self.seconds = 0.0
-        self._started: dict[tuple, float] = {}
 
-    @staticmethod
-    def _id(kw: dict) -> tuple:
-        fn = kw.get("fn")
-        return getattr(fn, "module", None), getattr(fn, "name", None), str(kw.get("key"))
+    @property
+    def kernels(self) -> int:
+        return self.compiled + self.loaded
 
     @contextmanager
     def watching(self):
@@ -33,28 +32,25 @@ class CompileWatch:
         except ImportError:  # no Triton: nothing compiles
             yield self
             return
-        runtime = knobs.runtime
-        before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+        before = knobs.compilation.listener
 
-        def start(**kw):
-            self._started[self._id(kw)] = time.perf_counter()
-            return before(**kw) if before is not None else None  # True would skip the compile: only theirs
+        def heard(*, src, metadata, metadata_group, times, cache_hit):
+            if cache_hit:
+                self.loaded += 1
+            else:
+                self.compiled += 1
+            self.seconds += (times.ir_initialization + times.total_lowering + times.store_results) / 1e6
+            if before is not None:
+                before(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
 
-        def done(**kw):
-            t = self._started.pop(self._id(kw), None)
-            if t is not None:
-                self.kernels += 1
-                self.seconds += time.perf_counter() - t
-            return after(**kw) if after is not None else None
-
-        runtime.jit_cache_hook, runtime.jit_post_compile_hook = start, done
+        knobs.compilation.listener = heard
         try:
             yield self
         finally:
-            runtime.jit_cache_hook, runtime.jit_post_compile_hook = before, after
+            knobs.compilation.listener = before
 
     def describe(self) -> str:
         if not self.kernels:
             return "no Triton kernel compiled"
-        return (f"{self.kernels} Triton kernels compiled or loaded from Triton's cache in {self.seconds:.1f} s "
-                f"(a machine's first boot compiles; later boots load them)")
+        return (f"Triton: {self.compiled} kernels compiled, {self.loaded} loaded from its cache, "
+                f"{self.seconds:.1f} s (a machine's first boot compiles; later boots load them)")
