@@ -39,6 +39,7 @@
 #             cache managed on the device, piecewise graphs, eager; where a piecewise step's time goes (no ballast)
 #   e2e_widths  quant_decode.py e2e --offload CACHE_SIZE --policies lru --widths WIDTHS (default 4,5,6,7,8): in-process
 #             device-managed decode with the prefetch guessing each width a row (bytes, hit rate, tok/s; no ballast)
+#   e2e_skew_widths  the same on skew's checkpoint under lfu (WIDTHS default 4,6,8)
 #   e2e_skew  quant_decode.py e2e --offload CACHE_SIZE --policies lru,lfu --orders on skew's checkpoint: in-process
 #             device-managed decode under each policy, then the prefetch started before / after the layer's own gather
 #   sampling  sampling.py: the sampler's general path against the top-k short path, Qwen3.6's vocabulary
@@ -194,7 +195,7 @@ export SKEW T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFF
 print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__)' || exit 4
   fi
   needs_ckpt=0  # prep13 makes the checkpoint itself, alongside other work; some runs do not read it
-  for run in $RUNS; do case $run in prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|prepbf16|prefill|loadcmp|gputests|moe|fused|sampling|inputs|skew|prepskew|e2e_skew|lanes) ;;
+  for run in $RUNS; do case $run in prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|prepbf16|prefill|loadcmp|gputests|moe|fused|sampling|inputs|skew|prepskew|e2e_skew|e2e_skew_widths|lanes) ;;
     *) needs_ckpt=1 ;; esac; done
   if [ "$needs_ckpt" = 1 ]; then
     step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; }
@@ -238,6 +239,9 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
                   --offload "$CACHE_SIZE" ;;
       e2e_widths) step e2e_widths 180 300 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e_widths" \
                   --offload "$CACHE_SIZE" --policies lru --widths "${WIDTHS:-4,5,6,7,8}" ;;
+      e2e_skew_widths) step make_skew 200 300 make_ckpt "$WORK/ckpt_skew" "$SKEW" \
+                  && step e2e_skew_widths 150 300 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt_skew" \
+                  --out "$WORK/e2e_skew_widths" --offload "$CACHE_SIZE" --policies lfu --widths "${WIDTHS:-4,6,8}" ;;
       e2e_skew) step make_skew 200 300 make_ckpt "$WORK/ckpt_skew" "$SKEW" \
                   && step e2e_skew 200 380 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt_skew" \
                   --out "$WORK/e2e_skew" --offload "$CACHE_SIZE" --policies lru,lfu --orders ;;
