@@ -202,6 +202,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-max-bs", "--graph", type=_positive_int, metavar="N",
                    help="largest decode batch captured in CUDA graphs; larger batches run eagerly (default: "
                    "--max-running-requests; fewer sizes capture faster at boot)")
+    g.add_argument("--compile-workers", type=int, default=0, metavar="N",
+                   help="compile the boot's Triton kernels on N threads before the memory probe, found by walking "
+                   "its and the warm-up's steps with nothing computed (default 0: off, each kernel compiles at "
+                   "its first launch; a machine's first boot spends ~30 s there; not yet timed on a GPU)")
 
     g = p.add_argument_group("scheduling")
     g.add_argument("--max-seq-len-override", type=_positive_int, metavar="TOKENS",
@@ -497,7 +501,7 @@ def _engine_config(args: argparse.Namespace, model_dir: str, checkpoint_token_id
             max_extend_tokens=args.max_extend_tokens, prefix_cache=_prefix_cache(args), cuda_graphs=args.cuda_graphs,
             cuda_graph_max_bs=args.cuda_graph_max_bs, decode_log_interval=args.decode_log_interval,
             checkpoint_token_ids=checkpoint_token_ids,
-            overlap_schedule=args.overlap_schedule, progress=True)
+            overlap_schedule=args.overlap_schedule, compile_workers=args.compile_workers, progress=True)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -66,6 +66,7 @@ def test_offload_flags_reach_the_engine(model):
     (["--moe-backend", "resident", "--disable-moe-prefill-overlap"], "offload, hybrid and cpu"),
     (["--moe-backend", "resident", "--moe-cache-policy", "lfu"], "applies to the offload and hybrid"),
     (["--moe-backend", "cpu", "--moe-cache-policy", "lfu"], "applies to the offload and hybrid"),
+    (["--compile-workers", "-1"], "compile_workers must be at least 0"),
 ])
 def test_contradictory_flags_are_refused(model, argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -100,7 +101,9 @@ def test_defaults_and_aliases(model):
     assert cfg.max_seq_len == 1008  # the pool bounds the context
     assert cfg.sizes.num_state_slots == 3 and not cfg.engine.prefix_cache and cfg.engine.overlap_schedule
     plain = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--disable-overlap-schedule"))
-    assert not plain.engine.overlap_schedule
+    assert not plain.engine.overlap_schedule and plain.engine.compile_workers == 0
+    ahead = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--compile-workers", "8"))
+    assert ahead.engine.compile_workers == 8
     assert cfg.served_model_name == Path(model).name
     fused = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--moe-backend", "fused"))
     assert fused.engine.moe_backend == "resident"  # FreeToken's name for experts on the device

@@ -54,6 +54,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     cuda_graph_max_bs: int | None = None  # largest decode batch captured (None: max_running_requests); larger run eagerly
     progress: bool = False              # progress bars while loading
+    compile_workers: int = 0            # Triton kernels compiled ahead of the probe on this many threads (0: off)
 
     def __post_init__(self):
         if self.moe_backend not in MOE_BACKENDS + ("auto",):
@@ -85,6 +86,8 @@ class EngineConfig:
         if self.moe_cpu_threads is not None and self.moe_backend not in ("cpu", "hybrid") and not self.moe_cpu_layers:
             raise ValueError("moe_cpu_threads (--moe-cpu-threads) applies to the cpu and hybrid backends "
                              "and to --moe-cpu-layers")
+        if self.compile_workers < 0:
+            raise ValueError(f"compile_workers must be at least 0, got {self.compile_workers}")
         if self.memory_ratio is not None and not 0 < self.memory_ratio <= 1:
             raise ValueError(f"memory_ratio must be in (0, 1], got {self.memory_ratio}")
         for name in ("moe_cache_size", "num_tokens", "num_state_slots", "page_size", "max_seq_len",

@@ -29,7 +29,8 @@ import torch
 
 from moeferry.cache.manager import CacheManager
 from moeferry.checkpoint.reader import CheckpointReader
-from moeferry.engine.config import EngineConfig, EngineSizes, derive_sizes
+from moeferry.engine.compile_ahead import compile_ahead
+from moeferry.engine.config import EngineConfig, EngineSizes, context_limit, derive_sizes
 from moeferry.engine.cuda_graph import DecodeGraphs
 from moeferry.engine.planning import (choose_backend, describe_plan, free_memory, make_engine_plan, needs_plan,
                                       self_test, settle_after_warm_up)
@@ -72,6 +73,8 @@ def _plan(cfg: EngineConfig, spec, model, experts, device, dtype, free_at_start:
     if not needs_plan(cfg, device, experts.requested_slots()):
         return None, derive_sizes(cfg, spec.max_position_embeddings), 0
     experts.finish(experts.probe_slots())  # offload: a small cache to probe with
+    if cfg.compile_workers and device.type == "cuda":  # the probe's and warm-up's kernels, compiled side by side
+        log.info("%s", compile_ahead(boot_walk(cfg, spec, model, dtype, device), cfg.compile_workers))
     plan, transients = make_engine_plan(cfg, spec, model, experts, device, dtype, free_at_start)
     log.info(describe_plan(plan))
     sizes = EngineSizes(plan.kv_pages, plan.page_size, plan.state_slots, plan.context_limit, plan.expert_slots)
@@ -85,6 +88,29 @@ GRAPH_MODES = {
     "piecewise": "piecewise (cut at each MoE layer: the host reads its experts, fetches the misses and "
                  "computes the CPU lane's)",
 }
+
+
+def boot_walk(cfg: EngineConfig, spec, model, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
+    """The steps the probe and the warm-up will run, through temporary pools, as one walk for
+    `compile_ahead`: a prefill chunk of each warm-up length and of the longest chunk, each with
+    a decode step after it, and a decode step of the largest batch."""
+    longest = max(1, min(cfg.max_extend_tokens, context_limit(cfg, spec.max_position_embeddings) - 1))
+    lengths = sorted({min(n, longest) for n in WARM_PREFILL + (longest,)})
+    batch = cfg.max_running_requests
+    cache = CacheManager.build(spec, max(longest + 1, 2 * batch), 1, batch, False, dtype, device)
+
+    def step(chunks: list[SeqChunk]) -> None:
+        model.forward(ForwardBatch.build(chunks, 1, device), cache.kv, cache.states)
+
+    @torch.inference_mode()
+    def walk() -> None:
+        for n in lengths:
+            with cache.sequences([n + 1]) as (seq,):
+                step([SeqChunk([0] * n, 0, seq.pages, seq.state_slot)])
+                step([SeqChunk([0], n, seq.pages, seq.state_slot)])
+        with cache.sequences([2] * batch) as held:
+            step([SeqChunk([0], 1, b.pages, b.state_slot) for b in held])
+    return walk
 
 
 def graph_max_batch(cfg: EngineConfig, sizes: EngineSizes) -> int:

@@ -1,0 +1,131 @@
+"""Compile the boot's Triton kernels in parallel before the probe and the warm-up launch them
+(`--compile-workers N`; off by default until timed on a GPU).
+
+A kernel compiles at its first launch, one after another: on a machine's first boot that is 69
+kernels and ~28 s of the memory probe and the warm-up (H100 host, full-depth `mixed_nvfp4`, offload).
+Triton releases the GIL while it compiles (a 2-core box: four sm_90 compiles 0.89 s in turn, 0.50 s
+on four threads), so they can run side by side, once they are known. They are found by walking the
+probe's and the warm-up's steps once with nothing computed (`ShapeOnly`: every torch op on the
+device gets zero-filled outputs of the shapes it would give, views stay views, writes are
+dropped, so no value can steer a kernel or an index out of range) and every Triton launch turned
+into a compile request (`JITFunction.run(..., warmup=True)` under Triton's `AsyncCompileMode` on a
+thread pool). Leaving the mode waits for the compiles and files each kernel in its JIT's cache, so
+the real steps launch them at once. Best effort: a kernel whose specialization depends on values
+(zeros here) compiles again at its real launch; whatever the walk raises ends it (logged), and what
+it did not reach compiles when first launched, as without it. The walk writes nothing: the
+temporary pools it uses are dropped, and the expert cache it may touch is rebuilt after the probe.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+log = logging.getLogger("moeferry.engine")
+
+aten = torch.ops.aten
+# allocations: run, then zeroed (their bytes are whatever the allocator held; a value read from
+# them must not steer the walk)
+_ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+                aten.new_empty.default, aten.new_empty_strided.default}
+
+
+class WalkAborted(RuntimeError):
+    """An op the walk cannot run without computing (no shape function)."""
+
+
+class ShapeOnly(TorchDispatchMode):
+    """Torch ops touching `device_type` tensors compute nothing: outputs are zero-filled tensors
+    of the shapes, dtypes and strides the op's meta function gives, on the device its inputs
+    were on (or its `device` argument); views are taken (no data moves); writes in place or into
+    `out=` are dropped; a scalar read reads the zeros. Ops on host tensors only run as they are."""
+
+    def __init__(self, device_type: str = "cuda"):
+        super().__init__()
+        self.device_type = device_type
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _ALLOCATIONS:
+            return func(*args, **kwargs).zero_()
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        device = self._target(tensors, kwargs)
+        if device is None or func.is_view or func is aten._local_scalar_dense.default:
+            return func(*args, **kwargs)
+        written = [(i, a) for i, a in enumerate(func._schema.arguments) if a.alias_info and a.alias_info.is_write]
+        if written:
+            return _written(func, args, kwargs, written)
+        try:
+            meta_kwargs = tree_map(_meta, kwargs) | ({"device": torch.device("meta")} if "device" in kwargs else {})
+            shapes = func(*tree_map(_meta, args), **meta_kwargs)
+        except Exception as e:  # no meta function (e.g. an output whose size depends on values)
+            raise WalkAborted(f"{func} has no shape function: {type(e).__name__}: {e}") from e
+        return tree_map(lambda m: _zeros_like_meta(m, device), shapes)
+
+    def _target(self, tensors: list[torch.Tensor], kwargs: dict) -> torch.device | None:
+        """Where the outputs of an op reading `device_type` tensors go (None: it reads none, so it
+        runs: host work, an allocation, a copy of host data to the device)."""
+        on = [t.device for t in tensors if t.device.type == self.device_type]
+        if not on:
+            return None
+        wanted = kwargs.get("device")
+        return torch.device(wanted) if wanted is not None else on[0]
+
+
+def _written(func, args, kwargs, written):
+    """What an op that writes its arguments returns, without writing them."""
+    if not func._schema.returns:
+        return None
+    values = [args[i] if i < len(args) else kwargs[a.name] for i, a in written]
+    return values[0] if len(func._schema.returns) == 1 else tuple(values)
+
+
+def _meta(x):
+    return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+
+def _zeros_like_meta(m, device: torch.device):
+    if not isinstance(m, torch.Tensor):
+        return m
+    return torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device).zero_()
+
+
+@contextmanager
+def launches_compile():
+    """Every Triton launch compiles its kernel (or finds it compiled) and launches nothing."""
+    from triton.runtime.jit import JITFunction
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        return run(self, *args, grid=grid, warmup=True, **kwargs)
+
+    JITFunction.run = compile_only
+    try:
+        yield
+    finally:
+        JITFunction.run = run
+
+
+def compile_ahead(walk: Callable[[], None], workers: int, device_type: str = "cuda") -> str:
+    """Run `walk` (the steps to come) under `ShapeOnly` with Triton launches as compile requests
+    on `workers` threads; returns what happened, for the boot log. Never raises for the walk."""
+    from triton.runtime._async_compile import AsyncCompileMode
+    t0 = time.perf_counter()
+    ended = "walked every step"
+    with ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
+        mode = AsyncCompileMode(pool, ignore_errors=True)  # a kernel that fails here fails at its launch too
+        with mode:
+            try:
+                with launches_compile(), ShapeOnly(device_type):
+                    walk()
+            except Exception as e:  # noqa: BLE001 - best effort: the real steps compile what is left
+                ended = f"walk ended early ({type(e).__name__}: {str(e)[:200]})"
+            requested = len(mode.future_kernels)
+    return (f"compiled ahead on {workers} threads: {requested} kernels requested in "
+            f"{time.perf_counter() - t0:.1f} s; {ended}")

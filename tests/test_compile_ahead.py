@@ -1,0 +1,100 @@
+"""Compiling the boot's Triton kernels ahead (`moeferry.engine.compile_ahead`, `--compile-workers`).
+
+On the CPU: `ShapeOnly` (treating the CPU as the device) computes nothing and writes nothing yet
+gives every op's shapes, Triton launches become compile requests and the JIT is put back, a walk
+that raises ends the walk and not the boot (the flag: test_cli.py). On the GPU:
+a boot with it walks every step of a real model and greedy outputs equal a boot without it.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from moeferry.engine.compile_ahead import ShapeOnly, WalkAborted, compile_ahead
+
+
+def test_shape_only_computes_and_writes_nothing():
+    x = torch.randn(4, 6)
+    w = torch.randn(6, 3)
+    before = x.clone()
+    with ShapeOnly("cpu"):
+        y = x @ w
+        assert y.shape == (4, 3) and y.dtype == x.dtype and not y.any()
+        z = torch.softmax(x.double(), dim=-1)
+        assert z.dtype == torch.float64 and z.shape == x.shape and not z.any()
+        assert x.add_(1) is x                                  # a write in place is dropped
+        out = torch.empty(4, 6)
+        assert torch.add(x, x, out=out) is out and not out.any()  # ... and into out=; allocations are zeros
+        row = x[1:3]                                           # a view stays a view
+        assert row.data_ptr() == x.data_ptr() + 6 * x.element_size()
+        assert x.sum().item() == 0                             # a scalar read reads the zeros
+        parts = torch.split(x, 2)
+        assert [p.shape for p in parts] == [(2, 6), (2, 6)]
+        ids = torch.topk(x, 2).indices                         # indices come back in range (zeros)
+        assert ids.dtype == torch.int64 and int(ids.max()) == 0
+    assert torch.equal(x, before)
+
+
+def test_shape_only_stops_at_an_op_without_a_shape_function():
+    with ShapeOnly("cpu"), pytest.raises(WalkAborted, match="nonzero"):
+        torch.nonzero(torch.ones(3))
+
+
+def test_shape_only_leaves_host_work_alone_when_the_device_is_another():
+    x = torch.arange(6.0)
+    with ShapeOnly("cuda"):
+        assert torch.equal(x * 2, torch.arange(0.0, 12.0, 2.0))
+
+
+def test_compile_ahead_turns_launches_into_compile_requests(monkeypatch):
+    """Inside the walk a launch goes to the JIT's run with warmup=True (compile, launch nothing);
+    the JIT's run is put back after, and a walk that raises is reported, not raised."""
+    triton = pytest.importorskip("triton")
+    from triton.runtime.jit import JITFunction
+
+    calls = []
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        calls.append(warmup)
+
+    monkeypatch.setattr(JITFunction, "run", recording_run)
+
+    @triton.jit
+    def kernel(x_ptr):
+        pass
+
+    said = compile_ahead(lambda: kernel[(1,)](torch.zeros(1)), workers=2, device_type="cpu")
+    assert calls == [True] and "walked every step" in said and "2 threads" in said
+    assert JITFunction.run is recording_run
+
+    def failing():
+        raise WalkAborted("aten.nonzero.default has no shape function")
+    said = compile_ahead(failing, workers=2, device_type="cpu")
+    assert "walk ended early (WalkAborted: aten.nonzero" in said
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["resident", "offload"])
+def test_compile_ahead_walks_a_real_boot(backend, tmp_path, caplog):
+    """A boot with --compile-workers walks every step of the probe and the warm-up without
+    computing (no op lacks a shape function, nothing raises) and greedy outputs equal a boot without."""
+    from moeferry import LLM
+    from moeferry.checkpoint.synthetic import make_model
+    from moeferry.scheduler.sampling import SamplingParams
+    path = make_model(tmp_path / "m", arch="qwen3_5_moe", size="tiny", seed=4, dtype="bfloat16", quant="mixed_nvfp4")
+    extra = dict(moe_backend="offload", moe_cache_size=16) if backend == "offload" else {}
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 17, 99, 3], [250, 7]]
+    outs = []
+    for workers in (4, 0):
+        with caplog.at_level(logging.INFO, logger="moeferry.engine"):
+            llm = LLM(str(path), device="cuda", dtype="bfloat16", max_running_requests=2, compile_workers=workers,
+                      gpu_memory_limit=8 << 30, **extra)
+        outs.append([o.token_ids for o in llm.generate(prompts, greedy)])
+        del llm
+    said = [r.getMessage() for r in caplog.records if "compiled ahead" in r.getMessage()]
+    assert len(said) == 1 and "walked every step" in said[0], said
+    assert outs[0] == outs[1]
