@@ -37,9 +37,38 @@ def test_shape_only_computes_and_writes_nothing():
     assert torch.equal(x, before)
 
 
-def test_shape_only_stops_at_an_op_without_a_shape_function():
-    with ShapeOnly("cpu"), pytest.raises(WalkAborted, match="nonzero"):
-        torch.nonzero(torch.ones(3))
+def test_shape_only_runs_ops_sized_by_values_and_stops_at_others_without_a_shape_function():
+    x = torch.tensor([3, 0, 3, 5])
+    with ShapeOnly("cpu"):
+        assert torch.unique(x).tolist() == [0, 3, 5] and torch.nonzero(x).shape == (3, 1)
+        assert x[x > 0].shape == (0,)  # the mask is computed, so zeros: nothing selected
+        assert torch.where(x)[0].tolist() == [0, 2, 3]  # x itself is given, not computed
+        with pytest.raises(WalkAborted, match="no_shape"):
+            torch.ops.moeferry_test.no_shape(x)
+
+
+@pytest.mark.parametrize("quant", ["bf16", "mixed_nvfp4"])
+def test_boot_walk_goes_through_a_model_and_changes_nothing(quant, tmp_path):
+    """The boot's walk (`engine.boot_walk`: every warm-up prefill length, a decode step after each,
+    the largest decode batch) under `ShapeOnly` gets through a whole model's steps (here its CPU
+    path, the CPU as the device) with no op left without a shape, and the logits after it are
+    the logits before it, bit for bit."""
+    from moeferry import LLM
+    from moeferry.checkpoint.synthetic import make_model
+    from moeferry.engine.engine import boot_walk
+    path = make_model(tmp_path / "m", arch="qwen3_5_moe", size="tiny", seed=4, dtype="bfloat16",
+                      quant=None if quant == "bf16" else quant)
+    llm = LLM(str(path), device="cpu", max_running_requests=2, max_extend_tokens=64)
+    e = llm.engine
+    before = llm.logits([5, 17, 99, 3])
+    with ShapeOnly("cpu"):
+        boot_walk(e.cfg, e.spec, e.model, e.model.dtype, e.device)()
+    assert torch.equal(llm.logits([5, 17, 99, 3]), before)
+
+
+_LIB = torch.library.Library("moeferry_test", "FRAGMENT")  # an op with no meta function
+_LIB.define("no_shape(Tensor x) -> Tensor")
+_LIB.impl("no_shape", lambda x: x.clone(), "CPU")
 
 
 def test_shape_only_leaves_host_work_alone_when_the_device_is_another():

@@ -36,6 +36,12 @@ _ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.empty
                 aten.new_empty.default, aten.new_empty_strided.default}
 
 
+# ops whose output size depends on values (no meta function): run on the walk's zeros (or real
+# inputs) instead; none of them can fault on the device (no index they could take out of range)
+_BY_VALUE = {aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default, aten.nonzero.default,
+             aten.masked_select.default, aten.where.default, aten.index.Tensor, aten.repeat_interleave.Tensor, aten.bincount.default}
+
+
 class WalkAborted(RuntimeError):
     """An op the walk cannot run without computing (no shape function)."""
 
@@ -44,7 +50,8 @@ class ShapeOnly(TorchDispatchMode):
     """Torch ops touching `device_type` tensors compute nothing: outputs are zero-filled tensors
     of the shapes, dtypes and strides the op's meta function gives, on the device its inputs
     were on (or its `device` argument); views are taken (no data moves); writes in place or into
-    `out=` are dropped; a scalar read reads the zeros. Ops on host tensors only run as they are."""
+    `out=` are dropped; a scalar read reads the zeros; ops whose output size depends on values
+(`_BY_VALUE`) run on what they are given. Ops on host tensors only run as they are."""
 
     def __init__(self, device_type: str = "cuda"):
         super().__init__()
@@ -61,6 +68,8 @@ class ShapeOnly(TorchDispatchMode):
         written = [(i, a) for i, a in enumerate(func._schema.arguments) if a.alias_info and a.alias_info.is_write]
         if written:
             return _written(func, args, kwargs, written)
+        if func in _BY_VALUE:
+            return func(*args, **kwargs)
         try:
             meta_kwargs = tree_map(_meta, kwargs) | ({"device": torch.device("meta")} if "device" in kwargs else {})
             shapes = func(*tree_map(_meta, args), **meta_kwargs)
