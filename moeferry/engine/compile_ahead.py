@@ -17,7 +17,6 @@ temporary pools it uses are dropped, and the expert cache it may touch is rebuil
 """
 from __future__ import annotations
 
-import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -27,19 +26,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-log = logging.getLogger("moeferry.engine")
-
 aten = torch.ops.aten
 # allocations: run, then zeroed (their bytes are whatever the allocator held; a value read from
 # them must not steer the walk)
 _ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
                 aten.new_empty.default, aten.new_empty_strided.default}
-
-
 # ops whose output size depends on values (no meta function): run on the walk's zeros (or real
 # inputs) instead; none of them can fault on the device (no index they could take out of range)
 _BY_VALUE = {aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default, aten.nonzero.default,
-             aten.masked_select.default, aten.where.default, aten.index.Tensor, aten.repeat_interleave.Tensor, aten.bincount.default}
+             aten.masked_select.default, aten.where.default, aten.index.Tensor, aten.repeat_interleave.Tensor,
+             aten.bincount.default}
 
 
 class WalkAborted(RuntimeError):
@@ -51,7 +47,7 @@ class ShapeOnly(TorchDispatchMode):
     of the shapes, dtypes and strides the op's meta function gives, on the device its inputs
     were on (or its `device` argument); views are taken (no data moves); writes in place or into
     `out=` are dropped; a scalar read reads the zeros; ops whose output size depends on values
-(`_BY_VALUE`) run on what they are given. Ops on host tensors only run as they are."""
+    (`_BY_VALUE`) run on what they are given. Ops on host tensors only run as they are."""
 
     def __init__(self, device_type: str = "cuda"):
         super().__init__()

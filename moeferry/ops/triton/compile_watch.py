@@ -11,6 +11,7 @@ specialization to JSON first, which fails for kernels given a function as a cons
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 
 
@@ -20,6 +21,7 @@ class CompileWatch:
     def __init__(self):
         self.compiled = self.loaded = 0
         self.seconds = 0.0
+        self._lock = threading.Lock()  # compiles may run on threads (`--compile-workers`)
 
     @property
     def kernels(self) -> int:
@@ -35,11 +37,12 @@ class CompileWatch:
         before = knobs.compilation.listener
 
         def heard(*, src, metadata, metadata_group, times, cache_hit):
-            if cache_hit:
-                self.loaded += 1
-            else:
-                self.compiled += 1
-            self.seconds += (times.ir_initialization + times.total_lowering + times.store_results) / 1e6
+            with self._lock:
+                if cache_hit:
+                    self.loaded += 1
+                else:
+                    self.compiled += 1
+                self.seconds += (times.ir_initialization + times.total_lowering + times.store_results) / 1e6
             if before is not None:
                 before(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
 
@@ -53,4 +56,4 @@ class CompileWatch:
         if not self.kernels:
             return "no Triton kernel compiled"
         return (f"Triton: {self.compiled} kernels compiled, {self.loaded} loaded from its cache, "
-                f"{self.seconds:.1f} s (a machine's first boot compiles; later boots load them)")
+                f"{self.seconds:.1f} s summed over them (a machine's first boot compiles; later boots load them)")
