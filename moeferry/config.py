@@ -163,6 +163,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="offload on CUDA: fetch a decode step's misses only when their layer routes (default: "
                    "layer l+1's router applied to layer l's input predicts its experts, and the predicted "
                    "misses are copied on a copy stream while layer l computes)")
+    g.add_argument("--moe-prefetch-width", type=_positive_int, metavar="N",
+                   help="offload on CUDA: experts a token's decode prefetch guesses for the next layer, its N "
+                   "likeliest (default: half the model's top-k; a wrong guess costs link time, a missed one is "
+                   "fetched when its layer routes)")
     g.add_argument("--moe-cpu-threads", type=_positive_int, metavar="N",
                    help="cpu/hybrid backends and --moe-cpu-layers: threads computing experts on the CPU (the "
                    "worker's torch thread count, so on a CPU device every op's; default: torch's, the physical cores)")
@@ -493,7 +497,8 @@ def _engine_config(args: argparse.Namespace, model_dir: str, checkpoint_token_id
             moe_cache_size=args.moe_cache_size, moe_cache_rate=args.moe_cache_rate,
             moe_cache_auto=args.moe_cache_auto, moe_cache_policy=args.moe_cache_policy,
             moe_prefill_overlap=args.moe_prefill_overlap,
-            moe_decode_prefetch=args.moe_decode_prefetch, moe_cpu_threads=args.moe_cpu_threads,
+            moe_decode_prefetch=args.moe_decode_prefetch, moe_prefetch_width=args.moe_prefetch_width,
+            moe_cpu_threads=args.moe_cpu_threads,
             moe_cpu_layers=args.moe_cpu_layers, moe_hybrid_max_fetch=args.moe_hybrid_max_fetch,
             expert_load=args.expert_load, memory_ratio=args.memory_ratio, gpu_memory_limit=args.gpu_memory_limit,
             kv_reserve_tokens=args.kv_reserve_tokens, num_tokens=num_tokens, page_size=args.page_size,

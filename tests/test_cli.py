@@ -67,6 +67,7 @@ def test_offload_flags_reach_the_engine(model):
     (["--moe-backend", "resident", "--moe-cache-policy", "lfu"], "applies to the offload and hybrid"),
     (["--moe-backend", "cpu", "--moe-cache-policy", "lfu"], "applies to the offload and hybrid"),
     (["--compile-workers", "-1"], "compile_workers must be at least 0"),
+    (["--moe-backend", "hybrid", "--moe-prefetch-width", "4"], "applies to the offload backend"),
 ])
 def test_contradictory_flags_are_refused(model, argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -104,6 +105,9 @@ def test_defaults_and_aliases(model):
     assert not plain.engine.overlap_schedule and plain.engine.compile_workers == 0
     ahead = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--compile-workers", "8"))
     assert ahead.engine.compile_workers == 8
+    wide = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--moe-backend", "offload",
+                                       "--moe-cache-size", "8", "--moe-prefetch-width", "6"))
+    assert wide.engine.moe_prefetch_width == 6 and plain.engine.moe_prefetch_width is None
     assert cfg.served_model_name == Path(model).name
     fused = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--moe-backend", "fused"))
     assert fused.engine.moe_backend == "resident"  # FreeToken's name for experts on the device

@@ -714,6 +714,13 @@ def test_split_choices_reads_only_the_real_rows():
     assert offload_mod.distinct_experts(ids, wide[:, :1]) == ([1, 3, 7, 9], [4, 5, 8])
 
 
+def test_prefetch_width_defaults_to_half_the_top_k(ckpt):
+    """The decode prefetch guesses half the top-k a row unless --moe-prefetch-width says."""
+    engine = build(ckpt, "qwen3_5_moe", "bf16", "offload-25%").engine
+    assert engine.experts.prefetch_width == max(1, engine.spec.top_k // 2)
+    assert build(ckpt, "qwen3_5_moe", "bf16", "offload-25%", moe_prefetch_width=3).engine.experts.prefetch_width == 3
+
+
 @pytest.mark.parametrize("width", [1, 4])
 def test_prefetch_width_keeps_logits(ckpt, ref_logits, monkeypatch, width):
     """A decode prefetch guessing `prefetch_width` experts a row (fewer or more than the top-k)

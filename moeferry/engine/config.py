@@ -29,6 +29,7 @@ class EngineConfig:
     moe_cache_policy: str = "lru"
     moe_prefill_overlap: bool = True    # stream layer l+1's experts while layer l computes
     moe_decode_prefetch: bool = True    # offload decode: fetch layer l+1's predicted misses while layer l computes
+    moe_prefetch_width: int | None = None  # experts a row that prefetch guesses (None: half the top-k)
     moe_cpu_threads: int | None = None  # None: the physical cores
     moe_cpu_layers: str | None = None   # offload / cpu: MoE layers with no device slots, on the CPU (moe.cpu_layers)
     moe_hybrid_max_fetch: int | None = None  # hybrid: most PCIe fetches per layer and step
@@ -92,7 +93,7 @@ class EngineConfig:
             raise ValueError(f"memory_ratio must be in (0, 1], got {self.memory_ratio}")
         for name in ("moe_cache_size", "num_tokens", "num_state_slots", "page_size", "max_seq_len",
                      "max_running_requests", "max_extend_tokens", "kv_reserve_tokens", "moe_cpu_threads",
-                     "moe_hybrid_max_fetch", "cuda_graph_max_bs", "decode_log_interval"):
+                     "moe_hybrid_max_fetch", "cuda_graph_max_bs", "decode_log_interval", "moe_prefetch_width"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
@@ -130,6 +131,8 @@ CACHE_POLICIES = ("lru", "lfu")
 OFFLOAD_SETTINGS = (
     ("moe_decode_prefetch", True, ("offload",),
      "--disable-moe-decode-prefetch applies to the offload backend (--moe-backend offload)"),
+    ("moe_prefetch_width", None, ("offload",),
+     "--moe-prefetch-width {value} applies to the offload backend (--moe-backend offload)"),
     ("moe_prefill_overlap", True, ("offload", "hybrid", "cpu"),
      "--disable-moe-prefill-overlap applies to the offload, hybrid and cpu backends (their prefill staging)"),
     ("moe_cache_policy", "lru", ("offload", "hybrid"),

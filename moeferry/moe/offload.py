@@ -129,10 +129,11 @@ class OffloadBackend:
         # overlaps), and joined only before the layer's MoE runs (its own misses gathered first)
         self.prefetch_programs = prefetch_programs(device)
         self._prefetch_gather: tuple | None = None  # the prefetch gather's own config (None: gather_kernel's)
-        # experts a row the decode prefetch guesses: its best half. Measured (H100, full-depth mixed_nvfp4,
-        # 3600 of 10240 slots, uniform routing): 8 of top-8 guessed 81% right, 4 of them 93%; b1 85.8 ->
-        # 91.4 tok/s, b4 98.6 -> 115.7 (a wrong guess is link time; a missed one is gathered with the layer)
-        self.prefetch_width: int | None = max(1, spec.top_k // 2)
+        # experts a row the decode prefetch guesses (--moe-prefetch-width), by default its best half.
+        # Measured (H100, full-depth mixed_nvfp4, 3600 of 10240 slots, uniform routing): 8 of top-8 guessed
+        # 81% right, 4 of them 93%; b1 85.8 -> 91.4 tok/s, b4 98.6 -> 115.7 (a wrong guess is link time;
+        # a missed one is gathered with its layer)
+        self.prefetch_width: int | None = cfg.moe_prefetch_width or max(1, spec.top_k // 2)
         self.join_late = True
         self.prefetch_first = False  # device-managed: the next layer's prefetch started before this layer's own gather
         self.transfer_chosen = False
