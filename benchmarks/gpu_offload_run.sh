@@ -10,6 +10,9 @@
 #   seed      seed_scenario.py: the seed's flags verbatim, 8 prompts x 8192, ballast LEAVE_GIB (issue 12)
 #   offload   offload.py: --moe-backend offload --moe-cache-size CACHE_SIZE, both engines (issue 11)
 #   offload_nopf  the same, moeferry alone, decode prefetch off (what the prefetch is worth)
+#   offload_ca  offload with moeferry's kernels compiled ahead (--compile-workers COMPILE_WORKERS, default 8), both
+#             engines (with FRESH_TRITON=1 each boots cold)
+#   offload_w8  offload, moeferry alone, the prefetch guessing 8 a row (the width before the eighteenth session)
 #   skew      its own checkpoint with --router-skew SKEW, offload.py on it (moeferry; both if SKEW_FT=1, then
 #             under OFFLOAD_MAX_S)
 #   seed_c4   --max-running-requests 4, 4 concurrent 8k prompts
@@ -54,7 +57,7 @@
 # Knobs (env): BUDGET_S, RUNS, SEED_EST_S (the seed run's estimate, default 150), SEED_MAX_S / OFFLOAD_MAX_S (those runs' limits, default 360 / 400: FreeToken 0.1.2 boots in 70-110 s), LEAVE_GIB (empty: no ballast), CACHE_SIZE, SKEW, SKEW_FT, FT_ARGS,
 # BENCH_FLAGS / BENCH_ARGS (serve flags of both engines / bench_serve.py options of the bench run),
 # SIZE / LAYERS / QUANT_DEVICE (make-model geometry, quantizer device; empty = CPU), SEED_ARGS / OFFLOAD_ARGS (appended to every seed_scenario.py /
-# offload.py call), GPUTESTS (the gputests run's test files and the pytest arguments each file's run gets; default the files with the gpu marker), GPUTESTS_MAX_S, SKIP_WHEELS=1 (a machine that has the packages).
+# offload.py call), GPUTESTS (the gputests run's test files and the pytest arguments each file's run gets; default the files with the gpu marker), GPUTESTS_MAX_S, SKIP_WHEELS=1 (a machine that has the packages), FRESH_TRITON=1 (every run compiles into its own empty Triton cache).
 # moeferry's own flags reach its servers only, through the environment (e.g. MOEFERRY_MOE_CACHE_POLICY=lfu). A CPU wiring check:
 #   SKIP_WHEELS=1 SIZE=tiny QUANT_DEVICE= LEAVE_GIB= CACHE_SIZE=12 RUNS="seed offload" SEED_ARGS="--host 127.0.0.1 --prompts 2 \
 #   --prompt-tokens 64" OFFLOAD_ARGS="--prefill 64 --out-tokens 8" bash benchmarks/gpu_offload_run.sh
@@ -114,6 +117,8 @@ step() {
   lim=$(( max < l - 10 ? max : l - 10 ))
   echo "== $name: up to ${lim} s ($(date -u +%T))"
   t=$(date +%s)
+  # FRESH_TRITON=1: each run compiles into an empty Triton cache of its own (cold boots compare)
+  [ "${FRESH_TRITON:-0}" = 1 ] && export TRITON_CACHE_DIR="$WORK/triton/$name"
   timeout -k 15 "$lim" bash -c '"$@"' "$name" "$@"; rc=$?
   cleanup
   echo "== $name: rc=$rc in $(( $(date +%s) - t )) s"
@@ -255,6 +260,10 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
                   && python3 benchmarks/offload_engine.py --model $WORK/ckpt_lanes --out $WORK/lanes \
                      --backends offload-25% hybrid-25% cpu-25% offload-25%-cpu-layers-2" ;;
       offload)  step offload 250 ${OFFLOAD_MAX_S:-400} offload offload "$WORK/ckpt" ;;
+      offload_ca) step offload_ca 250 ${OFFLOAD_MAX_S:-400} offload offload_ca "$WORK/ckpt" \
+                  --ours-args "--compile-workers ${COMPILE_WORKERS:-8}" ;;
+      offload_w8) step offload_w8 150 240 offload offload_w8 "$WORK/ckpt" --engines moeferry \
+                  --ours-args "--moe-prefetch-width 8" ;;
       offload_nopf) step offload_nopf 150 240 offload offload_nopf "$WORK/ckpt" --engines moeferry \
                   --ours-args "--disable-moe-decode-prefetch" ;;
       skew)     step make_skew 200 300 make_ckpt "$WORK/ckpt_skew" "$SKEW" \
