@@ -1090,7 +1090,7 @@ def test_mapped_loading_is_byte_identical(ckpt, preset):
         view, read = reader.view(name), reader.get(name)
         assert view.dtype == read.dtype and view.shape == read.shape, name
         assert torch.equal(view.reshape(-1).view(torch.uint8), read.reshape(-1).view(torch.uint8)), name
-    placement, staging = Placement(), HostStaging(pin=False)
+    placement, staging = Placement(threads=8), HostStaging(pin=False)  # a GPU host's 8 memmove threads
     layers = [i for i in range(spec.num_layers) if spec.is_moe_layer(i)]
     for layer in layers:
         p = f"model.layers.{layer}.mlp."
