@@ -62,7 +62,7 @@ def test_boot_walk_goes_through_a_model_and_changes_nothing(quant, tmp_path):
     e = llm.engine
     before = llm.logits([5, 17, 99, 3])
     with ShapeOnly("cpu"):
-        boot_walk(e.cfg, e.spec, e.model, e.model.dtype, e.device)()
+        boot_walk(e.cfg, e.spec, e.model, e.experts, e.model.dtype, e.device)()
     assert torch.equal(llm.logits([5, 17, 99, 3]), before)
 
 

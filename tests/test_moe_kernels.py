@@ -311,7 +311,29 @@ def check_engine_path_choice(backend):
     return err
 
 
+def check_call_paths(fmt="nvfp4", h=128, i=64, e=8, k=2, seed=1):
+    """`call_paths` (what the boot's compile-ahead walk calls): both paths of one buffer per slot
+    layout, once at each size up to the largest, untimed, and no buffer's choice changed."""
+    from moeferry.moe import path_choice as pc
+    from moeferry.ops.triton import moe_gemm
+    gen = torch.Generator().manual_seed(seed)
+    params = QuantParams(**_params(fmt)) if _params(fmt) else None
+    table = torch.arange(e, dtype=torch.int32)
+    bufs = [SlotBuffer.from_experts(fmt, [_quantized_expert(fmt, hidden, i, gen, params) for _ in range(e + 1)], "cpu")
+            for hidden in (h, h, 2 * h)]
+    calls, real, before = [], moe_gemm.decode_moe, [b.decode_tokens for b in bufs]
+    moe_gemm.decode_moe = lambda *args: calls.append(args[0].shape[0]) or real(*args)
+    try:
+        pc.call_paths([pc.DecodeTarget(b, table, e) for b in bufs], k, 4, torch.bfloat16)
+    finally:
+        moe_gemm.decode_moe = real
+    assert calls == [1, 2, 4, 1, 2, 4], calls  # two layouts (the first two buffers share one)
+    assert [b.decode_tokens for b in bufs] == before
+    return 0.0
+
+
 CASES["path-choice-nvfp4"] = (check_path_choice, dict())
+CASES["call-paths-nvfp4"] = (check_call_paths, dict())
 CASES["path-choice-engine-resident"] = (check_engine_path_choice, dict(backend="resident"))
 CASES["path-choice-engine-offload"] = (check_engine_path_choice, dict(backend="offload"))
 

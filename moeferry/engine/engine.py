@@ -74,7 +74,7 @@ def _plan(cfg: EngineConfig, spec, model, experts, device, dtype, free_at_start:
         return None, derive_sizes(cfg, spec.max_position_embeddings), 0
     experts.finish(experts.probe_slots())  # offload: a small cache to probe with
     if cfg.compile_workers and device.type == "cuda":  # the probe's and warm-up's kernels, compiled side by side
-        log.info("%s", compile_ahead(boot_walk(cfg, spec, model, dtype, device), cfg.compile_workers))
+        log.info("%s", compile_ahead(boot_walk(cfg, spec, model, experts, dtype, device), cfg.compile_workers))
     plan, transients = make_engine_plan(cfg, spec, model, experts, device, dtype, free_at_start)
     log.info(describe_plan(plan))
     sizes = EngineSizes(plan.kv_pages, plan.page_size, plan.state_slots, plan.context_limit, plan.expert_slots)
@@ -90,10 +90,11 @@ GRAPH_MODES = {
 }
 
 
-def boot_walk(cfg: EngineConfig, spec, model, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
+def boot_walk(cfg: EngineConfig, spec, model, experts, dtype: torch.dtype, device: torch.device
+              ) -> Callable[[], None]:
     """The steps the probe and the warm-up will run, through temporary pools, as one walk for
     `compile_ahead`: a prefill chunk of each warm-up length and of the longest chunk, each with
-    a decode step after it, and a decode step of the largest batch."""
+    a decode step after it, a decode step of the largest batch, and the MoE path choice's calls."""
     longest = max(1, min(cfg.max_extend_tokens, context_limit(cfg, spec.max_position_embeddings) - 1))
     lengths = sorted({min(n, longest) for n in WARM_PREFILL + (longest,)})
     batch = cfg.max_running_requests
@@ -110,6 +111,10 @@ def boot_walk(cfg: EngineConfig, spec, model, dtype: torch.dtype, device: torch.
                 step([SeqChunk([0], n, seq.pages, seq.state_slot)])
         with cache.sequences([2] * batch) as held:
             step([SeqChunk([0], 1, b.pages, b.state_slot) for b in held])
+        targets = experts.decode_targets()
+        if targets:
+            from moeferry.moe.path_choice import call_paths
+            call_paths(targets, spec.top_k, batch, model.dtype)
     return walk
 
 

@@ -123,13 +123,27 @@ def _layout(target: DecodeTarget) -> tuple:
     return buf.kernel.name, buf.gate_up.group, buf.hidden, buf.inter, target.shared_slot >= 0
 
 
+def _by_layout(targets: list[DecodeTarget]) -> dict[tuple, list[DecodeTarget]]:
+    groups: dict[tuple, list[DecodeTarget]] = {}
+    for t in targets:
+        groups.setdefault(_layout(t), []).append(t)
+    return groups
+
+
+def call_paths(targets: list[DecodeTarget], top_k: int, max_tokens: int, dtype: torch.dtype) -> None:
+    """What `choose_decode_paths` will launch, called once and untimed: both paths of one target
+    per slot layout at each size (`moeferry.engine.compile_ahead` walks it to compile their kernels)."""
+    for members in _by_layout(targets).values():
+        if decode_config(members[0].buffer.gate_up) is not None:
+            for tokens in (t for t in SIZES if t <= max_tokens):
+                time_paths(members[0], tokens, top_k, dtype, timer=lambda fn: 0.0)
+
+
 def choose_decode_paths(targets: list[DecodeTarget], top_k: int, max_tokens: int, dtype: torch.dtype,
                         timer: Callable = graph_seconds) -> dict[tuple, int]:
     """Time one target per slot layout, set `decode_tokens` on every buffer of that layout and
     log the timings; returns layout -> decode_tokens."""
-    groups: dict[tuple, list[DecodeTarget]] = {}
-    for t in targets:
-        groups.setdefault(_layout(t), []).append(t)
+    groups = _by_layout(targets)
     chosen = {}
     for layout, members in groups.items():
         try:
