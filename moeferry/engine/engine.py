@@ -90,6 +90,15 @@ GRAPH_MODES = {
 }
 
 
+def prefill_then_decode(cache: CacheManager, step: Callable[[list[SeqChunk]], object], lengths) -> None:
+    """For each of `lengths`: a sequence's prefill chunk of that many tokens, then one decode
+    step after it, each through `step` (the warm-up's shapes, one sequence at a time)."""
+    for n in lengths:
+        with cache.sequences([n + 1]) as (seq,):
+            step([SeqChunk([0] * n, 0, seq.pages, seq.state_slot)])
+            step([SeqChunk([0], n, seq.pages, seq.state_slot)])
+
+
 def boot_walk(cfg: EngineConfig, spec, model, experts, dtype: torch.dtype, device: torch.device
               ) -> Callable[[], None]:
     """The steps the probe and the warm-up will run, through temporary pools, as one walk for
@@ -105,10 +114,7 @@ def boot_walk(cfg: EngineConfig, spec, model, experts, dtype: torch.dtype, devic
 
     @torch.inference_mode()
     def walk() -> None:
-        for n in lengths:
-            with cache.sequences([n + 1]) as (seq,):
-                step([SeqChunk([0] * n, 0, seq.pages, seq.state_slot)])
-                step([SeqChunk([0], n, seq.pages, seq.state_slot)])
+        prefill_then_decode(cache, step, lengths)
         with cache.sequences([2] * batch) as held:
             step([SeqChunk([0], 1, b.pages, b.state_slot) for b in held])
         targets = experts.decode_targets()
@@ -252,10 +258,7 @@ class Engine:
     def run_warm_steps(self) -> None:
         """The warm-up's steps (on any device; tests run them on the CPU)."""
         longest = min(self.cfg.max_extend_tokens, self.sizes.max_seq_len - 1, self.sizes.kv_tokens - 1)
-        for n in sorted({min(n, longest) for n in WARM_PREFILL}):
-            with self.cache.sequences([n + 1]) as (seq,):
-                self.forward([SeqChunk([0] * n, 0, seq.pages, seq.state_slot)])
-                self.forward([SeqChunk([0], n, seq.pages, seq.state_slot)])
+        prefill_then_decode(self.cache, self.forward, sorted({min(n, longest) for n in WARM_PREFILL}))
         if self.graphs is not None:
             self.graphs.capture_all()
         else:
