@@ -264,8 +264,7 @@ class OffloadBackend:
 
     @staticmethod
     def _layout(buf: SlotBuffer) -> tuple:
-        return (buf.kernel.name,) + tuple((k, tuple(t.shape[1:]), t.dtype) for m in (buf.gate_up, buf.down)
-                                         for k, t in m.tensors().items())
+        return (buf.kernel.name,) + tuple((k, tuple(t.shape[1:]), t.dtype) for k, t in buf.named_tensors())
 
     # -- sizing -----------------------------------------------------------------------------
     @property

@@ -53,7 +53,7 @@ def record(buf: "SlotBuffer", slots: Sequence[ExpertWeights]) -> Pairs:
 
 
 def _slot_tensors(buf: "SlotBuffer") -> list[torch.Tensor]:
-    return [t for m in (buf.gate_up, buf.down) for t in m.tensors().values()]
+    return [t for _, t in buf.named_tensors()]
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,10 @@ class SlotBuffer:
         Placement().fill(buf, LayerExperts(fmt, experts))
         return buf if on_cpu else buf.to(device, num_slots)
 
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every slot tensor ([slots, ...] each) by name, gate_up's then down's."""
+        return [(k, t) for m in (self.gate_up, self.down) for k, t in m.tensors().items()]
+
     def to(self, device, num_slots: int | None = None, non_blocking: bool = False) -> "SlotBuffer":
         """A copy on `device` (with `num_slots` slots, the first ones filled from these)."""
         out = self.allocate_like(self, num_slots or self.num_slots, device)
