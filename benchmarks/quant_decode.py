@@ -473,10 +473,9 @@ def backend_variants(engine, log, names: tuple[str, ...], combos, tag, **steps) 
                 setattr(backend, n, v)
             engine.graphs.invalidate()
             row, counted = tag(*combo), {}
-            offload_rates(engine, counted, "v", log, **steps)
-            rates[row] = {k.removeprefix("v_"): round(v, 4) if isinstance(v, float) else v
+            offload_rates(engine, counted, f"device-managed, {row}", log, **steps)  # (logs the row)
+            rates[row] = {k.removeprefix(f"device-managed, {row}_"): round(v, 4) if isinstance(v, float) else v
                           for k, v in counted.items()}
-            log(f"  device-managed, {row}: decode b1 {rates[row]['b1']:.1f} tok/s  b4 {rates[row]['b4']:.1f}")
     finally:
         for n, v in zip(names, default):
             setattr(backend, n, v)
