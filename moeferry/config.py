@@ -207,7 +207,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest decode batch captured in CUDA graphs; larger batches run eagerly (default: "
                    "--max-running-requests; fewer sizes capture faster at boot)")
     g.add_argument("--compile-workers", type=int, default=0, metavar="N",
-                   help="compile the boot's Triton kernels on N threads before the memory probe, found by walking "
+                   help="CUDA: compile the boot's Triton kernels on N threads before the memory probe, found by walking "
                    "its and the warm-up's steps with nothing computed (default 0: off, each kernel compiles at "
                    "its first launch; a machine's first boot spends ~30 s there; not yet timed on a GPU)")
 

@@ -68,6 +68,8 @@ def test_offload_flags_reach_the_engine(model):
     (["--moe-backend", "cpu", "--moe-cache-policy", "lfu"], "applies to the offload and hybrid"),
     (["--compile-workers", "-1"], "compile_workers must be at least 0"),
     (["--moe-backend", "hybrid", "--moe-prefetch-width", "4"], "applies to the offload backend"),
+    (["--moe-backend", "offload", "--moe-cache-size", "8", "--moe-prefetch-width", "4",
+      "--disable-moe-decode-prefetch"], "give one"),
 ])
 def test_contradictory_flags_are_refused(model, argv, message):
     with pytest.raises(ConfigError, match=message):

@@ -87,6 +87,9 @@ class EngineConfig:
         if self.moe_cpu_threads is not None and self.moe_backend not in ("cpu", "hybrid") and not self.moe_cpu_layers:
             raise ValueError("moe_cpu_threads (--moe-cpu-threads) applies to the cpu and hybrid backends "
                              "and to --moe-cpu-layers")
+        if self.moe_prefetch_width is not None and not self.moe_decode_prefetch:
+            raise ValueError("--moe-prefetch-width sizes the decode prefetch, which --disable-moe-decode-prefetch "
+                             "turns off: give one")
         if self.compile_workers < 0:
             raise ValueError(f"compile_workers must be at least 0, got {self.compile_workers}")
         if self.memory_ratio is not None and not 0 < self.memory_ratio <= 1:
