@@ -31,6 +31,7 @@
 #             load_model per backend, and quantized loading per byte against bf16's (issue 13 item 5)
 #   prefill   prefill_kernels.py: attention (paged Triton against SDPA flash) and the Gated DeltaNet
 #             prefill's kernel variants at 2048 / 8192 tokens (issue 13: the bf16_12 prefill)
+#   prep      in parallel: the main checkpoint and gputests
 #   prep13    in parallel (no timing runs then): the main checkpoint, the bf16_12 checkpoint and gputests
 #   resident  offload.py, no ballast: moeferry --moe-backend resident against FreeToken with every expert
 #             cached (--moe-backend offload --moe-cache-size 10240: it refuses NVFP4 with fused) (issue 13)
@@ -200,7 +201,7 @@ export SKEW T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFF
 print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__)' || exit 4
   fi
   needs_ckpt=0  # prep13 makes the checkpoint itself, alongside other work; some runs do not read it
-  for run in $RUNS; do case $run in prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|prepbf16|prefill|loadcmp|gputests|moe|fused|sampling|inputs|skew|prepskew|e2e_skew|e2e_skew_widths|lanes) ;;
+  for run in $RUNS; do case $run in prep|prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|prepbf16|prefill|loadcmp|gputests|moe|fused|sampling|inputs|skew|prepskew|e2e_skew|e2e_skew_widths|lanes) ;;
     *) needs_ckpt=1 ;; esac; done
   if [ "$needs_ckpt" = 1 ]; then
     step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; }
@@ -221,6 +222,8 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       moe)      step moe 200 480 python3 benchmarks/quant_decode.py moe --out "$WORK/moe" ;;
       load)     step load 60 200 python3 benchmarks/load_speed.py --model "$WORK/ckpt" --device cuda --layers 3 \
                   --load-model ;;
+      prep)     step prep 120 300 bash -c 'gputests & make_ckpt "$WORK/ckpt" 0; rc=$?; wait; exit $rc' \
+                  || { echo "no checkpoint: stopping"; break; } ;;
       prep13)   step prep13 120 300 bash -c 'gputests & make_ckpt "$WORK/ckpt_bf16_12" 0 bf16 12 & \
                   make_ckpt "$WORK/ckpt" 0; rc=$?; wait; exit $rc' || { echo "no checkpoint: stopping"; break; } ;;
       prepbf16) step prepbf16 120 300 bash -c 'gputests & make_ckpt "$WORK/ckpt_bf16_12" 0 bf16 12; rc=$?; wait; \

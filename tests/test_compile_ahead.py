@@ -39,12 +39,16 @@ def test_shape_only_computes_and_writes_nothing():
 
 def test_shape_only_runs_ops_sized_by_values_and_stops_at_others_without_a_shape_function():
     x = torch.tensor([3, 0, 3, 5])
+    f = x.float()
     with ShapeOnly("cpu"):
         assert torch.unique(x).tolist() == [0, 3, 5] and torch.nonzero(x).shape == (3, 1)
-        assert x[x > 0].shape == (0,)  # the mask is computed, so zeros: nothing selected
+        assert f[f > 0].shape == (0,)  # a float mask is not computed, so zeros: nothing selected
         assert torch.where(x)[0].tolist() == [0, 2, 3]  # x itself is given, not computed
+        # small integer tensors (lengths, positions) are computed: a size read from them is real
+        assert int((x[1:] - x[:-1]).max().item()) == 3 and x[x > 0].tolist() == [3, 3, 5]
+        assert not (torch.zeros(1 << 17, dtype=torch.int32) + 1).any()  # a large one is not
         with pytest.raises(WalkAborted, match="no_shape"):
-            torch.ops.moeferry_test.no_shape(x)
+            torch.ops.moeferry_test.no_shape(f)
 
 
 @pytest.mark.parametrize("quant", ["bf16", "mixed_nvfp4"])

@@ -550,6 +550,57 @@ def case_warm_up_covers_prefill_shapes(device, seed=0):
     return 0.0
 
 
+def case_compile_ahead_walk_covers_the_warm_up(device, seed=0):
+    """`--compile-workers`' walk (`engine.boot_walk` under `ShapeOnly`, nothing computed) goes
+    through the kernel path of whole models, resident and through a 4-slot offload cache, with
+    no op left without a shape, and requests every kernel variant (compile key, with the configs
+    a GPU picks) that the warm-up's steps, an eager decode step of each captured batch size and
+    the MoE path choice then launch; the logits after it are the logits before it. (On the H100
+    a walk once stopped at `.item()` in the conv's launcher: 59 of 74 kernels compiled ahead.)"""
+    import tempfile
+
+    import moeferry.moe.offload as offload
+    import moeferry.moe.resident as resident
+    from tests.compile_keys import CompileKeys
+    from moeferry.checkpoint.synthetic import make_model
+    from moeferry.engine.compile_ahead import ShapeOnly
+    from moeferry.engine.cuda_graph import default_sizes
+    from moeferry.engine.engine import boot_walk
+    from moeferry.llm import LLM
+    from moeferry.model.batch import SeqChunk
+    if device != "cpu":
+        pytest.skip("records the interpreter's launches")
+
+    orig = resident.use_kernels
+    resident.use_kernels = offload.use_kernels = lambda dev: True
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = make_model(Path(tmp) / "m", "qwen3_5_moe", "tiny", seed=seed, quant="mixed_nvfp4", num_layers=4)
+            for kw in ({}, {"moe_backend": "offload", "moe_cache_size": 4}):
+                llm = LLM(str(path), device="cpu", dtype="bfloat16", max_running_requests=3, max_extend_tokens=600,
+                          max_seq_len=1400, **kw)
+                eng = llm.engine
+                before = llm.logits(list(range(3, 14)))
+                with CompileKeys() as keys:
+                    with ShapeOnly("cpu"):
+                        boot_walk(eng.cfg, eng.spec, eng.model, eng.experts, eng.model.dtype, eng.device)()
+                    walked = set(keys.seen)
+                    if not kw:  # (recorded launches compute nothing: an offload cache would read unset ids)
+                        eng.choose_moe_paths(timer=lambda fn: fn() or 1.0)
+                        eng.run_warm_steps()
+                        for rows in default_sizes(3):
+                            with eng.cache.sequences([2] * rows) as held:
+                                eng.forward([SeqChunk([1], 1, b.pages, b.state_slot) for b in held])
+                        new = keys.new_since(walked)
+                        assert not new, "launched after the walk, not requested by it:\n" + "\n".join(new)
+                if kw:
+                    eng.experts.finish(eng.sizes.expert_slots)  # as the boot does after its walk
+                assert torch.equal(llm.logits(list(range(3, 14))), before), kw
+    finally:
+        resident.use_kernels = offload.use_kernels = orig
+    return 0.0
+
+
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 

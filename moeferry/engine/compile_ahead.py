@@ -7,8 +7,9 @@ Triton releases the GIL while it compiles (a 2-core box: four sm_90 compiles 0.8
 on four threads), so they can run side by side, once they are known. They are found by walking the
 probe's and the warm-up's steps once with nothing computed (`ShapeOnly`: every torch op on the
 device gets zero-filled outputs of the shapes it would give, views stay views, writes are
-dropped, so no value can steer a kernel or an index out of range) and every Triton launch turned
-into a compile request (`JITFunction.run(..., warmup=True)` under Triton's `AsyncCompileMode` on a
+dropped, so no value can steer a kernel or an index out of range; ops on small integer tensors
+alone (lengths, positions, page rows) compute, so a size read from them is the real one) and
+every Triton launch turned into a compile request (`JITFunction.run(..., warmup=True)` under Triton's `AsyncCompileMode` on a
 thread pool). Leaving the mode waits for the compiles and files each kernel in its JIT's cache, so
 the real steps launch them at once. Best effort: a kernel whose specialization depends on values
 (zeros here) compiles again at its real launch; whatever the walk raises ends it (logged), and what
@@ -36,6 +37,8 @@ _ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.empty
 _BY_VALUE = {aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default, aten.nonzero.default,
              aten.masked_select.default, aten.where.default, aten.index.Tensor, aten.repeat_interleave.Tensor,
              aten.bincount.default}
+_SCALAR_READS = {aten._local_scalar_dense.default, aten.item.default}
+_METADATA_NUMEL = 1 << 16  # integer tensors up to this size are metadata (positions, lengths, page rows)
 
 
 class WalkAborted(RuntimeError):
@@ -59,12 +62,12 @@ class ShapeOnly(TorchDispatchMode):
             return func(*args, **kwargs).zero_()
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         device = self._target(tensors, kwargs)
-        if device is None or func.is_view or func is aten._local_scalar_dense.default:
+        if device is None or func.is_view or func in _SCALAR_READS:
             return func(*args, **kwargs)
         written = [(i, a) for i, a in enumerate(func._schema.arguments) if a.alias_info and a.alias_info.is_write]
         if written:
             return _written(func, args, kwargs, written)
-        if func in _BY_VALUE:
+        if func in _BY_VALUE or _metadata(tensors):
             return func(*args, **kwargs)
         try:
             meta_kwargs = tree_map(_meta, kwargs) | ({"device": torch.device("meta")} if "device" in kwargs else {})
@@ -81,6 +84,13 @@ class ShapeOnly(TorchDispatchMode):
             return None
         wanted = kwargs.get("device")
         return torch.device(wanted) if wanted is not None else on[0]
+
+
+def _metadata(tensors: list[torch.Tensor]) -> bool:
+    """Small integer tensors only: sequence lengths, positions, page rows, expert ids, computed for
+    real so that a size a kernel is specialized for (a longest chunk read with `.item()`) is the
+    real one; reading nothing but such tensors, the op cannot be the work the walk skips."""
+    return all(not (t.is_floating_point() or t.is_complex()) and t.numel() <= _METADATA_NUMEL for t in tensors)
 
 
 def _written(func, args, kwargs, written):
@@ -103,18 +113,21 @@ def _zeros_like_meta(m, device: torch.device):
 
 @contextmanager
 def launches_compile():
-    """Every Triton launch compiles its kernel (or finds it compiled) and launches nothing."""
+    """Every Triton launch compiles its kernel (or finds it compiled) and launches nothing (under
+    the interpreter, where nothing compiles, launches are skipped)."""
+    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
-    run = JITFunction.run
+    run, interpreted = JITFunction.run, InterpretedFunction.run
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         return run(self, *args, grid=grid, warmup=True, **kwargs)
 
     JITFunction.run = compile_only
+    InterpretedFunction.run = lambda self, *args, **kwargs: None
     try:
         yield
     finally:
-        JITFunction.run = run
+        JITFunction.run, InterpretedFunction.run = run, interpreted
 
 
 def compile_ahead(walk: Callable[[], None], workers: int, device_type: str = "cuda") -> str:

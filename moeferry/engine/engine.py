@@ -31,7 +31,7 @@ from moeferry.cache.manager import CacheManager
 from moeferry.checkpoint.reader import CheckpointReader
 from moeferry.engine.compile_ahead import compile_ahead
 from moeferry.engine.config import EngineConfig, EngineSizes, context_limit, derive_sizes
-from moeferry.engine.cuda_graph import DecodeGraphs
+from moeferry.engine.cuda_graph import DecodeGraphs, default_sizes
 from moeferry.engine.planning import (choose_backend, describe_plan, free_memory, make_engine_plan, needs_plan,
                                       self_test, settle_after_warm_up)
 from moeferry.memory.allocator import configure_allocator
@@ -59,6 +59,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 Progress = Callable[[str, float], None]
 
 
+def resolve_device(name: str) -> torch.device:
+    """The device, with its index where it has several ("cuda" is the current CUDA device)."""
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
@@ -75,6 +83,7 @@ def _plan(cfg: EngineConfig, spec, model, experts, device, dtype, free_at_start:
     experts.finish(experts.probe_slots())  # offload: a small cache to probe with
     if cfg.compile_workers and device.type == "cuda":  # the probe's and warm-up's kernels, compiled side by side
         log.info("%s", compile_ahead(boot_walk(cfg, spec, model, experts, dtype, device), cfg.compile_workers))
+        experts.finish(experts.probe_slots())  # the walk moved the cache's books, not its slots' bytes
     plan, transients = make_engine_plan(cfg, spec, model, experts, device, dtype, free_at_start)
     log.info(describe_plan(plan))
     sizes = EngineSizes(plan.kv_pages, plan.page_size, plan.state_slots, plan.context_limit, plan.expert_slots)
@@ -103,20 +112,30 @@ def boot_walk(cfg: EngineConfig, spec, model, experts, dtype: torch.dtype, devic
               ) -> Callable[[], None]:
     """The steps the probe and the warm-up will run, through temporary pools, as one walk for
     `compile_ahead`: a prefill chunk of each warm-up length and of the longest chunk, each with
-    a decode step after it, a decode step of the largest batch, and the MoE path choice's calls."""
+    a decode step after it; the probe's longest chunk after a context and its decode of the
+    largest batch, shallow and deep; a decode step of each captured batch size; the MoE path
+    choice's calls."""
     longest = max(1, min(cfg.max_extend_tokens, context_limit(cfg, spec.max_position_embeddings) - 1))
+    depth = max(0, min(context_limit(cfg, spec.max_position_embeddings) - longest, longest))  # the probe's
     lengths = sorted({min(n, longest) for n in WARM_PREFILL + (longest,)})
     batch = cfg.max_running_requests
-    cache = CacheManager.build(spec, max(longest + 1, 2 * batch), 1, batch, False, dtype, device)
+    cache = CacheManager.build(spec, max(longest + depth, batch * (depth + 2)), 1, batch, False, dtype, device)
 
     def step(chunks: list[SeqChunk]) -> None:
         model.forward(ForwardBatch.build(chunks, 1, device), cache.kv, cache.states)
 
+    def decode(rows: int, at: int) -> None:
+        with cache.sequences([at + 1] * rows) as held:
+            step([SeqChunk([0], at, b.pages, b.state_slot) for b in held])
+
     @torch.inference_mode()
     def walk() -> None:
         prefill_then_decode(cache, step, lengths)
-        with cache.sequences([2] * batch) as held:
-            step([SeqChunk([0], 1, b.pages, b.state_slot) for b in held])
+        with cache.sequences([depth + longest]) as (seq,):
+            step([SeqChunk([0] * longest, depth, seq.pages, seq.state_slot)])
+        decode(batch, depth)
+        for rows in default_sizes(batch):
+            decode(rows, 1)
         targets = experts.decode_targets()
         if targets:
             from moeferry.moe.path_choice import call_paths
@@ -161,7 +180,7 @@ class Engine:
         """Build an engine from `cfg` (`reader`: an already opened checkpoint, e.g. in memory)."""
         report = progress or (lambda phase, fraction: None)
         t0 = time.perf_counter()
-        device, dtype = torch.device(cfg.device), resolve_dtype(cfg.dtype, cfg.device)
+        device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype, cfg.device)
         configure_allocator(device)
         free_at_start = free_memory(device)
         reader = reader or CheckpointReader(cfg.model_dir)

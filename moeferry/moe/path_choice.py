@@ -102,10 +102,9 @@ def choose_decode_tokens(target: DecodeTarget, top_k: int, max_tokens: int, dtyp
                          timer: Callable = graph_seconds) -> tuple[int, list[PathTiming], str]:
     """(the largest T up to which the decode path won at every size measured, the timings,
     why it stopped)."""
-    if decode_config(target.buffer.gate_up) is None:
-        return 0, [], "its kernels do not handle this slot form"
-    if int((target.table_row >= 0).sum()) < top_k:
-        return 0, [], f"fewer than {top_k} experts held to time it on"
+    untimed = _untimeable(target, top_k)
+    if untimed:
+        return 0, [], untimed
     chosen, timings = 0, []
     for tokens in (t for t in SIZES if t <= max_tokens):
         timing = time_paths(target, tokens, top_k, dtype, timer)
@@ -116,6 +115,15 @@ def choose_decode_tokens(target: DecodeTarget, top_k: int, max_tokens: int, dtyp
             return chosen, timings, f"slower at T={tokens}"
         chosen = tokens
     return chosen, timings, "faster at every size measured"
+
+
+def _untimeable(target: DecodeTarget, top_k: int) -> str | None:
+    """Why the decode path cannot be timed on `target` (None: it can)."""
+    if decode_config(target.buffer.gate_up) is None:
+        return "its kernels do not handle this slot form"
+    if int((target.table_row >= 0).sum()) < top_k:
+        return f"fewer than {top_k} experts held to time it on"
+    return None
 
 
 def _layout(target: DecodeTarget) -> tuple:
@@ -134,7 +142,7 @@ def call_paths(targets: list[DecodeTarget], top_k: int, max_tokens: int, dtype: 
     """What `choose_decode_paths` will launch, called once and untimed: both paths of one target
     per slot layout at each size (`moeferry.engine.compile_ahead` walks it to compile their kernels)."""
     for members in _by_layout(targets).values():
-        if decode_config(members[0].buffer.gate_up) is not None:
+        if _untimeable(members[0], top_k) is None:
             for tokens in (t for t in SIZES if t <= max_tokens):
                 time_paths(members[0], tokens, top_k, dtype, timer=lambda fn: 0.0)
 
