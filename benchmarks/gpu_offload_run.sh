@@ -94,7 +94,7 @@ cleanup() {  # process groups the scripts started and left behind (after a hard 
 
 collect() {  # every table and result so far into $OUT (at most 8 files come back)
   local runs r md
-  runs=$(cd "$WORK" && ls -d */ 2>/dev/null | grep -v '^ckpt' | tr -d /)
+  runs=$(cd "$WORK" && ls -d */ 2>/dev/null | grep -v '^ckpt\|^triton' | tr -d /)
   : > "$OUT/results.md"
   for r in $runs; do for md in "$WORK/$r"/*.md; do
     [ -f "$md" ] && { echo "## $r"; cat "$md"; echo; } >> "$OUT/results.md"; done; done

@@ -206,10 +206,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-max-bs", "--graph", type=_positive_int, metavar="N",
                    help="largest decode batch captured in CUDA graphs; larger batches run eagerly (default: "
                    "--max-running-requests; fewer sizes capture faster at boot)")
-    g.add_argument("--compile-workers", type=int, default=0, metavar="N",
+    g.add_argument("--compile-workers", type=int, default=8, metavar="N",
                    help="CUDA: compile the boot's Triton kernels on N threads before the memory probe, found by walking "
-                   "its and the warm-up's steps with nothing computed (default 0: off, each kernel compiles at "
-                   "its first launch; a machine's first boot spends ~30 s there; not yet timed on a GPU)")
+                   "its and the warm-up's steps with nothing computed (default 8; 0: off, each kernel compiles at "
+                   "its first launch, one after another)")
 
     g = p.add_argument_group("scheduling")
     g.add_argument("--max-seq-len-override", type=_positive_int, metavar="TOKENS",

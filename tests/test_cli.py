@@ -104,9 +104,9 @@ def test_defaults_and_aliases(model):
     assert cfg.max_seq_len == 1008  # the pool bounds the context
     assert cfg.sizes.num_state_slots == 3 and not cfg.engine.prefix_cache and cfg.engine.overlap_schedule
     plain = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--disable-overlap-schedule"))
-    assert not plain.engine.overlap_schedule and plain.engine.compile_workers == 0
-    ahead = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--compile-workers", "8"))
-    assert ahead.engine.compile_workers == 8
+    assert not plain.engine.overlap_schedule and plain.engine.compile_workers == 8
+    one_by_one = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--compile-workers", "0"))
+    assert one_by_one.engine.compile_workers == 0
     wide = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--moe-backend", "offload",
                                        "--moe-cache-size", "8", "--moe-prefetch-width", "6"))
     assert wide.engine.moe_prefetch_width == 6 and plain.engine.moe_prefetch_width is None

@@ -1,5 +1,5 @@
 """Compile the boot's Triton kernels in parallel before the probe and the warm-up launch them
-(`--compile-workers N`; off by default until timed on a GPU).
+(`--compile-workers N`, default 8; 0 turns it off).
 
 A kernel compiles at its first launch, one after another: on a machine's first boot that is 69
 kernels and ~28 s of the memory probe and the warm-up (H100 host, full-depth `mixed_nvfp4`, offload).

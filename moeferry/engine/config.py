@@ -55,7 +55,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     cuda_graph_max_bs: int | None = None  # largest decode batch captured (None: max_running_requests); larger run eagerly
     progress: bool = False              # progress bars while loading
-    compile_workers: int = 0            # Triton kernels compiled ahead of the probe on this many threads (0: off)
+    compile_workers: int = 8            # Triton kernels compiled ahead of the probe on this many threads (0: off)
 
     def __post_init__(self):
         if self.moe_backend not in MOE_BACKENDS + ("auto",):

@@ -16,6 +16,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import _disable_current_modes
 
 from moeferry.ops.triton import use_triton
 
@@ -166,7 +167,13 @@ def use_chunk_attention(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor,
 def _flash_takes(device_index: int, dtype: torch.dtype, hq: int, hkv: int, d: int) -> bool:
     """Two small flash calls of this geometry, a whole prompt and a chunk after a prefix (GQA
     through enable_gqa and head dims up to 256 depend on the torch build and the GPU): their
-    answer, logged once."""
+    answer, logged once. Run for real even when first asked inside a dispatch mode (the boot's
+    compile-ahead walk computes nothing: the cached answer would be a wrong "no")."""
+    with _disable_current_modes():
+        return _try_flash(device_index, dtype, hq, hkv, d)
+
+
+def _try_flash(device_index: int, dtype: torch.dtype, hq: int, hkv: int, d: int) -> bool:
     dev = torch.device("cuda", device_index)
     q = torch.randn(32, hq, d, device=dev, dtype=dtype)
     k = torch.randn(32, hkv, d, device=dev, dtype=dtype)
