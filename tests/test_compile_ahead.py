@@ -70,6 +70,18 @@ def test_boot_walk_goes_through_a_model_and_changes_nothing(quant, tmp_path):
     assert torch.equal(llm.logits([5, 17, 99, 3]), before)
 
 
+def test_shape_only_takes_attention_after_a_prefix():
+    """A chunk after a cached prefix attends through SDPA with a lower-right causal bias (a Tensor
+    subclass, which cannot be made inside a dispatch mode: the H100's walk stopped there)."""
+    from moeferry.ops.attention import _sequence_attention
+    q, k, k_cache = torch.randn(4, 4, 8), torch.randn(4, 2, 8), torch.randn(16, 2, 8)
+    row = torch.arange(16, dtype=torch.int32)
+    real = _sequence_attention(q, k, k, k_cache, k_cache, 0, 4, 10, row, 1, 0.3, True)
+    with ShapeOnly("cpu"):
+        walked = _sequence_attention(q, k, k, k_cache, k_cache, 0, 4, 10, row, 1, 0.3, True)
+    assert walked.shape == real.shape and not walked.any() and real.any()
+
+
 _LIB = torch.library.Library("moeferry_test", "FRAGMENT")  # an op with no meta function
 _LIB.define("no_shape(Tensor x) -> Tensor")
 _LIB.impl("no_shape", lambda x: x.clone(), "CPU")
@@ -113,21 +125,21 @@ def test_compile_ahead_turns_launches_into_compile_requests(monkeypatch):
 @pytest.mark.parametrize("backend", ["resident", "offload"])
 def test_compile_ahead_walks_a_real_boot(backend, tmp_path, caplog):
     """A boot with --compile-workers walks every step of the probe and the warm-up without
-    computing (no op lacks a shape function, nothing raises) and greedy outputs equal a boot without."""
+    computing (no op lacks a shape function, nothing raises) and leaves no trace: the logits of a
+    prompt equal a boot's without it (a 40-token prefill: the grouped MoE path either way, as the
+    decode path's choice is timed and may differ between two boots)."""
     from moeferry import LLM
     from moeferry.checkpoint.synthetic import make_model
-    from moeferry.scheduler.sampling import SamplingParams
     path = make_model(tmp_path / "m", arch="qwen3_5_moe", size="tiny", seed=4, dtype="bfloat16", quant="mixed_nvfp4")
     extra = dict(moe_backend="offload", moe_cache_size=16) if backend == "offload" else {}
-    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    prompts = [[5, 17, 99, 3], [250, 7]]
-    outs = []
+    logits = []
     for workers in (4, 0):
         with caplog.at_level(logging.INFO, logger="moeferry.engine"):
             llm = LLM(str(path), device="cuda", dtype="bfloat16", max_running_requests=2, compile_workers=workers,
                       gpu_memory_limit=8 << 30, **extra)
-        outs.append([o.token_ids for o in llm.generate(prompts, greedy)])
+        logits.append(llm.logits(list(range(3, 43))).float())
         del llm
     said = [r.getMessage() for r in caplog.records if "compiled ahead" in r.getMessage()]
     assert len(said) == 1 and "walked every step" in said[0], said
-    assert outs[0] == outs[1]
+    rel = ((logits[0] - logits[1]).norm() / logits[1].norm()).item()
+    assert rel <= 1e-2, rel

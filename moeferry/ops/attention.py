@@ -133,7 +133,9 @@ def _sequence_attention(q, k, v, k_cache, v_cache, start: int, end: int, total: 
         from torch.nn.attention.bias import causal_lower_right  # imports torch._dynamo (~1 s): when first needed
 
         slots = sequence_slots(page_row, total, page_size)
-        ks, vs, mask = k_cache[slots], v_cache[slots], causal_lower_right(n, total)
+        with _disable_current_modes():  # a bias object, no data: built outside any dispatch mode (the boot's
+            mask = causal_lower_right(n, total)  # compile-ahead walk), where a Tensor subclass cannot be made
+        ks, vs = k_cache[slots], v_cache[slots]
     qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q[start:end], ks, vs))
     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
                                        enable_gqa=gqa)
