@@ -9,8 +9,8 @@ probe's and the warm-up's steps once with nothing computed (`ShapeOnly`: every t
 device gets zero-filled outputs of the shapes it would give, views stay views, writes are
 dropped, so no value can steer a kernel or an index out of range; ops on small integer tensors
 alone (lengths, positions, page rows) compute, so a size read from them is the real one) and
-every Triton launch turned into a compile request (`JITFunction.run(..., warmup=True)` under Triton's `AsyncCompileMode` on a
-thread pool). Leaving the mode waits for the compiles and files each kernel in its JIT's cache, so
+every Triton launch turned into a compile request (`JITFunction.run(..., warmup=True)` under
+Triton's `AsyncCompileMode` on a thread pool). Leaving the mode waits for the compiles and files each kernel in its JIT's cache, so
 the real steps launch them at once. Best effort: a kernel whose specialization depends on values
 (zeros here) compiles again at its real launch; whatever the walk raises ends it (logged), and what
 it did not reach compiles when first launched, as without it. The walk writes nothing: the
@@ -49,8 +49,9 @@ class ShapeOnly(TorchDispatchMode):
     """Torch ops touching `device_type` tensors compute nothing: outputs are zero-filled tensors
     of the shapes, dtypes and strides the op's meta function gives, on the device its inputs
     were on (or its `device` argument); views are taken (no data moves); writes in place or into
-    `out=` are dropped; a scalar read reads the zeros; ops whose output size depends on values
-    (`_BY_VALUE`) run on what they are given. Ops on host tensors only run as they are."""
+    `out=` are dropped; a scalar read reads what it is given; ops whose output size depends on
+    values (`_BY_VALUE`) and ops reading only small integer tensors (`_metadata`) run on what they
+    are given. Ops on host tensors only run as they are."""
 
     def __init__(self, device_type: str = "cuda"):
         super().__init__()
