@@ -37,6 +37,7 @@ from moeferry.engine.planning import (choose_backend, describe_plan, free_memory
 from moeferry.memory.allocator import configure_allocator
 from moeferry.memory.guard import OomGuard
 from moeferry.memory.plan import MemoryPlan
+from moeferry.memory.probe import longest_chunk, run_step, second_depth
 from moeferry.model.batch import ForwardBatch, SeqChunk
 from moeferry.model.loader import load_model
 from moeferry.model.registry import resolve_spec
@@ -115,14 +116,15 @@ def boot_walk(cfg: EngineConfig, spec, model, experts, dtype: torch.dtype, devic
     a decode step after it; the probe's longest chunk after a context and its decode of the
     largest batch, shallow and deep; a decode step of each captured batch size; the MoE path
     choice's calls."""
-    longest = max(1, min(cfg.max_extend_tokens, context_limit(cfg, spec.max_position_embeddings) - 1))
-    depth = max(0, min(context_limit(cfg, spec.max_position_embeddings) - longest, longest))  # the probe's
+    context = context_limit(cfg, spec.max_position_embeddings)
+    longest = longest_chunk(cfg, context)
+    depth = second_depth(context, longest, longest)  # the probe's, on a GPU (its chunks are whole there)
     lengths = sorted({min(n, longest) for n in WARM_PREFILL + (longest,)})
     batch = cfg.max_running_requests
     cache = CacheManager.build(spec, max(longest + depth, batch * (depth + 2)), 1, batch, False, dtype, device)
 
     def step(chunks: list[SeqChunk]) -> None:
-        model.forward(ForwardBatch.build(chunks, 1, device), cache.kv, cache.states)
+        run_step(model, cache, chunks)
 
     def decode(rows: int, at: int) -> None:
         with cache.sequences([at + 1] * rows) as held:

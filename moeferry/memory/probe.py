@@ -122,12 +122,12 @@ def worst_prefill(at0: int, at1: int, depth1: int, deepest: int, gather_per_toke
 def probe_transients(model, spec, cfg, context: int, dtype: torch.dtype, device: torch.device) -> Transients:
     """Run the worst steps the configuration allows through temporary pools; measure each."""
     t0 = time.perf_counter()
-    full_chunk = max(1, min(cfg.max_extend_tokens, context - 1))
+    full_chunk = longest_chunk(cfg, context)
     # The CPU references are slow and not memory-efficient at depth: measure a short chunk and scale
     # linearly in its length (activations, the reference attention's scores and GDN scratch all are).
     chunk = full_chunk if device.type == "cuda" else min(full_chunk, CPU_PROBE_TOKENS)
     scale = full_chunk / chunk
-    depth1 = max(0, min(context - full_chunk, chunk))
+    depth1 = second_depth(context, full_chunk, chunk)
     batch = cfg.max_running_requests
     tokens = max(chunk + depth1, batch * (depth1 + 2))
     cache = CacheManager.build(spec, tokens, 1, batch, False, dtype, device)
@@ -138,12 +138,12 @@ def probe_transients(model, spec, cfg, context: int, dtype: torch.dtype, device:
     def prefill(depth: int):
         ids = torch.randint(0, vocab, (chunk,), generator=gen).tolist()
         with cache.sequences([depth + chunk]) as (seq,):
-            return meter.measure(lambda: _step(model, cache, [SeqChunk(ids, depth, seq.pages, seq.state_slot)]))
+            return meter.measure(lambda: run_step(model, cache, [SeqChunk(ids, depth, seq.pages, seq.state_slot)]))
 
     def decode(depth: int):
         with cache.sequences([depth + 1] * batch) as held:
             chunks = [SeqChunk([i % vocab], depth, b.pages, b.state_slot) for i, b in enumerate(held)]
-            return meter.measure(lambda: _step(model, cache, chunks))
+            return meter.measure(lambda: run_step(model, cache, chunks))
 
     steps = {"prefill@0": prefill(0)}
     steps["prefill@0 again"] = prefill(0)
@@ -176,7 +176,19 @@ def probe_transients(model, spec, cfg, context: int, dtype: torch.dtype, device:
     return Transients(worst, worst_decode, margin, note, steps)
 
 
-def _step(model, cache: CacheManager, chunks: list[SeqChunk]) -> None:
+def longest_chunk(cfg, context: int) -> int:
+    """The longest prefill chunk a step takes (the probe's first prefill)."""
+    return max(1, min(cfg.max_extend_tokens, context - 1))
+
+
+def second_depth(context: int, full_chunk: int, chunk: int) -> int:
+    """Where the probe's second prefill of `chunk` tokens starts: after a context of that many
+    tokens, where the context leaves room for a full chunk after it (0: no second prefill)."""
+    return max(0, min(context - full_chunk, chunk))
+
+
+def run_step(model, cache: CacheManager, chunks: list[SeqChunk]) -> None:
+    """One forward step of `chunks` through `cache`'s pools (the probe's steps, the boot's walk)."""
     batch = ForwardBatch.build(chunks, cache.page_size, cache.kv.k[0].device if cache.kv.k else model.device)
     model.forward(batch, cache.kv, cache.states)
 
