@@ -56,18 +56,44 @@ def test_boot_walk_goes_through_a_model_and_changes_nothing(quant, tmp_path):
     """The boot's walk (`engine.boot_walk`: every warm-up prefill length, a decode step after each,
     the largest decode batch) under `ShapeOnly` gets through a whole model's steps (here its CPU
     path, the CPU as the device) with no op left without a shape, and the logits after it are
-    the logits before it, bit for bit."""
+    those of an engine it never touched, bit for bit."""
     from moeferry import LLM
     from moeferry.checkpoint.synthetic import make_model
     from moeferry.engine.engine import boot_walk
     path = make_model(tmp_path / "m", arch="qwen3_5_moe", size="tiny", seed=4, dtype="bfloat16",
                       quant=None if quant == "bf16" else quant)
+    untouched = LLM(str(path), device="cpu", max_running_requests=2, max_extend_tokens=64).logits([5, 17, 99, 3])
     llm = LLM(str(path), device="cpu", max_running_requests=2, max_extend_tokens=64)
     e = llm.engine
-    before = llm.logits([5, 17, 99, 3])
-    with ShapeOnly("cpu"):
+    with ShapeOnly("cpu"):  # first, as at boot: nothing a part builds on its first call is built from zeros
         boot_walk(e.cfg, e.spec, e.model, e.experts, e.model.dtype, e.device)()
-    assert torch.equal(llm.logits([5, 17, 99, 3]), before)
+    assert torch.equal(llm.logits([5, 17, 99, 3]), untouched)
+
+
+def test_kernel_signature_tells_apart_what_a_launch_sees_and_not_which_layer():
+    """Parts equal but for which layer they are (their pools' rows: `kv_index`) share a signature;
+    a weight's shape, dtype or 16-byte alignment (Triton specializes on it) tells them apart, and
+    the walk steps through the first part of each signature, in order."""
+    from moeferry.model.layers import DenseMLP
+    from moeferry.model.linear import Linear
+    from moeferry.ops.triton.specialization import kernel_signature
+    from moeferry.engine.compile_ahead import representative_layers
+
+    def mlp(h=8, i=16, dtype=torch.bfloat16, offset=0):
+        def w(n, k):
+            return torch.randn(n * k + offset, dtype=dtype)[offset:].view(n, k)
+        part = DenseMLP(Linear(w(i, h)), Linear(w(i, h)), Linear(w(h, i)))
+        part.kv_index = offset  # (an attribute naming a layer's row: not seen by a launch)
+        return part
+
+    base = kernel_signature(mlp())
+    assert kernel_signature(mlp()) == base
+    assert kernel_signature(mlp(i=32)) != base
+    assert kernel_signature(mlp(dtype=torch.float16)) != base
+    misaligned = mlp(offset=1)
+    assert misaligned.down_proj.weight.data_ptr() % 16 and kernel_signature(misaligned) != base
+    parts = [mlp(), mlp(i=32), mlp(), misaligned, mlp(i=32)]
+    assert representative_layers(parts) == [parts[0], parts[1], parts[3]]
 
 
 def test_shape_only_takes_attention_after_a_prefix():

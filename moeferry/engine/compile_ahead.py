@@ -5,7 +5,10 @@ A kernel compiles at its first launch, one after another: on a machine's first b
 kernels and ~28 s of the memory probe and the warm-up (H100 host, full-depth `mixed_nvfp4`, offload).
 Triton releases the GIL while it compiles (a 2-core box: four sm_90 compiles 0.89 s in turn, 0.50 s
 on four threads), so they can run side by side, once they are known. They are found by walking the
-probe's and the warm-up's steps once with nothing computed (`ShapeOnly`: every torch op on the
+probe's and the warm-up's steps once, through one layer of each kernel signature
+(`representative_layers`: the other layers launch the same kernels; the walk through all 40
+layers took 9 s of the H100 host's boot, and its Python per op grows with the layers walked),
+with nothing computed (`ShapeOnly`: every torch op on the
 device gets zero-filled outputs of the shapes it would give, views stay views, writes are
 dropped, so no value can steer a kernel or an index out of range; ops on small integer tensors
 alone (lengths, positions, page rows) compute, so a size read from them is the real one) and
@@ -26,6 +29,8 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
+
+from moeferry.ops.triton.specialization import kernel_signature
 
 aten = torch.ops.aten
 # allocations: run, then zeroed (their bytes are whatever the allocator held; a value read from
@@ -110,6 +115,28 @@ def _zeros_like_meta(m, device: torch.device):
     if not isinstance(m, torch.Tensor):
         return m
     return torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device).zero_()
+
+
+def representative_layers(layers: list) -> list:
+    """The first layer of each kernel signature, in model order (the first layer among them: it
+    alone normalizes without a previous layer's output). A 40-layer Qwen3.5 model has two (a
+    linear-attention layer and a full-attention one), three with an offload backend (its last
+    MoE layer prefetches for none)."""
+    kinds: dict = {}
+    for layer in layers:
+        kinds.setdefault(kernel_signature(layer), layer)
+    return list(kinds.values())
+
+
+@contextmanager
+def walking_layers(model, layers: list):
+    """`model` steps through `layers` only (its own list restored after)."""
+    every = model.layers
+    model.layers = layers
+    try:
+        yield
+    finally:
+        model.layers = every
 
 
 @contextmanager

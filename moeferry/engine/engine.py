@@ -29,7 +29,7 @@ import torch
 
 from moeferry.cache.manager import CacheManager
 from moeferry.checkpoint.reader import CheckpointReader
-from moeferry.engine.compile_ahead import compile_ahead
+from moeferry.engine.compile_ahead import compile_ahead, representative_layers, walking_layers
 from moeferry.engine.config import EngineConfig, EngineSizes, context_limit, derive_sizes
 from moeferry.engine.cuda_graph import DecodeGraphs, default_sizes
 from moeferry.engine.planning import (choose_backend, describe_plan, free_memory, make_engine_plan, needs_plan,
@@ -115,7 +115,8 @@ def boot_walk(cfg: EngineConfig, spec, model, experts, dtype: torch.dtype, devic
     `compile_ahead`: a prefill chunk of each warm-up length and of the longest chunk, each with
     a decode step after it; the probe's longest chunk after a context and its decode of the
     largest batch, shallow and deep; a decode step of each captured batch size; the MoE path
-    choice's calls."""
+    choice's calls. The steps go through one layer of each kernel signature
+    (`representative_layers`: the others launch the same kernels), not through all of them."""
     context = context_limit(cfg, spec.max_position_embeddings)
     longest = longest_chunk(cfg, context)
     depth = second_depth(context, longest, longest)  # the probe's, on a GPU (its chunks are whole there)
@@ -132,12 +133,16 @@ def boot_walk(cfg: EngineConfig, spec, model, experts, dtype: torch.dtype, devic
 
     @torch.inference_mode()
     def walk() -> None:
-        prefill_then_decode(cache, step, lengths)
-        with cache.sequences([depth + longest]) as (seq,):
-            step([SeqChunk([0] * longest, depth, seq.pages, seq.state_slot)])
-        decode(batch, depth)
-        for rows in default_sizes(batch):
-            decode(rows, 1)
+        layers = representative_layers(model.layers)
+        log.info("compile-ahead walk: through %d of %d layers (one of each kernel signature)",
+                 len(layers), len(model.layers))
+        with walking_layers(model, layers):
+            prefill_then_decode(cache, step, lengths)
+            with cache.sequences([depth + longest]) as (seq,):
+                step([SeqChunk([0] * longest, depth, seq.pages, seq.state_slot)])
+            decode(batch, depth)
+            for rows in default_sizes(batch):
+                decode(rows, 1)
         targets = experts.decode_targets()
         if targets:
             from moeferry.moe.path_choice import call_paths

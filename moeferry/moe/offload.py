@@ -50,6 +50,7 @@ from moeferry.moe.resident import use_kernels
 from moeferry.moe.slots import SlotBuffer
 from moeferry.ops.cpu.experts import kernel as cpu_kernel
 from moeferry.ops.moe import route_topk
+from moeferry.ops.triton.specialization import kernel_signature
 from moeferry.transfer import staged, to_device
 
 log = logging.getLogger("moeferry.moe")
@@ -447,6 +448,17 @@ class OffloadExperts:
     @property
     def nbytes(self) -> int:
         return self.bank.nbytes
+
+    def kernel_signature(self) -> tuple:
+        """What this layer's launches depend on (`specialization.kernel_signature`): the backend's
+        lanes, the layouts of its bank, cache and staging area, its cache row's alignment, and
+        the next layer it prefetches for (its router's shape and format; none, or one without
+        slots: no prefetch)."""
+        layout = OffloadBackend._layout
+        row = None if self.cache is None else kernel_signature(self.cache.row(self.layer))
+        nxt = None if self.next is None or self.next.cache is None else kernel_signature(self.next_router)
+        return ("offload", self.b.name, layout(self.bank), row, None if self.cache is None else layout(self.cache.buffer),
+                None if self.staging is None else layout(self.staging), nxt)
 
     # -- the step ---------------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
