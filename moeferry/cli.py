@@ -23,6 +23,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from moeferry.server.first_worker import FirstWorker
+
+    first = FirstWorker()  # the engine worker's imports run while this process resolves its configuration
     from moeferry.config import ConfigError, ServeConfig
     from moeferry.server.demo import ensure_demo_model
 
@@ -30,11 +33,12 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         cfg = ServeConfig.from_args(args, demo_model=ensure_demo_model)
     except ConfigError as e:
+        first.cancel()
         print(f"moeferry serve: error: {e}", file=sys.stderr)
         return 2
     from moeferry.server.app import serve
 
-    return serve(cfg)
+    return serve(cfg, first)
 
 
 def _make_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -120,7 +124,9 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or (`command`) only that command's arguments: each command's
+    imports its own (`serve`'s do not import torch, so that its engine worker starts first)."""
     from moeferry import __version__
 
     parser = argparse.ArgumentParser(prog="moeferry", description="Serve large Mixture-of-Experts language models "
@@ -129,12 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, cmd in COMMANDS.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.help)
-        cmd.add_arguments(p)
+        if command in (None, name):
+            cmd.add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    args = build_parser(command).parse_args(argv)
     return COMMANDS[args.command].run(args)
 
 

@@ -177,9 +177,24 @@ def test_help_documents_every_flag(capsys):
 
 
 def test_cli_refusal_exits_2_before_loading(model, capsys):
+    import multiprocessing
+
     assert cli.main(["serve", "--model", model, "--device", "cpu", "--moe-backend", "resident",
                      "--moe-cache-auto"]) == 2
     assert "keeps every expert on the device" in capsys.readouterr().err
+    assert not multiprocessing.active_children()  # the first worker, started with the command, is ended
+
+
+def test_serve_starts_its_worker_before_importing_torch():
+    """`moeferry serve` parses its command line and starts its first engine worker (`FirstWorker`)
+    before it imports torch or the web stack, so the worker's imports run beside its own."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from moeferry import cli; cli.build_parser('serve').parse_args(['serve', '--device', 'cpu']); "
+            "import moeferry.server.first_worker; print([m for m in ('torch', 'triton', 'fastapi') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_demo_model_is_made_once_in_the_cache_dir(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ from moeferry.engine.config import derive_sizes
 from moeferry.scheduler.request import TokenEvent
 from moeferry.scheduler.scheduler import RequestRejected
 from moeferry.server.app import build_server, worker_spec
+from moeferry.server.first_worker import FirstWorker
 from moeferry.server.supervisor import ERROR, OK, Supervisor
 from scripted_model import FakeSchedulerBase, serve_in_thread
 
@@ -131,10 +132,11 @@ def test_scheduler_rejection_is_a_400(fake_server):
     assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "prompt"
 
 
-def _wait_for_error(sup: Supervisor, timeout: float = 120.0) -> None:
+def _wait_for(sup: Supervisor, state: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
-    while sup.state != ERROR and time.monotonic() < deadline:
+    while sup.state != state and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert sup.state == state, (sup.state, sup.reason)
 
 
 def test_restart_limit_ends_in_error_with_the_reason(checkpoint):
@@ -142,12 +144,43 @@ def test_restart_limit_ends_in_error_with_the_reason(checkpoint):
     sup = Supervisor(spec, "warning", max_restarts_per_minute=1, backoff_s=0.05)
     sup.start()
     try:
-        _wait_for_error(sup)
+        _wait_for(sup, ERROR)
         assert sup.state == ERROR
         assert sup.restarts == 1  # started twice, then gave up
         assert "fake checkpoint is corrupt" in sup.reason and "not restarting" in sup.reason
     finally:
         sup.stop()
+
+
+def test_the_first_worker_started_before_its_spec_boots_the_engine(checkpoint):
+    """`moeferry serve` starts its first worker before it knows what to build (`FirstWorker`: its
+    imports run while the API process starts); the supervisor hands that process the spec, spawns
+    another if it died before then, and ends one it never handed a spec."""
+    spec = worker_spec(_config(str(checkpoint("qwen3_5_moe"))), factory=f"{__name__}:fake_factory")
+    first = FirstWorker()
+    sup = Supervisor(spec, "warning", first_worker=first)
+    sup.start()
+    try:
+        _wait_for(sup, OK)
+        assert sup.ready.pid == sup.pid == first.process.pid
+    finally:
+        sup.stop()
+    assert not first.process.is_alive()
+
+    dead = FirstWorker()
+    dead.process.kill()
+    dead.process.join()
+    sup = Supervisor(spec, "warning", first_worker=dead)
+    sup.start()
+    try:
+        _wait_for(sup, OK)
+        assert sup.ready.pid == sup.pid != dead.process.pid
+    finally:
+        sup.stop()
+
+    unused = FirstWorker()
+    Supervisor(spec, "warning", first_worker=unused).stop()  # stopped before it started a worker
+    assert not unused.process.is_alive()
 
 
 def refused_plan_at_boot(spec, progress):
@@ -162,7 +195,7 @@ def test_a_refused_plan_is_not_restarted(checkpoint):
     sup = Supervisor(spec, "warning", max_restarts_per_minute=5, backoff_s=0.05)
     sup.start()
     try:
-        _wait_for_error(sup)
+        _wait_for(sup, ERROR)
         assert sup.state == ERROR and sup.restarts == 0
         assert "usable 8.00 GiB" in sup.reason and "not restarting" in sup.reason
     finally:
@@ -181,7 +214,7 @@ def test_a_plan_that_cannot_fit_is_refused_at_boot_with_its_numbers(checkpoint):
     sup = Supervisor(worker_spec(cfg), "warning", backoff_s=0.05)
     sup.start()
     try:
-        _wait_for_error(sup)
+        _wait_for(sup, ERROR)
         assert sup.state == ERROR and sup.restarts == 0, sup.reason
         assert "PlanRefused" in sup.reason and "usable" in sup.reason and "weights" in sup.reason
         assert "1.00 MiB" in sup.reason and "not restarting" in sup.reason

@@ -14,8 +14,18 @@ offload backends' device slot cache). `device_bytes` is what the backend holds o
 """
 from __future__ import annotations
 
-from moeferry.moe.layer_experts import LayerExperts
-from moeferry.moe.resident import ResidentBackend
+import importlib
+
+
+def __getattr__(name: str):
+    if name == "LayerExperts":  # (imported on use: the engine config imports this package, the CLI that)
+        return importlib.import_module("moeferry.moe.layer_experts").LayerExperts
+    raise AttributeError(f"module 'moeferry.moe' has no attribute {name!r}")
+
+
+def _resident(cfg, spec, device, dtype):
+    from moeferry.moe.resident import ResidentBackend
+    return ResidentBackend(cfg, spec, device, dtype)
 
 
 def _offload(name: str):
@@ -32,7 +42,7 @@ def _offload(name: str):
 
 
 EXPERT_BACKENDS = {
-    "resident": ResidentBackend,
+    "resident": _resident,
     "offload": _offload("offload"),
     "cpu": _offload("cpu"),
     "hybrid": _offload("hybrid"),

@@ -21,6 +21,7 @@ from moeferry.server.heap import release_free_memory
 from moeferry.server.messages import Ready, WorkerSpec
 from moeferry.server.openai_api import error_response
 from moeferry.server.protocol import ApiError
+from moeferry.server.first_worker import FirstWorker
 from moeferry.server.stats import ServerStats
 from moeferry.server.supervisor import Supervisor
 
@@ -223,12 +224,13 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
-def serve(cfg: ServeConfig) -> int:
-    """Run the server until a shutdown signal."""
+def serve(cfg: ServeConfig, first_worker: FirstWorker | None = None) -> int:
+    """Run the server until a shutdown signal (`first_worker`: the process to boot the engine in,
+    started as the command began)."""
     from moeferry.server.http import GRACEFUL_SHUTDOWN_S, HttpServer, http_config
 
     log.info("moeferry serve: resolved configuration\n%s", cfg.table())
-    server = build_server(cfg)
+    server = build_server(cfg, first_worker=first_worker)
     app = create_app(server)
     # On a shutdown signal, running requests get a moment to finish, then an error (before uvicorn's
     # graceful shutdown gives up on their connections).
@@ -239,4 +241,6 @@ def serve(cfg: ServeConfig) -> int:
         uv.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it already shut down on
         pass
+    finally:
+        server.supervisor.stop()  # (done already after a lifespan; not when uvicorn failed before one)
     return 0

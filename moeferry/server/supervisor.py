@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moeferry.server import worker
+from moeferry.server.first_worker import FirstWorker
 from moeferry.server.messages import (Abort, Accepted, BootFailed, Events, Heartbeat, Progress, Ready, Rejected,
                                       Shutdown, StatsUpdate, Submit, WorkerSpec)
 
@@ -86,13 +87,17 @@ def describe_exit(code: int | None) -> str:
 class _Worker:
     """One worker process, its pipe end and the thread that sends to it."""
 
-    def __init__(self, spec: WorkerSpec, log_level: str, generation: int):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=worker.main, args=(child, spec, log_level),
-                                   name=f"moeferry-worker-{generation}", daemon=True)
-        self.process.start()
-        child.close()  # our copy; the worker's death now shows as EOF on self.conn
+    def __init__(self, spec: WorkerSpec, log_level: str, generation: int, first: FirstWorker | None = None):
+        handed = first.hand_over(spec, log_level) if first is not None else None
+        if handed is not None:  # the process started with the command, its imports done meanwhile
+            self.conn, self.process = handed
+        else:
+            ctx = mp.get_context("spawn")
+            self.conn, child = ctx.Pipe(duplex=True)
+            self.process = ctx.Process(target=worker.main, args=(child, spec, log_level),
+                                       name=f"moeferry-worker-{generation}", daemon=True)
+            self.process.start()
+            child.close()  # our copy; the worker's death now shows as EOF on self.conn
         self.outbox: queue.Queue = queue.Queue()
         self.boot_failure: str | None = None
         self.boot_permanent = False  # the failure does not go away with a restart
@@ -124,8 +129,9 @@ class _Worker:
 class Supervisor:
     def __init__(self, spec: WorkerSpec, log_level: str = "info", max_restarts_per_minute: int = 5,
                  backoff_s: float = 0.5, max_backoff_s: float = 10.0, on_ready: Callable[[Ready], None] | None = None,
-                 stall_timeout_s: float = 60.0):
+                 stall_timeout_s: float = 60.0, first_worker: FirstWorker | None = None):
         self.spec = spec
+        self.first_worker = first_worker  # the process to boot first, started before the spec was known
         self.log_level = log_level
         self.max_restarts_per_minute = max_restarts_per_minute
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
@@ -198,6 +204,9 @@ class Supervisor:
         with self._lock:
             self.state = STOPPED
             w, self._worker = self._worker, None
+            first, self.first_worker = self.first_worker, None
+        if first is not None:  # never handed a spec (stopped before its monitor started)
+            first.cancel()
         if w is None:
             return
         w.send(Shutdown())
@@ -226,7 +235,9 @@ class Supervisor:
     def _monitor(self) -> None:
         generation = 0
         while not self._stop.is_set():
-            w = _Worker(self.spec, self.log_level, generation)
+            with self._lock:
+                first, self.first_worker = self.first_worker, None
+            w = _Worker(self.spec, self.log_level, generation, first)
             with self._lock:
                 if self._stop.is_set():
                     w.process.kill()
