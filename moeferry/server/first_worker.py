@@ -22,8 +22,11 @@ def _wait_for_spec(conn: Connection) -> None:
     (the API process ended first, a configuration error say: exit quietly)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as the worker's own main: the API process decides
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    import moeferry.engine.engine  # noqa: F401 - the imports of a boot, while the API process starts
-    import moeferry.scheduler.scheduler  # noqa: F401
+    try:  # the imports of a boot, while the API process starts
+        import moeferry.engine.engine  # noqa: F401
+        import moeferry.scheduler.scheduler  # noqa: F401
+    except Exception:  # noqa: BLE001 - the boot imports them again, and reports a failure to the supervisor
+        pass
     from moeferry.server import worker
     try:
         spec, log_level = conn.recv()
