@@ -16,12 +16,12 @@ from moeferry import __version__
 from moeferry.config import ServeConfig
 from moeferry.server import anthropic_api, control, metrics, openai_api, tokens_api
 from moeferry.server.access import add_access_control
+from moeferry.server.first_worker import FirstWorker
 from moeferry.server.generation import Frontend, model_sampling_defaults
 from moeferry.server.heap import release_free_memory
 from moeferry.server.messages import Ready, WorkerSpec
 from moeferry.server.openai_api import error_response
 from moeferry.server.protocol import ApiError
-from moeferry.server.first_worker import FirstWorker
 from moeferry.server.stats import ServerStats
 from moeferry.server.supervisor import Supervisor
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-# attributes that never reach a launch as a value: which layer a part is (its pools' rows and
-# tables are its own tensors, or views whose alignment its `kernel_signature` gives) and counters
-_NOT_LAUNCHED = frozenset({"layer", "kv_index", "state_index", "cpu_experts"})
+# attributes that never reach a launch as a value: which layer a part is (its pools' rows are
+# tensors of their own; a part reading a view of a shared table gives its own signature)
+_NOT_LAUNCHED = frozenset({"layer", "kv_index", "state_index"})
 
 
 def kernel_signature(part, seen: set | None = None):
