@@ -108,6 +108,27 @@ def test_shape_only_takes_attention_after_a_prefix():
     assert walked.shape == real.shape and not walked.any() and real.any()
 
 
+def test_a_quant_linear_first_called_in_the_walk_builds_real_operands():
+    """A `QuantLinear` builds its kernel operands (views, and scales converted for the kernel) at
+    its first kernel call, which at boot is inside the compile-ahead walk: they are built outside
+    the walk's mode, so no conversion is kept as the walk's zeros. (The boot walks in inference
+    mode, where `contiguous` and `to` reach the mode whole and, returning maybe an alias, run;
+    outside it they decompose into `clone` / `_to_copy`, which compute nothing: as here.)"""
+    import dataclasses
+
+    pytest.importorskip("triton")
+    from moeferry.checkpoint.formats import FORMATS
+    from moeferry.model.linear import QuantLinear
+    f = FORMATS["fp8_block"]
+    packed = f.packed(f.quantize(torch.randn(256, 384)))
+    strided = packed.scale_inv.t().contiguous().t()  # the same scales, column-major: the kernel's copy converts
+    packed = dataclasses.replace(packed, scale_inv=strided)
+    with ShapeOnly("cpu"):
+        walked = QuantLinear(packed, "fp8_block")._kernel_operands()
+    real = QuantLinear(packed, "fp8_block")._kernel_operands()
+    assert real.s.is_contiguous() and real.s.abs().sum() > 0 and torch.equal(walked.s, real.s)
+
+
 _LIB = torch.library.Library("moeferry_test", "FRAGMENT")  # an op with no meta function
 _LIB.define("no_shape(Tensor x) -> Tensor")
 _LIB.impl("no_shape", lambda x: x.clone(), "CPU")

@@ -556,7 +556,7 @@ def case_compile_ahead_walk_covers_the_warm_up(device, seed=0):
     no op left without a shape, and requests every kernel variant (compile key, with the configs
     a GPU picks) that the warm-up's steps, an eager decode step of each captured batch size and
     the MoE path choice then launch, though it steps through one layer of each kernel signature
-    only (2 of 8 here, resident); the walk comes first, as at boot, and the logits after it are
+    only (resident: 2 of 8 layers of Qwen3.5, 1 of 8 of Qwen3-MoE); the walk comes first, as at boot, and the logits after it are
     those of an engine it never touched (state a part caches on its first call must not be built
     from the walk's zeros). (On the H100 a walk once stopped at `.item()` in the conv's launcher:
     59 of 74 kernels compiled ahead.)"""
@@ -564,13 +564,7 @@ def case_compile_ahead_walk_covers_the_warm_up(device, seed=0):
 
     import moeferry.moe.offload as offload
     import moeferry.moe.resident as resident
-    from tests.compile_keys import CompileKeys
     from moeferry.checkpoint.synthetic import make_model
-    from moeferry.engine.compile_ahead import ShapeOnly, representative_layers
-    from moeferry.engine.cuda_graph import default_sizes
-    from moeferry.engine.engine import boot_walk
-    from moeferry.llm import LLM
-    from moeferry.model.batch import SeqChunk
     if device != "cpu":
         pytest.skip("records the interpreter's launches")
 
@@ -578,34 +572,48 @@ def case_compile_ahead_walk_covers_the_warm_up(device, seed=0):
     resident.use_kernels = offload.use_kernels = lambda dev: True
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            path = make_model(Path(tmp) / "m", "qwen3_5_moe", "tiny", seed=seed, quant="mixed_nvfp4", num_layers=8)
-            for kw in ({}, {"moe_backend": "offload", "moe_cache_size": 4}):
-                def engine():
-                    return LLM(str(path), device="cpu", dtype="bfloat16", max_running_requests=3,
-                               max_extend_tokens=600, max_seq_len=1400, **kw)
-                untouched = engine().logits(list(range(3, 14)))
-                llm = engine()
-                eng = llm.engine
-                if not kw:
-                    assert len(representative_layers(eng.model.layers)) == 2, "a GDN layer and an attention one"
-                with CompileKeys() as keys:
-                    with ShapeOnly("cpu"):
-                        boot_walk(eng.cfg, eng.spec, eng.model, eng.experts, eng.model.dtype, eng.device)()
-                    walked = set(keys.seen)
-                    if not kw:  # (recorded launches compute nothing: an offload cache would read unset ids)
-                        eng.choose_moe_paths(timer=lambda fn: fn() or 1.0)
-                        eng.run_warm_steps()
-                        for rows in default_sizes(3):
-                            with eng.cache.sequences([2] * rows) as held:
-                                eng.forward([SeqChunk([1], 1, b.pages, b.state_slot) for b in held])
-                        new = keys.new_since(walked)
-                        assert not new, "launched after the walk, not requested by it:\n" + "\n".join(new)
-                if kw:
-                    eng.experts.finish(eng.sizes.expert_slots)  # as the boot does after its walk
-                assert torch.equal(llm.logits(list(range(3, 14))), untouched), kw
+            for arch, kinds in (("qwen3_5_moe", 2), ("qwen3_moe", 1)):  # (GDN and attention layers; attention alone)
+                path = make_model(Path(tmp) / arch, arch, "tiny", seed=seed, quant="mixed_nvfp4", num_layers=8)
+                _walk_first(path, {}, kinds)
+                _walk_first(path, {"moe_backend": "offload", "moe_cache_size": 4})
     finally:
         resident.use_kernels = offload.use_kernels = orig
     return 0.0
+
+
+def _walk_first(path, kw: dict, kinds: int | None = None) -> None:
+    """An engine of `path` (`kw`) walked before anything runs; with `kinds` (resident: recorded
+    launches compute nothing, so an offload cache would read unset ids), the walk took that many
+    layers and the warm-up's steps launch nothing it did not request."""
+    from tests.compile_keys import CompileKeys
+    from moeferry.engine.compile_ahead import ShapeOnly, representative_layers
+    from moeferry.engine.cuda_graph import default_sizes
+    from moeferry.engine.engine import boot_walk
+    from moeferry.llm import LLM
+    from moeferry.model.batch import SeqChunk
+
+    def engine():
+        return LLM(str(path), device="cpu", dtype="bfloat16", max_running_requests=3, max_extend_tokens=600,
+                   max_seq_len=1400, **kw)
+    untouched = engine().logits(list(range(3, 14)))
+    llm = engine()
+    eng = llm.engine
+    assert kinds is None or len(representative_layers(eng.model.layers)) == kinds, path
+    with CompileKeys() as keys:
+        with ShapeOnly("cpu"):
+            boot_walk(eng.cfg, eng.spec, eng.model, eng.experts, eng.model.dtype, eng.device)()
+        walked = set(keys.seen)
+        if kinds is not None:
+            eng.choose_moe_paths(timer=lambda fn: fn() or 1.0)
+            eng.run_warm_steps()
+            for rows in default_sizes(3):
+                with eng.cache.sequences([2] * rows) as held:
+                    eng.forward([SeqChunk([1], 1, b.pages, b.state_slot) for b in held])
+            new = keys.new_since(walked)
+            assert not new, "launched after the walk, not requested by it:\n" + "\n".join(new)
+    if kw:
+        eng.experts.finish(eng.sizes.expert_slots)  # as the boot does after its walk
+    assert torch.equal(llm.logits(list(range(3, 14))), untouched), (path, kw)
 
 
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}

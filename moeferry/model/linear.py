@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 
 from moeferry.checkpoint.formats import FORMATS, PackedWeight
 from moeferry.ops.triton import use_triton
@@ -79,9 +80,12 @@ class QuantLinear:
         return F.linear(x, self.dense(x.dtype))
 
     def _kernel_operands(self):
+        """Built for real even when first asked inside a dispatch mode (the boot's compile-ahead
+        walk computes nothing: a scale converted there could be kept as zeros)."""
         if self._operands is None:
             from moeferry.ops.triton.quant_linear import dense_operands, supported
-            op = dense_operands(self.packed, self.device_form)
+            with _disable_current_modes():
+                op = dense_operands(self.packed, self.device_form)
             self._operands = op if supported(op) else False
         return self._operands or None
 
