@@ -451,14 +451,12 @@ class OffloadExperts:
 
     def kernel_signature(self) -> tuple:
         """What this layer's launches depend on (`specialization.kernel_signature`): the backend's
-        lanes, the layouts of its bank, cache and staging area, its cache row's alignment, and
-        the next layer it prefetches for (its router's shape and format; none, or one without
-        slots: no prefetch)."""
-        layout = OffloadBackend._layout
+        lanes, its bank's slot layout (its cache and staging area, when it has them, share it),
+        its cache row (None: no cache) and staging area's presence, and the next layer it
+        prefetches for (its router's shape and format; none, or one without slots: no prefetch)."""
         row = None if self.cache is None else kernel_signature(self.cache.row(self.layer))
         nxt = None if self.next is None or self.next.cache is None else kernel_signature(self.next_router)
-        return ("offload", self.b.name, layout(self.bank), row, None if self.cache is None else layout(self.cache.buffer),
-                None if self.staging is None else layout(self.staging), nxt)
+        return "offload", self.b.name, OffloadBackend._layout(self.bank), row, self.staging is not None, nxt
 
     # -- the step ---------------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
