@@ -43,6 +43,8 @@
 #             cache managed on the device, piecewise graphs, eager; where a piecewise step's time goes (no ballast)
 #   e2e_widths  quant_decode.py e2e --offload CACHE_SIZE --policies lru --widths WIDTHS (default 4,5,6,7,8): in-process
 #             device-managed decode with the prefetch guessing each width a row (bytes, hit rate, tok/s; no ballast)
+#   e2e_aside  quant_decode.py e2e --offload CACHE_SIZE --policies lru --aside: in-process device-managed decode
+#             with a layer's side work (guess, placement, shared expert) on the side stream and in line (no ballast)
 #   e2e_skew_widths  the same on skew's checkpoint under lfu (WIDTHS default 4,6,8)
 #   e2e_skew  quant_decode.py e2e --offload CACHE_SIZE --policies lru,lfu --orders on skew's checkpoint: in-process
 #             device-managed decode under each policy, then the prefetch started before / after the layer's own gather
@@ -247,6 +249,8 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
                   --offload "$CACHE_SIZE" ;;
       e2e_widths) step e2e_widths 180 300 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e_widths" \
                   --offload "$CACHE_SIZE" --policies lru --widths "${WIDTHS:-4,5,6,7,8}" ;;
+      e2e_aside) step e2e_aside 150 300 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e_aside" \
+                  --offload "$CACHE_SIZE" --policies lru --aside ;;
       e2e_skew_widths) step make_skew 200 300 make_ckpt "$WORK/ckpt_skew" "$SKEW" \
                   && step e2e_skew_widths 150 300 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt_skew" \
                   --out "$WORK/e2e_skew_widths" --offload "$CACHE_SIZE" --policies lfu --widths "${WIDTHS:-4,6,8}" ;;

@@ -587,6 +587,14 @@ def gather_variants(engine, log) -> dict:
                             steps=64, warmup=32)
 
 
+def aside_variants(engine, log) -> dict:
+    """Device-managed decode with a layer's side work (the next layer's guess and placement, the
+    shared expert) on the side stream beside its own gather (the default), and in line."""
+    return backend_variants(engine, log, ("work_aside",), ((True,), (False,)),
+                            lambda aside: "side work " + ("on the side stream" if aside else "in line"),
+                            steps=64, warmup=32)
+
+
 def width_variants(engine, log, widths: list[int] | None = None) -> dict:
     """Device-managed decode with the prefetch guessing `widths` experts a row (default: the
     top-k, 1.5x and 2x as many): a wider guess catches more of the layer's own misses (gathered
@@ -598,11 +606,12 @@ def width_variants(engine, log, widths: list[int] | None = None) -> dict:
 
 
 def bench_offload(engine, slots: int, out: dict, log, policies: list[str], orders: bool = False,
-                  widths: list[int] | None = None) -> dict:
+                  widths: list[int] | None = None, aside: bool = False) -> dict:
     """Offload decode through a partial cache three ways: graphs with the cache managed on the
     device (the default where it can be), piecewise graphs (host-managed), eager; then where a
     piecewise step's time goes. `policies`: instead, the default mode under each eviction policy
-    (then `orders`: the prefetch's variants; `widths`: the prefetch guessing each width a row)."""
+    (then `orders`: the prefetch's variants; `widths`: the prefetch guessing each width a row;
+    `aside`: the side stream on and off)."""
     backend = engine.experts
     mode = backend.graph_mode(engine.graphs.max_batch) if engine.graphs is not None else None
     out["graph_mode"] = mode
@@ -615,6 +624,8 @@ def bench_offload(engine, slots: int, out: dict, log, policies: list[str], order
             out["prefetch_widths"] = attempt(log, width_variants, engine, log)
         elif widths and backend.graph_mode(engine.graphs.max_batch) == "device":
             out["prefetch_widths"] = attempt(log, width_variants, engine, log, widths)
+        if aside and backend.graph_mode(engine.graphs.max_batch) == "device":
+            out["aside"] = attempt(log, aside_variants, engine, log)
         attempt(log, scheduler_rates, engine, out, log)  # under the last policy
         return out
     offload_rates(engine, out, mode or "eager", log)
@@ -651,7 +662,7 @@ def bench_e2e(args, log):
     out = dict(load_s=load_s, checkpoint=args.checkpoint)
     if args.offload:  # decode through a partial cache: device-managed graphs, piecewise, eager; the breakdown
         return bench_offload(engine, args.offload, out, log, [p for p in args.policies.split(",") if p], args.orders,
-                             [int(w) for w in args.widths.split(",") if w])
+                             [int(w) for w in args.widths.split(",") if w], args.aside)
     for b in (1, 4, 16):
         out[f"b{b}"] = decode_rate(engine, b)
     out["graphs"] = graphs_state(engine.graphs)
@@ -704,6 +715,8 @@ def main():
                     "before or after the layer's own gather, on two grids (the last policy)")
     ap.add_argument("--widths", default="", help="e2e --offload --policies (without --orders): then the "
                     "decode prefetch guessing each of these many experts a row (e.g. 4,6,8)")
+    ap.add_argument("--aside", action="store_true", help="e2e --offload --policies: then device-managed decode "
+                    "with the side stream on and off (a layer's guess, placement and shared expert beside its gather)")
     ap.add_argument("--forms", default="", help="dense: device forms to run (default all)")
     ap.add_argument("--rows", default="1,4,16,4096", help="dense: values of M")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (set MOEFERRY_TRITON_INTERPRET=1)")

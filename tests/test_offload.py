@@ -131,9 +131,9 @@ def trace(monkeypatch):
     calls = []
     orig = OffloadExperts.__call__
 
-    def call(self, x, ids, weights):
+    def call(self, x, ids, weights, **kw):
         calls.append((self.layer, torch.unique(ids).tolist(), x.shape[0]))
-        out = orig(self, x, ids, weights)
+        out = orig(self, x, ids, weights, **kw)
         for c in {id(c): c for c in self.b.caches.values()}.values():
             c.check()
         return out
@@ -611,9 +611,9 @@ def test_device_managed_decode_equals_resident(arch, preset, prefetch, policy, c
     calls = []
     plain_call = OffloadExperts.__call__
 
-    def call(self, x, ids, weights):
+    def call(self, x, ids, weights, **kw):
         calls.append(len(torch.unique(ids)))
-        return plain_call(self, x, ids, weights)
+        return plain_call(self, x, ids, weights, **kw)
 
     monkeypatch.setattr(OffloadExperts, "__call__", call)
     steps = decode_on_device(llm, monkeypatch)

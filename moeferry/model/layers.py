@@ -126,6 +126,8 @@ class SparseMoE:
         weights, ids = route_topk(logits, self.spec.top_k, self.spec.norm_topk_prob)
         if shared_logit and self.shared is None:
             return self.experts(x, ids, weights, shared_gate=shared_logit[0])
+        if self.shared is not None and getattr(self.experts, "takes_beside", False):  # (it adds the term)
+            return self.experts(x, ids, weights, beside=lambda: (torch.sigmoid(shared_logit[0]), self.shared(x)))
         out = self.experts(x, ids, weights)
         if self.shared is not None:  # out + sigmoid(gate) * shared(x), the product and sum in one op
             out = torch.addcmul(out, torch.sigmoid(shared_logit[0]), self.shared(x))

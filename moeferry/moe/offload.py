@@ -103,6 +103,42 @@ def _join(landing: Landing | None) -> None:
         torch.cuda.current_stream().wait_event(landing.copies)
 
 
+Beside = Callable[[], tuple]  # the shared expert's gated term: (gate, value), added as out + gate * value
+
+
+def _with_shared(out: torch.Tensor, shared: tuple | None) -> torch.Tensor:
+    return out if shared is None else torch.addcmul(out, *shared)
+
+
+class SideWork:
+    """Work forked from the compute stream onto a side stream (None: in line), joined by the
+    compute stream (`join`) before it uses the results or frees what the work reads."""
+
+    def __init__(self, stream: "torch.cuda.Stream | None"):
+        self.stream, self._scope = stream, None
+
+    def __enter__(self) -> "SideWork":
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+            self._scope = torch.cuda.stream(self.stream)
+            self._scope.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._scope is not None:
+            self._scope.__exit__(*exc)
+            self._scope = None
+
+    def before(self, stream: "torch.cuda.Stream") -> None:
+        """`stream` waits for the side work queued so far."""
+        if self.stream is not None:
+            stream.wait_stream(self.stream)
+
+    def join(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
+
+
 class OffloadBackend:
     """Expert backends `offload`, `cpu` and `hybrid` (the `name` says which lane misses take)."""
 
@@ -146,6 +182,10 @@ class OffloadBackend:
                      sorted(self.cpu_layers))
         self.streamed = LayerCounters()               # prefill chunks of the layers without slots, through staging
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # device-managed steps: the next layer's guess and placement and the shared expert run on
+        # a side stream while the layer's own misses are gathered on the compute stream
+        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.work_aside = True
         # decode prefetch: only the offload lane, and only where copies can overlap compute
         self.prefetch = cfg.moe_decode_prefetch and name == "offload" and device.type == "cuda"
         self.prefetch_done: torch.cuda.Event | None = None  # the copies of the prefetch in flight
@@ -243,20 +283,31 @@ class OffloadBackend:
             if c.on_device_state is not None:
                 c.reload(self.banks)
 
-    def start_prefetch(self, nxt: "OffloadExperts", guess: torch.Tensor) -> None:
-        """Device-managed: place `nxt`'s predicted experts (on the compute stream, where the
-        cache state lives) and gather them on the copy stream; the next layer joins them (`take_prefetch`)."""
-        dst = nxt.cache.resolve(nxt.layer, guess, prefetch=True)
+    def place_ahead(self, nxt: "OffloadExperts", guess: torch.Tensor) -> tuple:
+        """Device-managed: `nxt`'s predicted experts placed in its cache (on the stream the
+        cache's state is ordered on: the compute stream, or the side stream forked from it
+        after this layer's own placement); (guess, their slots) for `gather_ahead`."""
+        return guess, nxt.cache.resolve(nxt.layer, guess, prefetch=True)
+
+    def gather_ahead(self, nxt: "OffloadExperts", placed: tuple, side: "SideWork") -> None:
+        """Device-managed: gather `placed` on the copy stream, after what the compute stream and
+        the side stream have queued so far; the next layer joins them (`take_prefetch`)."""
         stream = self.copy_stream
         if stream is None:  # in line (the CPU in tests): nothing to leave SMs to
-            nxt.cache.buffer.copy_indexed(nxt.bank, guess, dst, self.prefetch_gather)
+            nxt.cache.buffer.copy_indexed(nxt.bank, *placed, self.prefetch_gather)
             return
         stream.wait_stream(torch.cuda.current_stream())
+        side.before(stream)
         with torch.cuda.stream(stream):
-            nxt.cache.buffer.copy_indexed(nxt.bank, guess, dst, self.prefetch_gather, self.prefetch_programs)
+            nxt.cache.buffer.copy_indexed(nxt.bank, *placed, self.prefetch_gather, self.prefetch_programs)
             # the slot lists stay referenced until the join: the copy stream reads them all along,
             # and memory freed earlier could be handed to the compute stream's next tensors
-            self.prefetch_join = Landing(stream.record_event(), (guess, dst))
+            self.prefetch_join = Landing(stream.record_event(), placed)
+
+    def side_work(self) -> "SideWork":
+        """Work of a device-managed layer that its own gather need not wait for, on the side
+        stream where there is one and `work_aside` is on (else in line)."""
+        return SideWork(self.side_stream if self.work_aside else None)
 
     def take_prefetch(self) -> "Landing | None":
         """The prefetch in flight for the layer about to run, now this layer's to join."""
@@ -432,6 +483,8 @@ class OffloadBackend:
 class OffloadExperts:
     """One MoE layer's executor over the backend's bank, cache and staging area."""
 
+    takes_beside = True  # the shared expert's term comes in (`__call__`'s `beside`), to run beside the gather
+
     def __init__(self, backend: OffloadBackend, layer: int):
         self.b, self.layer = backend, layer
         self.bank = backend.banks[layer]
@@ -459,25 +512,31 @@ class OffloadExperts:
         return "offload", self.b.name, OffloadBackend._layout(self.bank), row, self.staging is not None, nxt
 
     # -- the step ---------------------------------------------------------------------------
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 beside: Beside | None = None) -> torch.Tensor:
         """The layer's experts for the step: from a complete cache (nothing can miss, nothing is
-        read on the host), in a captured decode step (`_captured`), or eagerly (`_eager`)."""
+        read on the host), in a decode step whose cache the device manages (`_on_device`), in
+        another captured one (`_captured`), or eagerly (`_eager`). `beside`: the shared expert's
+        gated term, added to the experts' output (computed after them, or beside the layer's
+        own gather where the device manages the cache)."""
         if self.cache is not None and self.cache.complete:
             self.cache.count_on_device(self.layer, ids)
-            return self._run_cached(x, ids, weights)
-        ahead = self.b.prefetch and self.next is not None and x.shape[0] <= STAGING_SLOTS
-        if self.b.capturing is not None:
-            return self._captured(x, ids, weights, ahead)
-        return self._eager(x, ids, weights, ahead)
+            out = self._run_cached(x, ids, weights)
+        else:
+            ahead = self.b.prefetch and self.next is not None and x.shape[0] <= STAGING_SLOTS
+            if self.b.capturing is None:
+                out = self._eager(x, ids, weights, ahead)
+            elif self.cache is None or self.b.name != "offload":
+                out = self._cut_lanes(x, ids, weights)
+            elif self.b.steps_on_device(x.shape[0]):
+                return self._on_device(x, ids, weights, ahead, beside)
+            else:
+                out = self._captured(x, ids, weights, ahead)
+        return _with_shared(out, beside() if beside is not None else None)
 
     def _captured(self, x, ids, weights, ahead: bool) -> torch.Tensor:
-        """A decode step being captured: the CPU lane's two cuts (cpu, hybrid, a layer without
-        slots), the cache managed on the device (no host work), or one cut whose host part reads
-        the choices and fetches the misses (`_place`)."""
-        if self.cache is None or self.b.name != "offload":
-            return self._cut_lanes(x, ids, weights)
-        if self.b.steps_on_device(x.shape[0]):
-            return self._on_device(x, ids, weights, ahead)
+        """A decode step being captured whose cache the host manages: one cut, whose host part
+        reads the choices and fetches the misses (`_place`)."""
         guess = self._guess(x, ids) if ahead else None
         flat = choices(ids, guess)  # concatenated in the graph
         k, w = ids.shape[-1], guess.shape[-1] if guess is not None else 0
@@ -578,17 +637,17 @@ class OffloadExperts:
         kernel on CUDA), its `prefetch_width` best a row (default: as many as the step's top-k)."""
         return route_topk(self.next_router(x), self.b.prefetch_width or ids.shape[-1], False)[1]
 
-    def _on_device(self, x, ids, weights, ahead: bool) -> torch.Tensor:
+    def _on_device(self, x, ids, weights, ahead: bool, beside: Beside | None) -> torch.Tensor:
         """A decode step in a graph, the cache managed on the device (`before_graph` handed it
         over): no host work. This layer's misses are resolved and gathered on the compute
         stream (the critical path: while the previous layer's prefetch of this layer's experts
-        may still be landing on the copy stream; `join_late`), then (`ahead`) the next layer's
-        predicted experts are placed and gathered on the copy stream while this layer computes;
-        the prefetch of this layer's experts is joined just before its MoE runs (`prefetch_first`:
-        the next layer's placed and its gather started before this layer's own gather, so that
-        the copy stream need not wait for it). Neither gather's victims are slots the other
-        writes or this layer reads: those carry the newest stamps, and every cache holds its
-        policy's `graph_steps` steps' experts (`steps_on_device`)."""
+        may still be landing on the copy stream; `join_late`). Beside that gather, on the side
+        stream (`side_work`), the next layer's experts are guessed and placed (`ahead`) and the
+        shared expert computed (`beside`); the guessed experts are gathered on the copy stream
+        after this layer's own (`prefetch_first`: before them) while this layer computes. The
+        prefetch of this layer's experts is joined just before its MoE runs. Neither gather's
+        victims are slots the other writes or this layer reads: those carry the newest stamps,
+        and every cache holds its policy's `graph_steps` steps' experts (`steps_on_device`)."""
         landed = self.b.take_prefetch()
         if not self.b.join_late:
             _join(landed)
@@ -596,13 +655,17 @@ class OffloadExperts:
         flat = ids.reshape(-1)
         own = self.cache.resolve(self.layer, flat)
         ahead = ahead and self.next.cache is not None
-        if ahead and self.b.prefetch_first:
-            self.b.start_prefetch(self.next, self._guess(x, ids).reshape(-1))
+        with self.b.side_work() as side:  # forked after this layer's placement (the cache state's order)
+            placed = self.b.place_ahead(self.next, self._guess(x, ids).reshape(-1)) if ahead else None
+            shared = beside() if beside is not None else None
+        if placed is not None and self.b.prefetch_first:
+            self.b.gather_ahead(self.next, placed, side)
         self.cache.buffer.copy_indexed(self.bank, flat, own, self.b.gather_kernel)
-        if ahead and not self.b.prefetch_first:
-            self.b.start_prefetch(self.next, self._guess(x, ids).reshape(-1))
+        if placed is not None and not self.b.prefetch_first:
+            self.b.gather_ahead(self.next, placed, side)
+        side.join()
         _join(landed)
-        return self._run_cached(x, ids, weights)
+        return _with_shared(self._run_cached(x, ids, weights), shared)
 
     def _lookup(self, needed: list[int]) -> list[int]:
         """The misses among the step's experts (hits counted and touched)."""
