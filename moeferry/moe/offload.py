@@ -183,7 +183,9 @@ class OffloadBackend:
         self.streamed = LayerCounters()               # prefill chunks of the layers without slots, through staging
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # device-managed steps: the next layer's guess and placement and the shared expert run on
-        # a side stream while the layer's own misses are gathered on the compute stream
+        # a side stream while the layer's own misses are gathered on the compute stream. Measured
+        # (H100, full-depth mixed_nvfp4, 3600 of 10240 slots, uniform routing): b1 92.3 -> 99.2
+        # tok/s, b4 119.4 -> 121.7 against the same work in line
         self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.work_aside = True
         # decode prefetch: only the offload lane, and only where copies can overlap compute
