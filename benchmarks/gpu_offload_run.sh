@@ -44,7 +44,8 @@
 #   e2e_widths  quant_decode.py e2e --offload CACHE_SIZE --policies lru --widths WIDTHS (default 4,5,6,7,8): in-process
 #             device-managed decode with the prefetch guessing each width a row (bytes, hit rate, tok/s; no ballast)
 #   e2e_aside  quant_decode.py e2e --offload CACHE_SIZE --policies lru --aside: in-process device-managed decode
-#             with a layer's side work (guess, placement, shared expert) on the side stream and in line (no ballast)
+#             with a layer's side work (guess, placement, shared expert) on the side stream and in line, then the
+#             own gather's grid capped at the prefetch's and twice it (no ballast)
 #   e2e_skew_widths  the same on skew's checkpoint under lfu (WIDTHS default 4,6,8)
 #   e2e_skew  quant_decode.py e2e --offload CACHE_SIZE --policies lru,lfu --orders on skew's checkpoint: in-process
 #             device-managed decode under each policy, then the prefetch started before / after the layer's own gather

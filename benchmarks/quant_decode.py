@@ -589,10 +589,14 @@ def gather_variants(engine, log) -> dict:
 
 def aside_variants(engine, log) -> dict:
     """Device-managed decode with a layer's side work (the next layer's guess and placement, the
-    shared expert) on the side stream beside its own gather (the default), and in line."""
-    return backend_variants(engine, log, ("work_aside",), ((True,), (False,)),
-                            lambda aside: "side work " + ("on the side stream" if aside else "in line"),
-                            steps=64, warmup=32)
+    shared expert) on the side stream beside its own gather (the default), and in line; then the
+    own gather's grid capped at the prefetch's and twice it (a full grid may hold the SMs the side
+    work wants while the gather waits on the link)."""
+    grid = engine.experts.prefetch_programs
+    combos = ((True, None), (False, None), (True, grid), (True, 2 * grid))
+    return backend_variants(engine, log, ("work_aside", "own_programs"), combos,
+                            lambda aside, own: "side work " + ("on the side stream" if aside else "in line")
+                            + f", own gather grid {own or 'full'}", steps=64, warmup=32)
 
 
 def width_variants(engine, log, widths: list[int] | None = None) -> dict:

@@ -633,11 +633,11 @@ def test_device_managed_decode_equals_resident(arch, preset, prefetch, policy, c
 def test_prefetch_gather_has_its_own_launch_shape(ckpt, ref_logits, monkeypatch):
     """The device-managed prefetch gathers in `prefetch_gather` (set apart from the own misses'
     `gather_kernel`): setting it makes each cache's gather in that shape at once (not inside
-    the next capture), the prefetch's copies take it, the layer's own misses keep the boot's,
-    and the logits stay resident's."""
+    the next capture), the prefetch's copies take it, the layer's own misses keep the boot's
+    (on a grid capped at `own_programs`), and the logits stay resident's."""
     llm = build(ckpt, "qwen3_moe", "bf16", "offload-25%", moe_cache_size=24)
     backend = llm.engine.experts
-    backend.prefetch = True
+    backend.prefetch, backend.own_programs = True, 3
     shape = (2048, 4, True)
     backend.prefetch_gather = shape
     (cache,) = caches(llm)
@@ -655,7 +655,7 @@ def test_prefetch_gather_has_its_own_launch_shape(ckpt, ref_logits, monkeypatch)
     for g, w in zip(got, ref_logits("qwen3_moe", "bf16", BATCH, [5, 3, 1])):
         assert rel_err(g, w) <= TOL
     # here in line (no copy stream on the CPU: no grid cap); the prefetch counted its experts
-    assert set(used) == {(shape, None), (backend.gather_kernel, None)}, set(used)
+    assert set(used) == {(shape, None), (backend.gather_kernel, 3)}, set(used)
     assert llm.engine.stats()["experts"]["prefetched"] > 0
 
 

@@ -188,6 +188,7 @@ class OffloadBackend:
         # tok/s, b4 119.4 -> 121.7 against the same work in line
         self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.work_aside = True
+        self.own_programs: int | None = None  # device-managed: the own gather's grid cap (None: full)
         # decode prefetch: only the offload lane, and only where copies can overlap compute
         self.prefetch = cfg.moe_decode_prefetch and name == "offload" and device.type == "cuda"
         self.prefetch_done: torch.cuda.Event | None = None  # the copies of the prefetch in flight
@@ -662,7 +663,7 @@ class OffloadExperts:
             shared = beside() if beside is not None else None
         if placed is not None and self.b.prefetch_first:
             self.b.gather_ahead(self.next, placed, side)
-        self.cache.buffer.copy_indexed(self.bank, flat, own, self.b.gather_kernel)
+        self.cache.buffer.copy_indexed(self.bank, flat, own, self.b.gather_kernel, self.b.own_programs)
         if placed is not None and not self.b.prefetch_first:
             self.b.gather_ahead(self.next, placed, side)
         side.join()
