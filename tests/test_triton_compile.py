@@ -49,9 +49,9 @@ def test_cache_resolve_compiles(prefetch, lfu, n, s):
 @pytest.mark.parametrize("vec", [True, False])
 def test_slot_gather_compiles_and_vectorises(vec):
     """The vec path moves 16 bytes per access (its base pointers aligned); the word path 4."""
-    sig = {"desc_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i32", "src_base": "*i32", "dst_base": "*i32",
-           "items": "i32", "parts": "i32", "blocks": "i32", "BLOCK": "constexpr", "VEC": "constexpr"}
-    kernel = _compile(slot_gather._gather_kernel, sig, {"BLOCK": 2048, "VEC": vec}, {(3,): ALIGNED, (4,): ALIGNED})
+    sig = {"desc_ptr": "*i64", "pieces_ptr": "*i32", "src_ptr": "*i64", "dst_ptr": "*i32", "src_base": "*i32",
+           "dst_base": "*i32", "items": "i32", "pieces": "i32", "BLOCK": "constexpr", "VEC": "constexpr"}
+    kernel = _compile(slot_gather._gather_kernel, sig, {"BLOCK": 2048, "VEC": vec}, {(4,): ALIGNED, (5,): ALIGNED})
     ptx = kernel.asm["ptx"]
     wide = len(re.findall(r"ld\.global(\.\w+)*\.v4", ptx)), len(re.findall(r"st\.global(\.\w+)*\.v4", ptx))
     assert (min(wide) > 0) == vec, wide

@@ -35,32 +35,36 @@ _UNIT = tl.constexpr(UNIT)
 
 
 @triton.jit(do_not_specialize=["items"])
-def _gather_kernel(desc_ptr, src_ptr, dst_ptr, src_base, dst_base, items, parts, blocks,
+def _gather_kernel(desc_ptr, pieces_ptr, src_ptr, dst_ptr, src_base, dst_base, items, pieces,
                    BLOCK: tl.constexpr, VEC: tl.constexpr):
-    """Work item w = (i, part, blk): words blk*BLOCK.. of tensor `part` of the i-th expert moved
-    (none where its destination slot is negative); program p does items p, p + programs, ...
-    (one item each on a full grid; a capped grid leaves the other SMs to the compute that
-    overlaps a prefetch). The descriptor holds each tensor's addresses as integers (a pinned
-    host tensor's address is valid on the device), so a launch takes a few arguments besides
-    the slot lists, whatever the tensors. VEC: the descriptor holds offsets from `src_base` /
-    `dst_base`, strides and sizes in 16-byte units (multiplied back here, the compiler sees
-    whole units: vector accesses)."""
+    """Work item w = (i, piece): piece (part, blk) = words blk*BLOCK.. of tensor `part` of the
+    i-th expert moved (nothing where its destination slot is negative: a hit). `pieces_ptr`
+    lists only the blocks that hold words (a scale tensor is a few blocks where a weight is
+    dozens), so no item is empty but a hit's. Program p does items p, p + programs, ... (one
+    item each on a full grid; a capped grid leaves the other SMs to the compute that overlaps a
+    prefetch, and its programs pass over a hit's items after one load). The descriptor holds
+    each tensor's addresses as integers (a pinned host tensor's address is valid on the
+    device), so a launch takes a few arguments besides the slot lists, whatever the tensors.
+    VEC: the descriptor holds offsets from `src_base` / `dst_base`, strides and sizes in 16-byte
+    units (multiplied back here, the compiler sees whole units: vector accesses)."""
     for w in range(tl.program_id(0), items, tl.num_programs(0)):
-        i, part, blk = w // (parts * blocks), (w // blocks) % parts, w % blocks
-        s = tl.load(src_ptr + i).to(tl.int64)  # source slot (bank)
+        i, j = w // pieces, w % pieces
         d = tl.load(dst_ptr + i).to(tl.int64)  # destination slot (device), -1: skip
-        field = desc_ptr + part * FIELDS
-        if VEC:
-            src = src_base + (tl.load(field) + s * tl.load(field + 2)) * _UNIT
-            dst = dst_base + (tl.load(field + 1) + tl.maximum(d, 0) * tl.load(field + 3)) * _UNIT
-            n = tl.load(field + 4) * _UNIT
-        else:
-            src = tl.load(field).to(tl.pointer_type(tl.int32)) + s * tl.load(field + 2)
-            dst = tl.load(field + 1).to(tl.pointer_type(tl.int32)) + tl.maximum(d, 0) * tl.load(field + 3)
-            n = tl.load(field + 4)
-        offs = blk * BLOCK + tl.arange(0, BLOCK)
-        m = (offs < n) & (d >= 0)
-        tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+        if d >= 0:
+            s = tl.load(src_ptr + i).to(tl.int64)  # source slot (bank)
+            part, blk = tl.load(pieces_ptr + 2 * j), tl.load(pieces_ptr + 2 * j + 1)
+            field = desc_ptr + part * FIELDS
+            if VEC:
+                src = src_base + (tl.load(field) + s * tl.load(field + 2)) * _UNIT
+                dst = dst_base + (tl.load(field + 1) + d * tl.load(field + 3)) * _UNIT
+                n = tl.load(field + 4) * _UNIT
+            else:
+                src = tl.load(field).to(tl.pointer_type(tl.int32)) + s * tl.load(field + 2)
+                dst = tl.load(field + 1).to(tl.pointer_type(tl.int32)) + d * tl.load(field + 3)
+                n = tl.load(field + 4)
+            offs = blk * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
 
 
 def word_view(t: torch.Tensor) -> torch.Tensor | None:
@@ -93,7 +97,9 @@ class SlotGather:
             sb, db = self.base[0].data_ptr(), self.base[1].data_ptr()
             rows = [[(a - sb) // 16, (b - db) // 16, sa // UNIT, sd // UNIT, n // UNIT] for a, b, sa, sd, n in rows]
         self.desc = torch.tensor(rows, dtype=torch.int64).to(self.device)
-        self.blocks = triton.cdiv(max(a.shape[1] for a, _ in pairs), self.block)
+        # (part, block) of every block that holds words: the work items of one expert
+        pieces = [(part, blk) for part, (a, _) in enumerate(pairs) for blk in range(triton.cdiv(a.shape[1], self.block))]
+        self.pieces = torch.tensor(pieces, dtype=torch.int32).to(self.device)
         cuda = self.device.type == "cuda"
         self.host = [torch.zeros(2, self.WIDTH, dtype=torch.int32, pin_memory=cuda) for _ in range(self.RING)]
         self.slots = [torch.zeros(2, self.WIDTH, dtype=torch.int32, device=self.device) for _ in range(self.RING)]
@@ -125,8 +131,8 @@ class SlotGather:
         """The same from slot lists on the device (any integer dtype; a negative destination
         moves nothing): no host work but the launch, so it can run inside a CUDA graph.
         `programs` caps the grid (None: a program per work item)."""
-        items = src_slots.numel() * len(self.pairs) * self.blocks
+        items = src_slots.numel() * len(self.pieces)
         grid = min(items, programs or items)
         if grid:
-            _gather_kernel[(grid,)](self.desc, src_slots, dst_slots, *self.base, items, len(self.pairs), self.blocks,
+            _gather_kernel[(grid,)](self.desc, self.pieces, src_slots, dst_slots, *self.base, items, len(self.pieces),
                                     BLOCK=self.block, VEC=self.vec, num_warps=self.warps)
