@@ -58,7 +58,7 @@
 #             and offload with 2 of the 4 MoE layers on the CPU (--moe-cpu-layers 2)
 # Returned under $OUT: results.md (every table), results.json, logs.tgz (server, ballast and
 # make-model logs), driver.log, gpu.txt.
-# Knobs (env): BUDGET_S, RUNS, SEED_EST_S (the seed run's estimate, default 150), SEED_MAX_S / OFFLOAD_MAX_S (those runs' limits, default 360 / 400: FreeToken 0.1.2 boots in 70-110 s), LEAVE_GIB (empty: no ballast), CACHE_SIZE, SKEW, SKEW_FT, FT_ARGS,
+# Knobs (env): BUDGET_S, RUNS, SEED_EST_S (the seed run's estimate, default 150), SEED_MAX_S / OFFLOAD_MAX_S (those runs' limits, default 360 / 400: FreeToken 0.1.2 boots in 70-110 s), LEAVE_GIB (empty: no ballast), CACHE_SIZE, MOE_BACKEND (the offload runs' backend, default offload), SKEW, SKEW_FT, FT_ARGS,
 # BENCH_FLAGS / BENCH_ARGS (serve flags of both engines / bench_serve.py options of the bench run),
 # SIZE / LAYERS / QUANT_DEVICE (make-model geometry, quantizer device; empty = CPU), SEED_ARGS / OFFLOAD_ARGS (appended to every seed_scenario.py /
 # offload.py call), GPUTESTS (the gputests run's test files and the pytest arguments each file's run gets; default the files with the gpu marker), GPUTESTS_MAX_S, SKIP_WHEELS=1 (a machine that has the packages), FRESH_TRITON=1 (every run compiles into its own empty Triton cache).
@@ -80,7 +80,8 @@ SEED_ARGS=${SEED_ARGS:-}
 OFFLOAD_ARGS=${OFFLOAD_ARGS:-}
 FT_ARGS=${FT_ARGS:---attention-backend triton}
 BENCH_FLAGS=${BENCH_FLAGS:---moe-backend offload --moe-cache-size 10240 --max-running-requests 8 --max-seq-len-override 8192}
-OFFLOAD_FLAGS="--moe-backend offload --moe-cache-size $CACHE_SIZE --max-running-requests 4 --max-seq-len-override 32768"
+MOE_BACKEND=${MOE_BACKEND:-offload}  # the offload runs' backend (hybrid, cpu: ours alone, OFFLOAD_ARGS="--engines moeferry")
+OFFLOAD_FLAGS="--moe-backend $MOE_BACKEND --moe-cache-size $CACHE_SIZE --max-running-requests 4 --max-seq-len-override 32768"
 PEER_FLAGS="--max-running-requests 4 --max-seq-len-override 32768"  # the resident runs' shared flags
 T_START=$(date +%s)
 mkdir -p "$OUT" "$WORK"
