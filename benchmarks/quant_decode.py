@@ -509,11 +509,14 @@ def device_timeline(engine, log, batch: int, steps: int = 4, top: int = 12) -> d
     spans: dict = {}
     by_name: dict = {}
     gathers: dict = {}
+    by_stream: dict = {}  # kernel name -> stream -> us (a side stream's kernels may wait for SMs the gathers hold)
     for e in kernels:
         stream, us = getattr(e, "device_resource_id", 0), e.time_range.elapsed_us()
         spans.setdefault(stream, []).append((e.time_range.start, e.time_range.end))
         t, n = by_name.get(e.name, (0.0, 0))
         by_name[e.name] = (t + us, n + 1)
+        per = by_stream.setdefault(e.name, {})
+        per[stream] = per.get(stream, 0.0) + us / steps
         if "gather" in e.name:
             gathers[stream] = gathers.get(stream, 0.0) + us / steps
     wall = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
@@ -527,8 +530,9 @@ def device_timeline(engine, log, batch: int, steps: int = 4, top: int = 12) -> d
     log(f"  device-managed b{batch} timeline ({rate:.1f} tok/s profiled): step {out['step_us']} us, no kernel "
         f"running {out['idle_us']} us; busy by stream {out['busy_us_by_stream']}; gathers by stream "
         f"{out['gather_us_by_stream']}")
+    out["kernels_by_stream"] = {k: {str(st): round(us, 1) for st, us in by_stream[k].items()} for k in out["kernels"]}
     for k, (t, n) in out["kernels"].items():
-        log(f"    {t:8.1f} us  x{n:4d}  {k[:90]}")
+        log(f"    {t:8.1f} us  x{n:4d}  {k[:90]}  by stream {out['kernels_by_stream'][k]}")
     return out
 
 
