@@ -1246,3 +1246,13 @@ def test_warm_up_steps_give_everything_back(ckpt):
     assert stats["kv_tokens_used"] == 0 and stats["state_slots_used"] == 0
     for cache in eng.experts.distinct_caches:
         cache.check()
+
+
+def test_gather_work_items_are_the_blocks_that_hold_words():
+    """The gather kernel's items for one expert are the (tensor, block) pieces that hold words:
+    a narrow tensor (a scale) is one block, a wide one as many as it fills, none is empty."""
+    from moeferry.ops.triton.slot_gather import SlotGather
+    widths = (300, 17, 4101)
+    pairs = [(torch.zeros(4, w, dtype=torch.int32), torch.zeros(3, w, dtype=torch.int32)) for w in widths]
+    gather = SlotGather(pairs, (2048, 4, True))
+    assert gather.pieces.tolist() == [[0, 0], [1, 0], [2, 0], [2, 1], [2, 2]]
