@@ -637,7 +637,7 @@ class OffloadExperts:
 
     def _guess(self, x, ids) -> torch.Tensor:
         """The next MoE layer's experts predicted: its router applied to this layer's input (one
-        kernel on CUDA), its `prefetch_width` best a row (default: as many as the step's top-k)."""
+        kernel on CUDA), its `prefetch_width` best a row (by default half the top-k; unset: the top-k)."""
         return route_topk(self.next_router(x), self.b.prefetch_width or ids.shape[-1], False)[1]
 
     def _on_device(self, x, ids, weights, ahead: bool, beside: Beside | None) -> torch.Tensor:
