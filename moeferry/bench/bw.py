@@ -5,7 +5,8 @@ pinned host->device copy time and bandwidth per expert slot, and the time to com
 on the CPU from its bank for 1 and 8 tokens (the hybrid backend's split is made from these at
 boot). Also a plain pinned copy of 256 MiB, the PCIe ceiling, and on CUDA the gather kernel
 that decode misses and prefetches take (the boot's choice of launch shape; device time on a
-full grid and on the prefetch's grid). Prints a table; `--json FILE`.
+full grid and on the prefetch's grid, and with hits among the listed experts as a decode step
+gathers them). Prints a table; `--json FILE`.
 """
 from __future__ import annotations
 
@@ -74,8 +75,14 @@ def gather_times(bank, device: torch.device) -> dict:
     if choice.config is None:
         return {}
     full, capped = choice.device_s
+    from moeferry.moe.bandwidth import time_gather
+    # as a decode step gathers: every chosen expert listed, the hits moving nothing (a top-8 step
+    # with 3 misses on a full grid; a 4-wide prefetch guess with 2 uncached on the prefetch's grid)
+    step = time_gather(bank, device, choice.config, experts=8, hits=5)
+    guess = time_gather(bank, device, choice.config, programs, experts=4, hits=2)
     return {"gather_config": list(choice.config), "gather_programs_prefetch": programs,
-            "gather_s_per_expert": full, "gather_s_per_expert_prefetch": capped}
+            "gather_s_per_expert": full, "gather_s_per_expert_prefetch": capped,
+            "gather_s_per_expert_step": step, "gather_s_per_expert_guess": guess}
 
 
 def cpu_lane() -> str:
@@ -109,7 +116,9 @@ def gather_rows(r: dict) -> list[tuple[str, str]]:
         return f"{s * 1e6:.0f} us ({slot / s / 1e9:.1f} GB/s)"
     return [(f"gather one expert ({words} words x {warps} warps{', 16-byte' if vec else ''})",
              rate(r["gather_s_per_expert"])),
-            (f"  on the prefetch's {r['gather_programs_prefetch']} programs", rate(r["gather_s_per_expert_prefetch"]))]
+            (f"  on the prefetch's {r['gather_programs_prefetch']} programs", rate(r["gather_s_per_expert_prefetch"])),
+            ("  a step's 8 chosen, 3 missing, per expert moved", rate(r["gather_s_per_expert_step"])),
+            ("  a guess of 4, 2 uncached, on the prefetch's grid", rate(r["gather_s_per_expert_guess"]))]
 
 
 def main(args: argparse.Namespace) -> int:

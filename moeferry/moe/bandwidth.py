@@ -37,14 +37,17 @@ def time_fetch(bank: SlotBuffer, device: torch.device, experts: int = 8, repeats
 
 
 def time_gather(bank: SlotBuffer, device: torch.device, config: tuple, programs: int | None = None,
-                experts: int = 16, repeats: int = 3) -> float:
-    """Device seconds per expert for the gather kernel in `config` (CUDA events, the fastest of
-    `repeats` launches after one untimed launch), from slot lists on the device as decode steps
-    give them, its grid capped at `programs` as the prefetch's is (None: a full grid)."""
+                experts: int = 16, repeats: int = 3, hits: int = 0) -> float:
+    """Device seconds per expert moved for the gather kernel in `config` (CUDA events, the fastest
+    of `repeats` launches after one untimed launch), from slot lists on the device as decode steps
+    give them, its grid capped at `programs` as the prefetch's is (None: a full grid). `hits`: that
+    many of the `experts` listed are hits (a negative destination: nothing moved), as in a decode
+    step's gather of every chosen expert."""
     n = min(experts, bank.num_slots)
     dst = SlotBuffer.allocate_like(bank, n, device=device)
     src_slots = torch.arange(n, dtype=torch.int32, device=device).flip(0)
     dst_slots = torch.arange(n, dtype=torch.int32, device=device)
+    dst_slots[:hits] = -1
     times = []
     for i in range(repeats + 1):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -53,7 +56,7 @@ def time_gather(bank: SlotBuffer, device: torch.device, config: tuple, programs:
         end.record()
         end.synchronize()
         if i:
-            times.append(start.elapsed_time(end) / 1e3 / n)
+            times.append(start.elapsed_time(end) / 1e3 / max(1, n - hits))
     del dst
     return min(times)
 
