@@ -68,14 +68,13 @@ def gather_times(bank, device: torch.device) -> dict:
     a full grid (a step's own misses) and on the decode prefetch's grid."""
     if device.type != "cuda":
         return {}
-    from moeferry.moe.bandwidth import choose_gather
+    from moeferry.moe.bandwidth import choose_gather, time_gather
     from moeferry.moe.offload import prefetch_programs
     programs = prefetch_programs(device)
     choice = choose_gather(bank, device, programs)  # times every config on both grids
     if choice.config is None:
         return {}
     full, capped = choice.device_s
-    from moeferry.moe.bandwidth import time_gather
     # as a decode step gathers: every chosen expert listed, the hits moving nothing (a top-8 step
     # with 3 misses on a full grid; a 4-wide prefetch guess with 2 uncached on the prefetch's grid)
     step = time_gather(bank, device, choice.config, experts=8, hits=5)

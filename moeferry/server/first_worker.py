@@ -35,15 +35,22 @@ def _wait_for_spec(conn: Connection) -> None:
     worker.main(conn, spec, log_level)
 
 
+def spawn(target, args: tuple, name: str) -> tuple[Connection, mp.process.BaseProcess]:
+    """A spawned daemon process running target(its pipe end, *args); (our pipe end, the process).
+    Our copy of its end is closed, so its death shows as EOF on ours."""
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe(duplex=True)
+    process = ctx.Process(target=target, args=(child, *args), name=name, daemon=True)
+    process.start()
+    child.close()
+    return conn, process
+
+
 class FirstWorker:
     """A worker process importing while the API process starts; `hand_over` gives it its spec."""
 
     def __init__(self):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_wait_for_spec, args=(child,), name="moeferry-worker-0", daemon=True)
-        self.process.start()
-        child.close()
+        self.conn, self.process = spawn(_wait_for_spec, (), "moeferry-worker-0")
 
     def hand_over(self, spec, log_level: str) -> tuple[Connection, mp.process.BaseProcess] | None:
         """Send the spec; the worker's (pipe, process), or None if it is gone (spawn another)."""

@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import multiprocessing as mp
 import queue
 import signal
 import threading
@@ -34,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moeferry.server import worker
-from moeferry.server.first_worker import FirstWorker
+from moeferry.server.first_worker import FirstWorker, spawn
 from moeferry.server.messages import (Abort, Accepted, BootFailed, Events, Heartbeat, Progress, Ready, Rejected,
                                       Shutdown, StatsUpdate, Submit, WorkerSpec)
 
@@ -92,12 +91,7 @@ class _Worker:
         if handed is not None:  # the process started with the command, its imports done meanwhile
             self.conn, self.process = handed
         else:
-            ctx = mp.get_context("spawn")
-            self.conn, child = ctx.Pipe(duplex=True)
-            self.process = ctx.Process(target=worker.main, args=(child, spec, log_level),
-                                       name=f"moeferry-worker-{generation}", daemon=True)
-            self.process.start()
-            child.close()  # our copy; the worker's death now shows as EOF on self.conn
+            self.conn, self.process = spawn(worker.main, (spec, log_level), f"moeferry-worker-{generation}")
         self.outbox: queue.Queue = queue.Queue()
         self.boot_failure: str | None = None
         self.boot_permanent = False  # the failure does not go away with a restart
