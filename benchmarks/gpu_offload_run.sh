@@ -9,6 +9,7 @@
 # Runs (default "seed offload skew"):
 #   seed      seed_scenario.py: the seed's flags verbatim, 8 prompts x 8192, ballast LEAVE_GIB (issue 12)
 #   offload   offload.py: --moe-backend offload --moe-cache-size CACHE_SIZE, both engines (issue 11)
+#   hybrid    offload.py with moeferry --moe-backend hybrid (alone, same cache size and ballast; issue 11's hybrid question)
 #   offload_nopf  the same, moeferry alone, decode prefetch off (what the prefetch is worth)
 #   offload_ca  offload with moeferry's kernels compiled ahead (--compile-workers COMPILE_WORKERS, default 8), both
 #             engines (with FRESH_TRITON=1 each boots cold)
@@ -271,6 +272,7 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       offload)  step offload 250 ${OFFLOAD_MAX_S:-400} offload offload "$WORK/ckpt" ;;
       offload_ca) step offload_ca 250 ${OFFLOAD_MAX_S:-400} offload offload_ca "$WORK/ckpt" \
                   --ours-args "--compile-workers ${COMPILE_WORKERS:-8}" ;;
+      hybrid)   step hybrid 150 240 offload hybrid "$WORK/ckpt" --engines moeferry --ours-args "--moe-backend hybrid" ;;
       offload_w8) step offload_w8 150 240 offload offload_w8 "$WORK/ckpt" --engines moeferry \
                   --ours-args "--moe-prefetch-width 8" ;;
       offload_nopf) step offload_nopf 150 240 offload offload_nopf "$WORK/ckpt" --engines moeferry \
