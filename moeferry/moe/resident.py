@@ -109,8 +109,10 @@ class ResidentBackend:
             from moeferry.moe.slots import HostStaging
             from moeferry.moe.triton_experts import TritonExperts
 
-            if self.staging is None:  # two page-locked host buffers per slot layout, reused by every layer
-                self.staging = HostStaging(pin=self.device.type == "cuda", depth=2)
+            if self.staging is None:  # two page-locked host buffers per slot layout, reused by the layers
+                # the files' template cannot place (a layout's first, repacked formats); the others go
+                # from the mapped files to the device in spans
+                self.staging = HostStaging(pin=self.device.type == "cuda", depth=2, from_files=True)
             buf = self.staging.to_device(experts, [shared] if shared is not None else [], self.device)
             ex = TritonExperts(buf, torch.arange(experts.num_experts, dtype=torch.int32, device=self.device),
                                shared_slot=experts.num_experts if shared is not None else -1)

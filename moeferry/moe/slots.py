@@ -259,23 +259,27 @@ class HostStaging:
     formats. With `depth` 2, `to_device` leaves a layer's copy running while the next layer is
     packed into the other buffer (a buffer is refilled only after its copy is done). Layers are
     packed by one `Placement` (its templates skip the per-expert work after a layout's first
-    layer). `release()` frees them after loading."""
+    layer). With `from_files`, a layout's later layers skip the host buffers: `to_device` fills
+    their device slots from spans of the mapped files (`Placement.fill_from_files`) where the
+    template allows. `release()` frees them after loading."""
 
-    def __init__(self, pin: bool, depth: int = 1):
-        self.pin, self.depth = pin, depth
+    def __init__(self, pin: bool, depth: int = 1, from_files: bool = False):
+        self.pin, self.depth, self.from_files = pin, depth, from_files
         self._buffers: dict[tuple, list[list]] = {}  # layout -> [[buffer, its copy's event or None], ...]
         self._turn: dict[tuple, int] = {}
         self.placement = Placement()
 
-    def _fill(self, experts: LayerExperts, extra: Sequence[ExpertWeights]) -> list:
-        """The next [buffer, event] of this layout (made on first use), its buffer holding
+    def _key(self, experts: LayerExperts, extra: Sequence[ExpertWeights]) -> tuple:
+        fmt = experts.format
+        return kernel_for(fmt).name, experts.num_experts + len(extra), _layout(fmt, experts.experts[0])
+
+    def _fill(self, experts: LayerExperts, extra: Sequence[ExpertWeights], key: tuple) -> list:
+        """The next [buffer, event] of this layout (`key`; made on first use), its buffer holding
         expert s in slot s, then `extra`."""
-        fmt, first, slots = experts.format, experts.experts[0], experts.num_experts + len(extra)
-        key = (kernel_for(fmt).name, slots, _layout(fmt, first))
         ring = self._buffers.setdefault(key, [])
         turn = self._turn[key] = (self._turn.get(key, -1) + 1) % self.depth
         if turn == len(ring):
-            ring.append([SlotBuffer.allocate(fmt, slots, first, "cpu", pin=self.pin), None])
+            ring.append([SlotBuffer.allocate(experts.format, key[1], experts.experts[0], "cpu", pin=self.pin), None])
         entry = ring[turn]
         if entry[1] is not None:
             entry[1].synchronize()  # its last copy to the device has finished reading it
@@ -284,12 +288,19 @@ class HostStaging:
 
     def filled(self, experts: LayerExperts, extra: Sequence[ExpertWeights] = ()) -> SlotBuffer:
         """A buffer of this layout (made on first use) with expert s in slot s, then `extra`."""
-        return self._fill(experts, extra)[0]
+        return self._fill(experts, extra, self._key(experts, extra))[0]
 
     def to_device(self, experts: LayerExperts, extra: Sequence[ExpertWeights], device) -> SlotBuffer:
         """The layer's slots on `device`; from page-locked buffers (CUDA) the copy is left running
         on the current stream, and the buffer is refilled only after it."""
-        entry = self._fill(experts, extra)
+        key = self._key(experts, extra)
+        ring = self._buffers.get(key) if self.from_files else None
+        if ring:  # a layer of this layout was staged: its template may place this one from the files
+            like = ring[0][0]
+            out = SlotBuffer.allocate_like(like, like.num_slots, device)
+            if self.placement.fill_from_files(out, experts, extra):
+                return out
+        entry = self._fill(experts, extra, key)
         out = entry[0].to(device, non_blocking=self.pin)
         if self.pin:
             entry[1] = torch.cuda.Event()

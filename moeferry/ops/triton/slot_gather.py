@@ -19,9 +19,13 @@ from the descriptor carries no alignment the compiler could use).
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import triton
 import triton.language as tl
+
+from . import use_triton
 
 # (words per program, warps, vec): a pinned host read's latency is hidden by the reads in flight,
 # which these trade against the programs' count; vec: 16-byte accesses where the tensors allow
@@ -136,3 +140,22 @@ class SlotGather:
         if grid:
             _gather_kernel[(grid,)](self.desc, self.pieces, src_slots, dst_slots, *self.base, items, len(self.pieces),
                                     BLOCK=self.block, VEC=self.vec, num_warps=self.warps)
+
+
+def copy_ranges(moves: list[tuple[int, int, int]], device: torch.device, block: int = 8192, warps: int = 8) -> None:
+    """dst[:words] = src[:words] (32-bit words) for every (source address, destination address,
+    words) in `moves`, memory of `device`, in one launch of the gather kernel: the ranges are the
+    tensors of one expert moved from slot 0 to slot 0 (the word path: addresses as integers).
+    Elsewhere (no CUDA, no interpreter) the plain reference: a `memmove` per range."""
+    if not moves:
+        return
+    if not use_triton(torch.empty(0, device=device)):
+        for src, dst, words in moves:
+            ctypes.memmove(dst, src, 4 * words)
+        return
+    desc = torch.tensor([[src, dst, 0, 0, words] for src, dst, words in moves], dtype=torch.int64).to(device)
+    pieces = torch.tensor([(i, b) for i, (_, _, words) in enumerate(moves) for b in range(triton.cdiv(words, block))],
+                          dtype=torch.int32).to(device)
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+    _gather_kernel[(len(pieces),)](desc, pieces, zero, zero, zero, zero, len(pieces), len(pieces), BLOCK=block,
+                                   VEC=False, num_warps=warps)
