@@ -14,8 +14,10 @@ are read once first):
                     into the bank) and the next ones from its template (no views)
   pinned alloc only the bank's pinned allocation alone, as `bank after` makes it
   resident before   per-expert reads, `pack`, one write per expert into the device slots
-  resident after    the resident backend's path: one `HostStaging` for all timed layers (its buffers
-                    allocated at the first layers, its placement's template from the second)
+  resident after    one `HostStaging` for all timed layers (its buffers allocated at the first
+                    layers, its placement's template from the second): every layer staged on the host
+  resident from files  the resident backend's path: the same with `from_files` (a layout's later
+                    layers go from spans of the mapped files to the device, no host staging)
 Banks are pinned with `--device cuda` (as the offload backends build them); resident slots go
 to `--device` (on the CPU the resident backend keeps the packed experts: no copy at all, so its
 row times only the read). `--load-model` also times a whole `load_model` per backend (1 and
@@ -121,6 +123,7 @@ def measure(model: str, device: torch.device, layers: int, threads: int) -> list
     reader, spec, w, moe = open_layers(model, layers)
     pin = device.type == "cuda"
     placement, staging = Placement(), HostStaging(pin=pin, depth=2)  # kept from layer to layer, as loading keeps them
+    files = HostStaging(pin=pin, depth=2, from_files=True)
     rows: dict[str, list[float]] = {}
     nbytes = 0
     for layer in moe:
@@ -143,6 +146,7 @@ def measure(model: str, device: torch.device, layers: int, threads: int) -> list
             cases["resident before"] = lambda: per_expert_slots(_layer_experts(w, spec, p, threads, mapped=False),
                                                                 device, False, threads)
             cases["resident after"] = lambda: resident_slots(_layer_experts(w, spec, p, threads), device, staging)
+            cases["resident from files"] = lambda: resident_slots(_layer_experts(w, spec, p, threads), device, files)
         for name, fn in cases.items():
             t, out = timed(fn, device)
             rows.setdefault(name, []).append(t)
@@ -154,10 +158,11 @@ def measure(model: str, device: torch.device, layers: int, threads: int) -> list
 
 
 def resident_steady(model: str, device: torch.device, layers: int, threads: int) -> tuple[float, int]:
-    """The resident backend's placement of one MoE layer (the loader's read, the staging, the
-    copy to `device`): seconds, the mean over `layers` layers but the first; the layer's expert bytes."""
+    """The resident backend's placement of one MoE layer (the loader's read, the staging or the
+    file spans, the copy to `device`): seconds, the mean over `layers` layers but the first; the
+    layer's expert bytes."""
     reader, spec, w, moe = open_layers(model, max(2, layers))
-    staging = HostStaging(pin=device.type == "cuda", depth=2)
+    staging = HostStaging(pin=device.type == "cuda", depth=2, from_files=True)  # as the resident backend
     times, nbytes = [], 0
     for layer in moe:
         ranges = expert_ranges(reader, layer)

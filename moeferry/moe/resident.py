@@ -6,10 +6,14 @@ the CPU references run: stacked dense experts, or packed experts dequantized per
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from moeferry.moe.layer_experts import ExpertWeights, LayerExperts
 from moeferry.ops.moe import experts_reference
+
+log = logging.getLogger(__name__)
 
 
 class DenseExperts:
@@ -128,6 +132,9 @@ class ResidentBackend:
     def finish(self, expert_slots: int | None = None) -> None:
         """All layers are added: the host staging buffers are freed."""
         if self.staging is not None:
+            placed = self.staging.placement
+            log.info("resident experts: %d layers placed from spans of the mapped files, %d through page-locked "
+                     "host buffers", placed.from_files, placed.templated + placed.plain)
             self.staging.release()
             self.staging = None
 
