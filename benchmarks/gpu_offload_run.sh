@@ -24,8 +24,6 @@
 #   seed_int4 an int4_awq checkpoint (same geometry), the seed's flags
 #   bench     bench_serve.py: `moeferry bench serve` against both engines, BENCH_FLAGS, no ballast (issue 14)
 #   fused     moe_decode_sweep.py --fused: the one-launch MoE decode path swept against the current entries (issue 13 item 3)
-#   pdl       moe_decode_sweep.py --pdl: the MoE decode call with its down launch as a programmatic dependent of
-#             gate_up (DecodeConfig.pdl) against the current entries, every form, T = 1-8 (issue 13 item 3)
 #   moe       quant_decode.py moe: the MoE decode path against the grouped-GEMM path (issue 13 item 3)
 #   load      load_speed.py: loading per layer, old and new paths, and load_model (issue 13 item 5)
 #   prepskew  in parallel: the skewed checkpoint (skew's) and gputests
@@ -208,7 +206,7 @@ export SKEW T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFF
 print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__)' || exit 4
   fi
   needs_ckpt=0  # prep13 makes the checkpoint itself, alongside other work; some runs do not read it
-  for run in $RUNS; do case $run in prep|prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|prepbf16|prefill|loadcmp|gputests|moe|fused|pdl|sampling|inputs|skew|prepskew|e2e_skew|e2e_skew_widths|lanes) ;;
+  for run in $RUNS; do case $run in prep|prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|prepbf16|prefill|loadcmp|gputests|moe|fused|sampling|inputs|skew|prepskew|e2e_skew|e2e_skew_widths|lanes) ;;
     *) needs_ckpt=1 ;; esac; done
   if [ "$needs_ckpt" = 1 ]; then
     step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; }
@@ -226,8 +224,6 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
                   --flags "$BENCH_FLAGS" --ft-args "$FT_ARGS" --boot-timeout 180 --request-timeout 240 ${BENCH_ARGS:-} ;;
       fused)    step fused 200 480 python3 benchmarks/moe_decode_sweep.py --fused --forms fp4,int4,fp8_row,fp8_block \
                   --out "$WORK/fused" ;;
-      pdl)      step pdl 60 240 python3 benchmarks/moe_decode_sweep.py --pdl --forms fp4,int4,fp8_row,fp8_block,dense \
-                  --out "$WORK/pdl" ;;
       moe)      step moe 200 480 python3 benchmarks/quant_decode.py moe --out "$WORK/moe" ;;
       load)     step load 60 200 python3 benchmarks/load_speed.py --model "$WORK/ckpt" --device cuda --layers 3 \
                   --load-model ;;

@@ -230,34 +230,6 @@ def whole_form(label: str, bw: float, log) -> dict:
     return dict(label=label, config=asdict(layer.current), rel_error=err, rows=rows)
 
 
-def pdl_form(label: str, bw: float, log) -> dict:
-    """--pdl: the form's current entry as a whole call against the same with the down launch as a
-    programmatic dependent of gate_up (`DecodeConfig.pdl`), with its pairs per program as is and
-    switched (all in one program <-> one a program), and each variant's error against the fp32 reference."""
-    layer = Layer(label)
-    cur = layer.current
-    cfgs = dict(current=cur, pdl=replace(cur, pdl=True),
-                pdl_pairs=replace(cur, pdl=True, down_pairs=0 if cur.down_pairs == 1 else 1))
-    rows = _whole_rows(layer, cfgs, bw, log)
-    errors = {name: layer.rel_error(cfg) for name, cfg in cfgs.items()}
-    log(f"  {label}: rel error vs fp32 reference " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
-    return dict(label=label, form=layer.buf.gate_up.kernel.name, configs={k: asdict(c) for k, c in cfgs.items()},
-                rel_errors=errors, rows=rows)
-
-
-def _pdl_table(results: list[dict]) -> str:
-    names = list(results[0]["configs"]) if results else []
-    md = ["| form | T | bytes | " + " | ".join(f"{n} | % HBM" for n in names) + " |",
-          "|---|---|---|" + "---|---|" * len(names)]
-    md += [f"| {r['label']} | {w['T']} | {w['bytes'] / 2**20:.1f} MiB | " + " | ".join(
-        f"{w[f't_{n}'] * 1e6:.1f} us | {100 * w[f'hbm_{n}']:.0f}%" for n in names) + " |"
-        for r in results for w in r["rows"]]
-    md += ["", "pdl_pairs: down_pairs switched between 0 (all of a token's pairs in one program) and 1.",
-           "rel errors vs the fp32 reference: " + "; ".join(
-               f"{r['label']} " + ", ".join(f"{k} {v:.1e}" for k, v in r["rel_errors"].items()) for r in results)]
-    return "\n".join(md) + "\n"
-
-
 def _short(c: D.DecodeConfig, kernel: str) -> str:
     return "(" + ", ".join(f"{f.split('_')[-1]} {getattr(c, f)}" for f in GRIDS[kernel][3]) + ")"
 
@@ -293,8 +265,6 @@ def main():
     ap.add_argument("--whole-only", action="store_true", help="time the current entries as whole calls, no sweep")
     ap.add_argument("--fused", action="store_true", help="sweep the one-launch path (DecodeConfig.fused_slice) as "
                     "whole calls against the current entries instead")
-    ap.add_argument("--pdl", action="store_true", help="time the current entries as whole calls against the same "
-                    "with the down launch as a programmatic dependent (DecodeConfig.pdl), no sweep")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.smoke:
@@ -313,13 +283,6 @@ def main():
     log(f"{'cpu' if args.smoke else torch.cuda.get_device_name()}: HBM copy {bw / 1e12:.2f} TB/s; E={MK.E} "
         f"top-{MK.K} + shared, H={MK.H} I={MK.I}")
 
-    if args.pdl:
-        results = [pdl_form(f, bw, log) for f in forms]
-        (out / "moe_decode_pdl.json").write_text(json.dumps(dict(hbm_Bps=bw, forms=results), indent=1))
-        md = _pdl_table(results)
-        (out / "moe_decode_pdl.md").write_text(md)
-        log(md)
-        return
     if args.whole_only:
         results = [whole_form(f, bw, log) for f in forms]
         (out / "moe_decode_whole.json").write_text(json.dumps(dict(hbm_Bps=bw, forms=results), indent=1))

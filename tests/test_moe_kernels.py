@@ -509,12 +509,11 @@ def test_gpu_qwen_shapes(fmt, t):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("path", ["decode", "decode-pairs", "decode-pdl", "decode-pdl-graph", "gemm"])
+@pytest.mark.parametrize("path", ["decode", "decode-pairs", "gemm"])
 @pytest.mark.parametrize("t", [1, 2, 4])
 @pytest.mark.parametrize("fmt", DEVICE_FORMS)
 def test_gpu_decode_paths(fmt, t, path):
-    """Both MoE paths at decode sizes, Qwen3.6 shapes, with a shared expert and non-resident experts
-    (the decode path also with its down launch as a programmatic dependent, eager and in a CUDA graph)."""
+    """Both MoE paths at decode sizes, Qwen3.6 shapes, with a shared expert and non-resident experts."""
     from moeferry.ops.triton import moe_gemm
     from moeferry.ops.triton.moe_decode import DecodeConfig
     buf, where, dq = _gpu_setup(fmt)
@@ -527,15 +526,8 @@ def test_gpu_decode_paths(fmt, t, path):
     table[missing] = -1
     gate = torch.randn(t, generator=gen).cuda()
     cfg = (DecodeConfig() if path == "decode" else DecodeConfig(down_pairs=2) if path == "decode-pairs"
-           else DecodeConfig(down_pairs=1, pdl=True) if path.startswith("decode-pdl")
            else moe_gemm.choose_config(t, buf.gate_up, buf.down))
     out = buf.run(x, ids, w, table, int(where[e]), gate, config=cfg)
-    if path.endswith("graph"):  # captured (warmed up eagerly above), then replayed
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = buf.run(x, ids, w, table, int(where[e]), gate, config=cfg)
-        graph.replay()
-        torch.cuda.synchronize()
     w_ref = w.float().masked_fill(torch.isin(ids, missing), 0.0)
     ref = experts_reference(x.float(), ids, w_ref, lambda j: dq[j]) + torch.sigmoid(gate)[:, None] * swiglu(x.float(), *dq[e])
     err = _rel(out, ref)

@@ -37,9 +37,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import interpreting
 from .moe_formats import TL_DTYPES, SlotMatrix
 from .nibble_gemv import pack_units
 
@@ -58,9 +56,6 @@ class DecodeConfig:
     fused_slice: int = 0   # > 0: one launch instead of gate_up + down (`decode_fused`): each program
                            # takes a pair's slice of this many inter values, gate_up's BN = this
     fused_bn: int = 256    # down rows per step of the fused program's loop over H
-    pdl: bool = False      # down (and the chunk sum) launched as programmatic dependents of the launch
-                           # before it (sm_90+): a down program routes its pairs and asks its weight
-                           # rows into L2 while gate_up still runs, then waits for gate_up's inter
 
 
 # Per slot form (MoEKernel.name): the block sizes `benchmarks/moe_decode_sweep.py` found fastest
@@ -161,9 +156,7 @@ def _decode_gate_up_kernel(x_ptr, stride_x, inter_ptr, ids_ptr, rw_ptr, shw_ptr,
                            H: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr,
                            GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr,
                            TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr,
-                           PACK_RANGE: tl.constexpr, PDL: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    if PDL:  # the down launch may start now (its programs wait for this one's inter before reading it)
-        gdc_launch_dependents()
+                           PACK_RANGE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     p = tl.program_id(0)
     t = p // TOPK
     s, _ = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, p % TOPK, K_IN, TOPK, HAS_SHARED)
@@ -174,41 +167,17 @@ def _decode_gate_up_kernel(x_ptr, stride_x, inter_ptr, ids_ptr, rw_ptr, shw_ptr,
 
 
 @triton.jit
-def _l2_prefetch_rows(ptr, slots, n0, N, ROW_BYTES: tl.constexpr, BN: tl.constexpr):
-    """prefetch.global.L2 of rows n0..n0+BN of each slot in `slots` ([TP]; < 0: none) of a slot
-    tensor laid out [S, N, ROW_BYTES bytes]; ROW_BYTES 0: nothing (absent or laid out otherwise)."""
-    if ROW_BYTES > 0:
-        LINES: tl.constexpr = (BN * ROW_BYTES + 127) // 128
-        lines = tl.arange(0, triton.next_power_of_2(LINES))
-        off = (tl.maximum(slots, 0).to(tl.int64)[:, None] * (N * ROW_BYTES) + n0 * ROW_BYTES
-               + lines[None, :].to(tl.int64) * 128)
-        ok = ((slots >= 0)[:, None] & (lines < LINES)[None, :]
-              & (n0 * ROW_BYTES + lines * 128 < N * ROW_BYTES)[None, :])
-        addr = ptr.to(tl.pointer_type(tl.uint8)) + tl.where(ok, off, 0)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [addr], dtype=tl.int32,
-                                  is_pure=False, pack=1)  # masked lanes ask for the tensor's first line
-
-
-@triton.jit
 def _decode_down_kernel(inter_ptr, out_ptr, stride_out, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot,
                         w_ptr, s_ptr, z_ptr, rs_ptr, H,
                         I: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr,
                         GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr,
                         TOPK: tl.constexpr, TP: tl.constexpr, HAS_SHARED: tl.constexpr, ROW: tl.constexpr,
-                        x_dtype: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr, W_ROW: tl.constexpr,
-                        S_ROW: tl.constexpr, RS_ROW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                        x_dtype: tl.constexpr, PAIRS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BN
     chunk = tl.program_id(2)  # pairs chunk * PAIRS .. + PAIRS of the token (all of them: one chunk)
     jv = tl.arange(0, TP)
     slots, weights = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, jv, K_IN, TOPK, HAS_SHARED)
-    if PDL:  # started while gate_up runs (the routing was written before it): weight rows into L2, then wait
-        mine = tl.where((jv >= chunk * PAIRS) & (jv < chunk * PAIRS + PAIRS), slots, -1)
-        _l2_prefetch_rows(w_ptr, mine, n0, H, W_ROW, BN)
-        _l2_prefetch_rows(s_ptr, mine, n0, H, S_ROW, BN)
-        _l2_prefetch_rows(rs_ptr, mine, n0, H, RS_ROW, BN)
-        gdc_wait()
-        gdc_launch_dependents()
     offs_n = n0 + tl.arange(0, BN)
     mask_n = offs_n < H
     out = tl.zeros((BN,), tl.float32)
@@ -278,11 +247,8 @@ def _sum_slices_kernel(part_ptr, out_ptr, stride_out, ids_ptr, rw_ptr, shw_ptr, 
 
 
 @triton.jit
-def _sum_chunks_kernel(part_ptr, out_ptr, stride_out, H, CHUNKS: tl.constexpr, PDL: tl.constexpr,
-                       BLOCK: tl.constexpr):
+def _sum_chunks_kernel(part_ptr, out_ptr, stride_out, H, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
     """out[t] = the sum of the down launch's CHUNKS partial rows of token t, in chunk order."""
-    if PDL:  # launched as a dependent of the down launch: its rows are complete after the wait
-        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < H
@@ -346,7 +312,7 @@ def decode_gate_up(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     _decode_gate_up_kernel[(t * common["TOPK"], triton.cdiv(i, bn))](
         x, x.stride(0), inter, *_route_args(ids, weights, table_row, shared_slot, shared_gate),
         *gate_up.kernel_args(), i, H=gate_up.k, GB=gb, UNROLL=cfg.unroll,
-        PACK_RANGE=gate_up.kernel.x_range if pack else 0.0, PDL=_pdl(cfg, x), BN=bn, BK=bk,
+        PACK_RANGE=gate_up.kernel.x_range if pack else 0.0, BN=bn, BK=bk,
         num_warps=cfg.num_warps, **common)
     return inter
 
@@ -380,35 +346,15 @@ def decode_down(inter: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weigh
     pairs = min(cfg.down_pairs or topk, topk)
     chunks = triton.cdiv(topk, pairs)
     dest = out if chunks == 1 else torch.empty(t, chunks, h, dtype=torch.float32, device=out.device)
-    pdl = _pdl(cfg, out)
-    rows = {name: _row_bytes(getattr(down, name), h) if pdl else 0 for name in ("w", "s", "rs")}
     _decode_down_kernel[(t, triton.cdiv(h, bn), chunks)](
         inter, dest, out.stride(0), *_route_args(ids, weights, table_row, shared_slot, shared_gate),
         *down.kernel_args(), h, I=down.k, GB=gb, TP=triton.next_power_of_2(topk), ROW=inter.shape[1],
-        x_dtype=TL_DTYPES[out.dtype], PAIRS=pairs, PDL=pdl, W_ROW=rows["w"], S_ROW=rows["s"], RS_ROW=rows["rs"],
-        BN=bn, BK=bk, num_warps=cfg.down_warps, **common, **_dependent(pdl))
+        x_dtype=TL_DTYPES[out.dtype], PAIRS=pairs, BN=bn, BK=bk, num_warps=cfg.down_warps, **common)
     if chunks > 1:
         block = min(1024, triton.next_power_of_2(h))
-        _sum_chunks_kernel[(t, triton.cdiv(h, block))](dest, out, out.stride(0), h, CHUNKS=chunks, PDL=pdl,
-                                                       BLOCK=block, num_warps=4, **_dependent(pdl))
+        _sum_chunks_kernel[(t, triton.cdiv(h, block))](dest, out, out.stride(0), h, CHUNKS=chunks, BLOCK=block,
+                                                       num_warps=4)
     return out
-
-
-def _pdl(cfg: DecodeConfig, x: torch.Tensor) -> bool:
-    """Whether `cfg.pdl` applies: compiled for a device with programmatic dependent launch (sm_90+)."""
-    return cfg.pdl and x.is_cuda and not interpreting() and torch.cuda.get_device_capability(x.device)[0] >= 9
-
-
-def _dependent(pdl: bool) -> dict:
-    """Launch options of a programmatic dependent (it may start before the previous launch ends)."""
-    return {"launch_pdl": True} if pdl else {}
-
-
-def _row_bytes(t: torch.Tensor | None, n: int) -> int:
-    """Bytes of one of the n rows of a slot tensor laid out [S, n, ...] (0: absent or laid out otherwise)."""
-    if t is None or t.dim() < 2 or t.shape[1] != n:
-        return 0
-    return t[0, 0].numel() * t.element_size()
 
 
 def decode_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: SlotMatrix, down: SlotMatrix,
