@@ -35,6 +35,7 @@ from moeferry.engine.cuda_graph import DecodeGraphs, default_sizes
 from moeferry.engine.planning import (choose_backend, describe_plan, free_memory, make_engine_plan, needs_plan,
                                       self_test, settle_after_warm_up)
 from moeferry.memory.allocator import configure_allocator
+from moeferry.memory.numa import prefer_gpu_node
 from moeferry.memory.guard import OomGuard
 from moeferry.memory.plan import MemoryPlan
 from moeferry.memory.probe import longest_chunk, run_step, second_depth
@@ -189,6 +190,7 @@ class Engine:
         t0 = time.perf_counter()
         device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype, cfg.device)
         configure_allocator(device)
+        prefer_gpu_node(device)  # before any bank: their pages near the GPU on a multi-node host
         free_at_start = free_memory(device)
         reader = reader or CheckpointReader(cfg.model_dir)
         spec = resolve_spec(reader)                                              # 1. resolve
