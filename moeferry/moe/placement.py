@@ -152,7 +152,6 @@ class _Template:
                 srcs.append(data[a:a + p.nbytes].view(p.dtype).expand(p.count))
         return LayerCopies(moves, (dsts, srcs))
 
-
     def file_copies(self, reader: "CheckpointReader", prefix: str, buf: "SlotBuffer") -> "FileCopies | None":
         """The copies of the layer at `prefix` into `buf` as parts of the mapped files (None: as
         `instantiate`, or a part is not whole 32-bit words where it starts, ends and lands)."""
