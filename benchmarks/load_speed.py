@@ -16,8 +16,9 @@ are read once first):
   resident before   per-expert reads, `pack`, one write per expert into the device slots
   resident after    one `HostStaging` for all timed layers (its buffers allocated at the first
                     layers, its placement's template from the second): every layer staged on the host
-  resident from files  the resident backend's path: the same with `from_files` (a layout's later
-                    layers go from spans of the mapped files to the device, no host staging)
+  resident from files  the same with `from_files` (a layout's later layers go from spans of the
+                    mapped files to the device, no host staging; off in the resident backend,
+                    `moe.resident.FROM_FILES`, until this row has been timed on a GPU host)
 Banks are pinned with `--device cuda` (as the offload backends build them); resident slots go
 to `--device` (on the CPU the resident backend keeps the packed experts: no copy at all, so its
 row times only the read). `--load-model` also times a whole `load_model` per backend (1 and
@@ -162,7 +163,7 @@ def resident_steady(model: str, device: torch.device, layers: int, threads: int)
     file spans, the copy to `device`): seconds, the mean over `layers` layers but the first; the
     layer's expert bytes."""
     reader, spec, w, moe = open_layers(model, max(2, layers))
-    staging = HostStaging(pin=device.type == "cuda", depth=2, from_files=True)  # as the resident backend
+    staging = HostStaging(pin=device.type == "cuda", depth=2)  # as the resident backend (FROM_FILES off)
     times, nbytes = [], 0
     for layer in moe:
         ranges = expert_ranges(reader, layer)

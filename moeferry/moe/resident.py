@@ -15,6 +15,8 @@ from moeferry.ops.moe import experts_reference
 
 log = logging.getLogger(__name__)
 
+FROM_FILES = False  # HostStaging(from_files=...) for resident slots on CUDA: untimed on a GPU host, off
+
 
 class DenseExperts:
     """Reference executor over stacked unquantized experts: gate_up [E, 2I, H] (gate rows first), down [E, H, I]."""
@@ -113,10 +115,10 @@ class ResidentBackend:
             from moeferry.moe.slots import HostStaging
             from moeferry.moe.triton_experts import TritonExperts
 
-            if self.staging is None:  # two page-locked host buffers per slot layout, reused by the layers
-                # the files' template cannot place (a layout's first, repacked formats); the others go
-                # from the mapped files to the device in spans
-                self.staging = HostStaging(pin=self.device.type == "cuda", depth=2, from_files=True)
+            if self.staging is None:  # two page-locked host buffers per slot layout, reused by every layer
+                # (`from_files`, the layers after a layout's first straight from file spans, stays off
+                # until `benchmarks/load_speed.py` has timed it on a GPU host)
+                self.staging = HostStaging(pin=self.device.type == "cuda", depth=2, from_files=FROM_FILES)
             buf = self.staging.to_device(experts, [shared] if shared is not None else [], self.device)
             ex = TritonExperts(buf, torch.arange(experts.num_experts, dtype=torch.int32, device=self.device),
                                shared_slot=experts.num_experts if shared is not None else -1)
