@@ -14,6 +14,10 @@ import multiprocessing as mp
 import signal
 from multiprocessing.connection import Connection
 
+# seconds to wait for a killed worker to be reaped: SIGKILL always ends it, but on a loaded host
+# (a 2-core CI box running other tests) the exit can take longer than the graceful stop's 5 s
+KILLED_S = 30.0
+
 log = logging.getLogger("moeferry.supervisor")
 
 
@@ -67,4 +71,4 @@ class FirstWorker:
         """End the process unused (it has only imported)."""
         self.conn.close()
         self.process.kill()
-        self.process.join(5.0)
+        self.process.join(KILLED_S)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moeferry.server import worker
-from moeferry.server.first_worker import FirstWorker, spawn
+from moeferry.server.first_worker import KILLED_S, FirstWorker, spawn
 from moeferry.server.messages import (Abort, Accepted, BootFailed, Events, Heartbeat, Progress, Ready, Rejected,
                                       Shutdown, StatsUpdate, Submit, WorkerSpec)
 
@@ -209,7 +209,7 @@ class Supervisor:
         if w.process.is_alive():
             log.warning("worker %s did not stop in %.0f s; killing it", w.pid, timeout)
             w.process.kill()
-            w.process.join(timeout)
+            w.process.join(KILLED_S)
         self._fail_all(WorkerDied("the server is shutting down; retry the request", "server_shutting_down"))
 
     # ------------------------------------------------------------ monitor thread
