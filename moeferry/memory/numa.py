@@ -55,15 +55,16 @@ def _set_preferred(node: int) -> bool:
 def prefer_gpu_node(device: torch.device) -> int | None:
     """Prefer the GPU's NUMA node for this process's new host pages (see module doc); the node,
     or None when nothing was changed."""
-    if device.type != "cuda" or node_count() < 2:
+    nodes = node_count() if device.type == "cuda" else 1
+    if nodes < 2:
         return None
     node = gpu_node(device)
     if node is None:
-        log.info("NUMA: %d nodes, the GPU's is not known: host memory placed as the kernel decides", node_count())
+        log.info("NUMA: %d nodes, the GPU's is not known: host memory placed as the kernel decides", nodes)
         return None
     if not _set_preferred(node):
         log.warning("NUMA: could not prefer node %d (the GPU's) for host memory: %s", node,
                     ctypes.get_errno() or platform.machine())
         return None
-    log.info("NUMA: %d nodes; host memory (expert banks) preferred on node %d, the GPU's", node_count(), node)
+    log.info("NUMA: %d nodes; host memory (expert banks) preferred on node %d, the GPU's", nodes, node)
     return node

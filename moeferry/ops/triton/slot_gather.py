@@ -71,6 +71,13 @@ def _gather_kernel(desc_ptr, pieces_ptr, src_ptr, dst_ptr, src_base, dst_base, i
             tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
 
 
+def _pieces(words: list[int], block: int, device) -> torch.Tensor:
+    """(part, block) of every block that holds words, for parts of these many words: the
+    kernel's work items for one expert (int32 [pieces, 2] on `device`)."""
+    rows = [(part, blk) for part, n in enumerate(words) for blk in range(triton.cdiv(n, block))]
+    return torch.tensor(rows, dtype=torch.int32).to(device)
+
+
 def word_view(t: torch.Tensor) -> torch.Tensor | None:
     """[slots, words] int32 view of a contiguous slot tensor; None if a slot is not whole words."""
     if not t.is_contiguous() or (t[0].numel() * t.element_size()) % 4:
@@ -101,9 +108,7 @@ class SlotGather:
             sb, db = self.base[0].data_ptr(), self.base[1].data_ptr()
             rows = [[(a - sb) // 16, (b - db) // 16, sa // UNIT, sd // UNIT, n // UNIT] for a, b, sa, sd, n in rows]
         self.desc = torch.tensor(rows, dtype=torch.int64).to(self.device)
-        # (part, block) of every block that holds words: the work items of one expert
-        pieces = [(part, blk) for part, (a, _) in enumerate(pairs) for blk in range(triton.cdiv(a.shape[1], self.block))]
-        self.pieces = torch.tensor(pieces, dtype=torch.int32).to(self.device)
+        self.pieces = _pieces([a.shape[1] for a, _ in pairs], self.block, self.device)  # one expert's work items
         cuda = self.device.type == "cuda"
         self.host = [torch.zeros(2, self.WIDTH, dtype=torch.int32, pin_memory=cuda) for _ in range(self.RING)]
         self.slots = [torch.zeros(2, self.WIDTH, dtype=torch.int32, device=self.device) for _ in range(self.RING)]
@@ -154,8 +159,7 @@ def copy_ranges(moves: list[tuple[int, int, int]], device: torch.device, block: 
             ctypes.memmove(dst, src, 4 * words)
         return
     desc = torch.tensor([[src, dst, 0, 0, words] for src, dst, words in moves], dtype=torch.int64).to(device)
-    pieces = torch.tensor([(i, b) for i, (_, _, words) in enumerate(moves) for b in range(triton.cdiv(words, block))],
-                          dtype=torch.int32).to(device)
+    pieces = _pieces([words for _, _, words in moves], block, device)
     zero = torch.zeros(1, dtype=torch.int32, device=device)
     _gather_kernel[(len(pieces),)](desc, pieces, zero, zero, zero, zero, len(pieces), len(pieces), BLOCK=block,
                                    VEC=False, num_warps=warps)
