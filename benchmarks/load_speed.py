@@ -158,6 +158,24 @@ def measure(model: str, device: torch.device, layers: int, threads: int) -> list
     return [(name, sum(ts) / len(ts), per_layer) for name, ts in zip(rows, steady)]
 
 
+def files_identical(model: str, device: torch.device, threads: int) -> str:
+    """Whether the file-span path (`HostStaging(from_files=True)`) puts the same bytes into device
+    slots as the staged path, on every MoE layer of the checkpoint's first four."""
+    reader, spec, w, moe = open_layers(model, 4)
+    pin = device.type == "cuda"
+    staged, files = HostStaging(pin=pin, depth=2), HostStaging(pin=pin, depth=2, from_files=True)
+    differ = []
+    for layer in moe:
+        p = f"model.layers.{layer}.mlp."
+        a = resident_slots(_layer_experts(w, spec, p, threads), device, staged)
+        b = resident_slots(_layer_experts(w, spec, p, threads), device, files)
+        differ += [f"layer {layer} {m}.{k}" for m in ("gate_up", "down")
+                   for k, t in getattr(a, m).tensors().items()
+                   if not torch.equal(t.view(torch.uint8), getattr(b, m).tensors()[k].view(torch.uint8))]
+    return (f"resident from files: byte-identical to the staged path on {len(moe)} layers" if not differ
+            else f"resident from files: DIFFERS from the staged path: {', '.join(differ)}")
+
+
 def resident_steady(model: str, device: torch.device, layers: int, threads: int) -> tuple[float, int]:
     """The resident backend's placement of one MoE layer (the loader's read, the staging or the
     file spans, the copy to `device`): seconds, the mean over `layers` layers but the first; the
@@ -252,6 +270,8 @@ def main() -> None:
                   f"{rows[0][2] / 1e9:.3f} GB of experts per layer", "",
                   "| path | s/layer | GB/s | s per 20 GB |", "|---|---|---|---|"]
         lines += [f"| {name} | {t:.3f} | {n / t / 1e9:.2f} | {20e9 / (n / t):.1f} |" for name, t, n in rows]
+        if device.type == "cuda":
+            lines += ["", files_identical(args.model, device, args.threads)]
     if args.load_model:
         lines += [""] + load_model_rows(args.model, args.compare, device, args.threads)
     if args.compare:
