@@ -162,8 +162,6 @@ def one_launch_form(kind: str, label: str, bw: float, smoke: bool, log) -> dict:
         for cfg in make(layer, smoke):
             times.setdefault(cfg, {})[t] = _timed(layer.whole_fns(x, gate, rts, cfg), log, f"{kind} {cfg}")
     best = _pick(times)
-    if kind == "grid":  # programs a launch, as the occupancy of each compiled variant allowed
-        log(f"{label}: grid launches of {sorted(set(layer.buf.scratch.grid_programs.values()))} programs")
     ranked = sorted(times.items(), key=lambda kv: kv[1][TOKENS[0]])[:5]
     log(f"{label}: {kind} fastest at T=1: " + "; ".join(
         "(" + ", ".join(f"{f} {getattr(c, f)}" for f in fields) + f") {v[TOKENS[0]] * 1e6:.1f}/"
