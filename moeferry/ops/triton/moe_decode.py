@@ -574,8 +574,7 @@ def _grid_programs(scratch: RoutingScratch, args: tuple, kw: dict, per_sm: int, 
         warps = kernel.metadata.num_warps
         regs = -(-kernel.n_regs * 32 // 256) * 256 * warps  # registers are handed out 256 a warp
         smem = kernel.metadata.shared
-        fits = min(getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps),
-                   getattr(props, "regs_per_multiprocessor", 65536) // regs,
+        fits = min(props.max_threads_per_multi_processor // (32 * warps), props.regs_per_multiprocessor // regs,
                    getattr(props, "shared_memory_per_multiprocessor", 228 << 10) // (smem + 1024) if smem else 32, 32)
         if fits < 1:
             raise RuntimeError(f"MoE decode grid: one program does not fit an SM ({kernel.n_regs} registers, "
