@@ -24,8 +24,6 @@
 #   seed_int4 an int4_awq checkpoint (same geometry), the seed's flags
 #   bench     bench_serve.py: `moeferry bench serve` against both engines, BENCH_FLAGS, no ballast (issue 14)
 #   fused     moe_decode_sweep.py --fused: the one-launch MoE decode path swept against the current entries (issue 13 item 3)
-#   grid      moe_decode_sweep.py --grid: the one-launch MoE decode over a grid barrier swept against the current
-#             entries (GRID_FORMS, default fp4,int4,fp8_row; issue 13 item 3)
 #   numa      numa_h2d.py: host-to-device copy and gather rates from pinned memory on each NUMA node, and under
 #             the engine's policy (memory.numa: the GPU's node preferred) (issue 11)
 #   moe       quant_decode.py moe: the MoE decode path against the grouped-GEMM path (issue 13 item 3)
@@ -229,8 +227,6 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
                   --flags "$BENCH_FLAGS" --ft-args "$FT_ARGS" --boot-timeout 180 --request-timeout 240 ${BENCH_ARGS:-} ;;
       fused)    step fused 200 480 python3 benchmarks/moe_decode_sweep.py --fused --forms fp4,int4,fp8_row,fp8_block \
                   --out "$WORK/fused" ;;
-      grid)     step grid 150 420 python3 benchmarks/moe_decode_sweep.py --grid --forms ${GRID_FORMS:-fp4,int4,fp8_row} \
-                  --out "$WORK/grid" ;;
       numa)     step numa 20 120 bash -c "python3 benchmarks/numa_h2d.py --out $WORK/numa \
                   && python3 benchmarks/numa_h2d.py --prefer --out $WORK/numa" ;;
       moe)      step moe 200 480 python3 benchmarks/quant_decode.py moe --out "$WORK/moe" ;;

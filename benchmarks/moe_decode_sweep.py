@@ -47,11 +47,6 @@ DOWN_GRID = [(bn, bk, w, p) for bn in (2, 4, 8, 16, 32) for bk in (256, 512) for
 FUSED_GRID = [(s, bk, bn, w) for s in (32, 64, 128) for bk in (256, 512, 1024) for bn in (256, 512, 1024)
               for w in (4, 8)]
 FUSED_SMOKE = [(32, 64, 64, 4), (64, 128, 128, 4)]
-# --grid: one launch over a grid barrier (`DecodeConfig.grid_per_sm`): (programs an SM, gate_up BN, BK,
-# down BN, BK, warps, down rows prefetched into L2)
-GRID_GRID = [(p, bn, 2048, dbn, 256, w, pf) for p in (2, 3, 4) for bn in (8, 16) for dbn in (32, 64) for w in (4, 8)
-             for pf in (True, False)]
-GRID_SMOKE = [(2, 16, 64, 32, 32, 4, False), (1, 8, 128, 64, 64, 4, False)]
 TOKENS = (1, 4)         # the kernels alone
 WHOLE_TOKENS = (1, 2, 4, 8)  # the whole call
 CALLS = 16
@@ -108,14 +103,13 @@ class Layer:
 
     def whole_fns(self, x, gate, rts, cfg):
         return [lambda w=w, ids=ids: D.decode_moe(x, ids, w, self.buf.gate_up, self.buf.down, self.table, self.shared,
-                                                  gate, cfg, self.buf.scratch) for w, ids in rts]
+                                                  gate, cfg) for w, ids in rts]
 
     def rel_error(self, cfg, t: int = 4) -> float:
         x, gate, rts = self.inputs(t, 1, seed=99)
         w, ids = rts[0]
         ref = self.buf.run_reference(x.float(), ids, w.float(), self.table, self.shared, gate.float()).float()
-        out = D.decode_moe(x, ids, w, self.buf.gate_up, self.buf.down, self.table, self.shared, gate, cfg,
-                           self.buf.scratch).float()
+        out = D.decode_moe(x, ids, w, self.buf.gate_up, self.buf.down, self.table, self.shared, gate, cfg).float()
         return ((out - ref).norm() / ref.norm()).item()
 
 
@@ -139,38 +133,26 @@ def fused_configs(layer: "Layer", smoke: bool) -> list[D.DecodeConfig]:
             for s, bk, bn, w in (FUSED_SMOKE if smoke else FUSED_GRID) if D.fused_handles(layer.buf.gate_up, s)]
 
 
-def grid_configs(layer: "Layer", smoke: bool) -> list[D.DecodeConfig]:
-    """--grid: the one-launch grid's points (the other fields at the form's current entry)."""
-    return [replace(layer.current, grid_per_sm=p, gate_up_bn=bn, gate_up_bk=bk, down_bn=dbn, down_bk=dbk, num_warps=w,
-                    grid_prefetch=pf) for p, bn, bk, dbn, dbk, w, pf in (GRID_SMOKE if smoke else GRID_GRID)]
-
-
-ONE_LAUNCH = {"fused": (fused_configs, ("fused_slice", "gate_up_bk", "fused_bn", "num_warps")),
-              "grid": (grid_configs, ("grid_per_sm", "gate_up_bn", "down_bn", "num_warps", "grid_prefetch"))}
-
-
-def one_launch_form(kind: str, label: str, bw: float, smoke: bool, log) -> dict:
-    """--fused / --grid: every point of that one-launch path as a whole call at T = 1 and 4, the best
-    (as `_pick` ranks) against the form's current entry at WHOLE_TOKENS, and its error against the
-    fp32 reference."""
+def fused_form(label: str, bw: float, smoke: bool, log) -> dict:
+    """--fused: every fused point as a whole call at T = 1 and 4, the best (as `_pick` ranks) against the
+    form's current entry at WHOLE_TOKENS, and its error against the fp32 reference."""
     layer = Layer(label)
-    make, fields = ONE_LAUNCH[kind]
     times, data = {}, {}
     for t in TOKENS:
         x, gate, rts = layer.inputs(t, CALLS, seed=t)
         data[t] = (x, gate, rts, layer.touched_bytes(rts))
-        for cfg in make(layer, smoke):
-            times.setdefault(cfg, {})[t] = _timed(layer.whole_fns(x, gate, rts, cfg), log, f"{kind} {cfg}")
+        for cfg in fused_configs(layer, smoke):
+            times.setdefault(cfg, {})[t] = _timed(layer.whole_fns(x, gate, rts, cfg), log, f"fused {cfg}")
     best = _pick(times)
     ranked = sorted(times.items(), key=lambda kv: kv[1][TOKENS[0]])[:5]
-    log(f"{label}: {kind} fastest at T=1: " + "; ".join(
-        "(" + ", ".join(f"{f} {getattr(c, f)}" for f in fields) + f") {v[TOKENS[0]] * 1e6:.1f}/"
-        f"{v[TOKENS[1]] * 1e6:.1f} us" for c, v in ranked))
-    rows = _whole_rows(layer, {"current": layer.current, kind: best}, bw, log, data)
+    log(f"{label}: fused fastest at T=1: " + "; ".join(
+        f"(slice {c.fused_slice}, bk {c.gate_up_bk}, bn {c.fused_bn}, warps {c.num_warps}) "
+        f"{v[TOKENS[0]] * 1e6:.1f}/{v[TOKENS[1]] * 1e6:.1f} us" for c, v in ranked))
+    rows = _whole_rows(layer, dict(current=layer.current, fused=best), bw, log, data)
     err = layer.rel_error(best)
-    log(f"  {kind} {best}: rel error vs fp32 reference {err:.1e}")
+    log(f"  fused {best}: rel error vs fp32 reference {err:.1e}")
     return dict(label=label, form=layer.buf.gate_up.kernel.name, config=asdict(best), rel_error=err, rows=rows,
-                **{kind: {repr(c): v for c, v in times.items()}})
+                fused={repr(c): v for c, v in times.items()})
 
 
 def compile_only(label: str, smoke: bool, kernels) -> None:
@@ -178,14 +160,13 @@ def compile_only(label: str, smoke: bool, kernels) -> None:
     layer = Layer(label)
     x, gate, rts = layer.inputs(1, 1, seed=0)
     w, ids = rts[0]
-    for kind, (make, _) in ONE_LAUNCH.items():
-        if kind in kernels:
-            for cfg in make(layer, smoke):
-                try:
-                    layer.whole_fns(x, gate, rts, cfg)[0]()
-                except Exception:  # noqa: BLE001 (reported by the timing pass)
-                    pass
-    kernels = [k for k in kernels if k not in ONE_LAUNCH]
+    if "fused" in kernels:
+        for cfg in fused_configs(layer, smoke):
+            try:
+                layer.whole_fns(x, gate, rts, cfg)[0]()
+            except Exception:  # noqa: BLE001 (reported by the timing pass)
+                pass
+        kernels = [k for k in kernels if k != "fused"]
     inter = D.decode_gate_up(x, ids, w, layer.buf.gate_up, layer.table, layer.shared, gate, layer.current)
     for kernel in kernels:
         for cfg in configs(kernel, layer.buf, smoke):
@@ -284,8 +265,6 @@ def main():
     ap.add_argument("--whole-only", action="store_true", help="time the current entries as whole calls, no sweep")
     ap.add_argument("--fused", action="store_true", help="sweep the one-launch path (DecodeConfig.fused_slice) as "
                     "whole calls against the current entries instead")
-    ap.add_argument("--grid", action="store_true", help="sweep the one-launch grid (DecodeConfig.grid_per_sm) as "
-                    "whole calls against the current entries instead")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.smoke:
@@ -308,19 +287,18 @@ def main():
         results = [whole_form(f, bw, log) for f in forms]
         (out / "moe_decode_whole.json").write_text(json.dumps(dict(hbm_Bps=bw, forms=results), indent=1))
         return
-    one = "fused" if args.fused else "grid" if args.grid else None
-    kernels = one or args.kernels
+    kernels = "fused" if args.fused else args.kernels
     if args.jobs:
         cmd = [sys.executable, __file__, "--kernels", kernels] + (["--smoke"] if args.smoke else [])
         for i in range(0, len(forms), args.jobs):
             procs = [subprocess.Popen(cmd + ["--compile-only", f]) for f in forms[i:i + args.jobs]]
             log(f"compiled {forms[i:i + args.jobs]}: exit codes {[p.wait() for p in procs]}")
     torch.manual_seed(0)
-    if one:
-        results = [one_launch_form(one, f, bw, args.smoke, log) for f in forms]
-        (out / f"moe_decode_{one}.json").write_text(json.dumps(dict(hbm_Bps=bw, forms=results), indent=1))
-        md = _table(results, ("current", "current entry"), (one, one), f"{one} entries")
-        (out / f"moe_decode_{one}.md").write_text(md)
+    if args.fused:
+        results = [fused_form(f, bw, args.smoke, log) for f in forms]
+        (out / "moe_decode_fused.json").write_text(json.dumps(dict(hbm_Bps=bw, forms=results), indent=1))
+        md = _table(results, ("current", "current entry"), ("fused", "fused"), "fused entries")
+        (out / "moe_decode_fused.md").write_text(md)
         log(md)
         return
     results = [sweep_form(f, bw, args.smoke, log, args.kernels.split(",")) for f in forms]

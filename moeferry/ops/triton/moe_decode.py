@@ -38,9 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
 from .moe_formats import TL_DTYPES, SlotMatrix
-from .moe_prep import RoutingScratch
 from .nibble_gemv import pack_units
 
 
@@ -58,10 +56,6 @@ class DecodeConfig:
     fused_slice: int = 0   # > 0: one launch instead of gate_up + down (`decode_fused`): each program
                            # takes a pair's slice of this many inter values, gate_up's BN = this
     fused_bn: int = 256    # down rows per step of the fused program's loop over H
-    grid_per_sm: int = 0   # > 0: one launch of at most this many programs per SM, all resident at once
-                           # (`decode_grid`): gate_up's items, a grid barrier, then down's items (one
-                           # pair's down_bn rows each), the last of a row block's pairs summing them
-    grid_prefetch: bool = True  # (grid) each program asks its down rows into L2 before its gate_up items
 
 
 # Per slot form (MoEKernel.name): the block sizes `benchmarks/moe_decode_sweep.py` found fastest
@@ -264,100 +258,6 @@ def _sum_chunks_kernel(part_ptr, out_ptr, stride_out, H, CHUNKS: tl.constexpr, B
     tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
-def _grid_sync(sync_ptr, programs):
-    """Wait until every program of the launch has arrived here (all must be resident at once:
-    `_grid_programs`). sync_ptr[0] counts arrivals and is set back to 0 by the last one, which then
-    advances the generation sync_ptr[1] that the others wait on (so the words serve the next
-    launch without a reset)."""
-    tl.debug_barrier()  # every thread's stores before the program's arrival
-    gen = tl.atomic_add(sync_ptr + 1, 0, sem="relaxed")
-    if tl.atomic_add(sync_ptr, 1, sem="acq_rel") == programs - 1:
-        tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
-        tl.atomic_add(sync_ptr + 1, 1, sem="release")
-    else:
-        while tl.atomic_add(sync_ptr + 1, 0, sem="acquire") == gen:
-            pass
-    tl.debug_barrier()
-
-
-@triton.jit
-def _l2_prefetch_rows(ptr, slot, n0, N, ROW_BYTES: tl.constexpr, BN: tl.constexpr):
-    """prefetch.global.L2 of rows n0..n0+BN of `slot` (< 0: none) of a slot tensor laid out
-    [S, N, ROW_BYTES bytes]; ROW_BYTES 0: nothing (absent or laid out otherwise)."""
-    if ROW_BYTES > 0:
-        LINES: tl.constexpr = (BN * ROW_BYTES + 127) // 128
-        lines = tl.arange(0, triton.next_power_of_2(LINES))
-        off = tl.maximum(slot, 0).to(tl.int64) * (N * ROW_BYTES) + n0 * ROW_BYTES + lines.to(tl.int64) * 128
-        ok = (slot >= 0) & (lines < LINES) & (n0 * ROW_BYTES + lines * 128 < N * ROW_BYTES)
-        addr = ptr.to(tl.pointer_type(tl.uint8)) + tl.where(ok, off, 0)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [addr], dtype=tl.int32,
-                                  is_pure=False, pack=1)  # masked lanes ask for the tensor's first line
-
-
-@triton.jit
-def _decode_grid_kernel(x_ptr, stride_x, inter_ptr, part_ptr, out_ptr, stride_out, sync_ptr, ids_ptr, rw_ptr,
-                        shw_ptr, table_ptr, shared_slot, uw_ptr, us_ptr, uz_ptr, urs_ptr, dw_ptr, ds_ptr, dz_ptr,
-                        drs_ptr, T, H: tl.constexpr, I: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr,
-                        G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr, DG: tl.constexpr, DGN: tl.constexpr,
-                        DGB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr, TOPK: tl.constexpr,
-                        HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr, PACK_RANGE: tl.constexpr, ROW: tl.constexpr,
-                        x_dtype: tl.constexpr, UP: tl.constexpr, SYNC: tl.constexpr, DOWN: tl.constexpr,
-                        PREFETCH: tl.constexpr, W_ROW: tl.constexpr, S_ROW: tl.constexpr, RS_ROW: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr, DBN: tl.constexpr, DBK: tl.constexpr):
-    """Both decode launches in one (`decode_grid`): gate_up items (pair, BN rows of inter), the
-    grid barrier, then down items (token, DBN rows, pair): each writes its pair's share of the
-    rows (times the routing weight, rounded to x's dtype) as an fp32 partial row, and the last of
-    the row block's pairs to arrive adds the TOPK partial rows in pair order (deterministic, as
-    the two-launch path with `down_pairs` 1 sums them). Programs loop over the items."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    up_blocks: tl.constexpr = (I + BN - 1) // BN
-    row_blocks: tl.constexpr = (H + DBN - 1) // DBN
-    down_items = T * row_blocks * TOPK
-    if PREFETCH:  # this program's down rows on their way into L2 while it does its gate_up items
-        for item in range(pid, down_items, programs):
-            t = item // (row_blocks * TOPK)
-            s, _ = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, item % TOPK, K_IN, TOPK, HAS_SHARED)
-            n0 = (item // TOPK) % row_blocks * DBN
-            _l2_prefetch_rows(dw_ptr, s, n0, H, W_ROW, DBN)
-            _l2_prefetch_rows(ds_ptr, s, n0, H, S_ROW, DBN)
-            _l2_prefetch_rows(drs_ptr, s, n0, H, RS_ROW, DBN)
-    if UP:
-        for item in range(pid, T * TOPK * up_blocks, programs):
-            p = item // up_blocks
-            t = p // TOPK
-            s, _ = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, p % TOPK, K_IN, TOPK, HAS_SHARED)
-            n0 = item % up_blocks * BN
-            h = _gate_up_h(x_ptr + t.to(tl.int64) * stride_x, uw_ptr, us_ptr, uz_ptr, urs_ptr, s, n0, H, I, GEMV,
-                           ROW_SCALE, G, GN, GB, HAS_Z, UNROLL, BN, BK)
-            _store_inter(inter_ptr, p, h, n0, I, PACK_RANGE, BN)
-    if SYNC:
-        _grid_sync(sync_ptr, programs)
-    if DOWN:
-        for item in range(pid, down_items, programs):
-            t = item // (row_blocks * TOPK)
-            rb = (item // TOPK) % row_blocks
-            j = item % TOPK
-            s, w = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, j, K_IN, TOPK, HAS_SHARED)
-            offs_n = rb * DBN + tl.arange(0, DBN)
-            mask_n = offs_n < H
-            acc = _down_rows(inter_ptr + (t * TOPK + j).to(tl.int64) * ROW, dw_ptr, ds_ptr, dz_ptr, drs_ptr, s,
-                             rb * DBN, 0, H, I, GEMV, ROW_SCALE, DG, DGN, DGB, HAS_Z, I, DBN, DBK)
-            tl.store(part_ptr + (t * TOPK + j).to(tl.int64) * H + offs_n, (acc * w).to(x_dtype).to(tl.float32),
-                     mask=mask_n)
-            tl.debug_barrier()  # the partial row stored before the arrival below
-            count = sync_ptr + 2 + t * row_blocks + rb
-            if tl.atomic_add(count, 1, sem="acq_rel") == TOPK - 1:  # the row block's last pair: sum them
-                tl.atomic_xchg(count, 0, sem="relaxed")
-                total = tl.zeros((DBN,), tl.float32)
-                for jj in tl.static_range(TOPK):
-                    total += tl.load(part_ptr + (t * TOPK + jj).to(tl.int64) * H + offs_n, mask=mask_n, other=0.0,
-                                     cache_modifier=".cg")
-                tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, total.to(out_ptr.dtype.element_ty),
-                         mask=mask_n)
-
-
 def gemv_bk(bk: int, kernel, group: int, k: int) -> tuple[int, int]:
     """(BK, GB) of a GEMV step over K: BK a power of two no wider than K needs, at least 32
     (16 scales of packed formats per row need BK >= 16; nibble pairs need even); GB the values
@@ -459,14 +359,9 @@ def decode_down(inter: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weigh
 
 def decode_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: SlotMatrix, down: SlotMatrix,
                table_row: torch.Tensor, shared_slot: int, shared_gate: torch.Tensor | None,
-               cfg: DecodeConfig, scratch: RoutingScratch | None = None) -> torch.Tensor:
-    """`fused_moe`'s contract (x [T, H] contiguous rows, ids/weights [T, k], table_row [E]);
-    `scratch`: the slot buffer's (the one-launch grid's words, `grid_per_sm`)."""
+               cfg: DecodeConfig) -> torch.Tensor:
+    """`fused_moe`'s contract (x [T, H] contiguous rows, ids/weights [T, k], table_row [E])."""
     route = (table_row, shared_slot, shared_gate)
-    if cfg.grid_per_sm and grid_handles(x.shape[0], down, cfg):
-        if scratch is None:
-            raise ValueError("MoE decode: the one-launch grid (grid_per_sm) needs the slot buffer's scratch")
-        return decode_grid(x, ids, weights, gate_up, down, *route, cfg, scratch)
     if cfg.fused_slice:
         return decode_fused(x, ids, weights, gate_up, down, *route, cfg)
     inter = decode_gate_up(x, ids, weights, gate_up, *route, cfg)
@@ -511,73 +406,3 @@ def decode_fused(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate
         part, out, out.stride(0), *args, h, K_IN=k_in, TOPK=topk, TP=triton.next_power_of_2(topk),
         HAS_SHARED=common["HAS_SHARED"], SLICES=slices, x_dtype=TL_DTYPES[out.dtype], BLOCK=block, num_warps=4)
     return out
-
-
-def grid_handles(tokens: int, down: SlotMatrix, cfg: DecodeConfig) -> bool:
-    """Whether the one-launch grid's scratch holds an arrival count per (token, row block)."""
-    rows = triton.cdiv(down.n, min(cfg.down_bn, triton.next_power_of_2(down.n)))
-    return 2 + tokens * rows <= RoutingScratch.GRID_WORDS
-
-
-def decode_grid(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: SlotMatrix, down: SlotMatrix,
-                table_row: torch.Tensor, shared_slot: int, shared_gate: torch.Tensor | None, cfg: DecodeConfig,
-                scratch: RoutingScratch) -> torch.Tensor:
-    """Both decode launches as one (`_decode_grid_kernel`): at most `grid_per_sm` programs an SM,
-    every one resident at once, gate_up's items, a barrier, down's items. Under the interpreter
-    (programs run one after another: a barrier would never open) the two halves are two launches."""
-    t, k_in = ids.shape
-    common = _common(gate_up, k_in, shared_gate is not None)
-    i, h, topk = gate_up.part, down.n, common["TOPK"]
-    bk, gb = _bk(cfg.gate_up_bk, gate_up)
-    dbk, dgb = _bk(cfg.down_bk, down)
-    bn, dbn = min(cfg.gate_up_bn, triton.next_power_of_2(i)), min(cfg.down_bn, triton.next_power_of_2(h))
-    pack = packs_inter(gate_up, x.dtype, bn)
-    inter = _inter_buffer(x, t * topk, i, pack)
-    part = torch.empty(t * topk, h, dtype=torch.float32, device=x.device)
-    out = torch.empty_like(x)
-    prefetch = cfg.grid_prefetch and not interpreting()
-    rows = {name: _row_bytes(getattr(down, name), h) if prefetch else 0 for name in ("w", "s", "rs")}
-    args = (x, x.stride(0), inter, part, out, out.stride(0), scratch.grid,
-            *_route_args(ids, weights, table_row, shared_slot, shared_gate), *gate_up.kernel_args(),
-            *down.kernel_args(), t)
-    kw = dict(H=h, I=i, GB=gb, DG=down.group, DGN=down.group_n, DGB=dgb, UNROLL=cfg.unroll,
-              PACK_RANGE=gate_up.kernel.x_range if pack else 0.0, ROW=inter.shape[1], x_dtype=TL_DTYPES[x.dtype],
-              PREFETCH=prefetch, W_ROW=rows["w"], S_ROW=rows["s"], RS_ROW=rows["rs"], BN=bn, BK=bk, DBN=dbn,
-              DBK=dbk, num_warps=cfg.num_warps, **common)
-    items = t * topk * max(triton.cdiv(i, bn), triton.cdiv(h, dbn))
-    if interpreting():
-        for up in (True, False):
-            _decode_grid_kernel[(min(items, 4),)](*args, UP=up, SYNC=False, DOWN=not up, **kw)
-        return out
-    kw.update(UP=True, SYNC=True, DOWN=True)
-    programs = min(items, _grid_programs(scratch, args, kw, cfg.grid_per_sm, x.device))
-    _decode_grid_kernel[(programs,)](*args, **kw)
-    return out
-
-
-def _row_bytes(t: torch.Tensor | None, n: int) -> int:
-    """Bytes of one of the n rows of a slot tensor laid out [S, n, ...] (0: absent or laid out otherwise)."""
-    if t is None or t.dim() < 2 or t.shape[1] != n:
-        return 0
-    return t[0, 0].numel() * t.element_size()
-
-
-def _grid_programs(scratch: RoutingScratch, args: tuple, kw: dict, per_sm: int, device: torch.device) -> int:
-    """Programs of a one-launch grid: `per_sm` an SM, fewer where the compiled kernel's registers,
-    shared memory or warps let fewer be resident at once (a barrier needs every program resident;
-    computed once per compiled kernel, kept in the scratch)."""
-    key = (per_sm, tuple(kw.items()), tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
-    if key not in scratch.grid_programs:
-        kernel = _decode_grid_kernel.warmup(*args, grid=(1,), **kw)
-        kernel._init_handles()
-        props = torch.cuda.get_device_properties(device)
-        warps = kernel.metadata.num_warps
-        regs = -(-kernel.n_regs * 32 // 256) * 256 * warps  # registers are handed out 256 a warp
-        smem = kernel.metadata.shared
-        fits = min(props.max_threads_per_multi_processor // (32 * warps), props.regs_per_multiprocessor // regs,
-                   getattr(props, "shared_memory_per_multiprocessor", 228 << 10) // (smem + 1024) if smem else 32, 32)
-        if fits < 1:
-            raise RuntimeError(f"MoE decode grid: one program does not fit an SM ({kernel.n_regs} registers, "
-                               f"{smem} B shared memory, {warps} warps)")
-        scratch.grid_programs[key] = props.multi_processor_count * min(per_sm, fits)
-    return scratch.grid_programs[key]

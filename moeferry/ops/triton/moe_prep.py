@@ -152,17 +152,11 @@ class Routing:
 
 
 class RoutingScratch:
-    """Per-slot counters the prep kernels use, and the words of the decode path's one-launch grid
-    (`moe_decode.decode_grid`: its barrier, then an arrival count per token and row block); zero
-    between calls (the kernels reset them)."""
-
-    GRID_WORDS = 2 + 4096
+    """Per-slot counters the prep kernels use; zero between calls (the kernels reset them)."""
 
     def __init__(self, num_slots: int, device):
         self.counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self.gstart = torch.empty(num_slots, dtype=torch.int32, device=device)
-        self.grid = torch.zeros(self.GRID_WORDS, dtype=torch.int32, device=device)
-        self.grid_programs: dict = {}  # a compiled one-launch kernel's key -> the programs it launches
 
     def reset(self) -> None:
         self.counts.zero_()
