@@ -9,8 +9,8 @@ reads the same 16 experts again and again; decode does not. This times, for host
 
   torch pinned    `torch.empty(pin_memory=True)` under the engine's allocator settings
                   (`configure_allocator`: malloc, pages touched, cudaHostRegister), as the banks are made
-  huge pages      an anonymous mapping advised MADV_HUGEPAGE (transparent 2 MiB pages), touched,
-                  then cudaHostRegister
+  huge pages      `memory.pinned.pinned_tensors`: an anonymous mapping advised MADV_HUGEPAGE
+                  (transparent 2 MiB pages), touched, then cudaHostRegister
   small pages     the same advised MADV_NOHUGEPAGE (4 KiB pages only)
 
 one 256 MiB DMA copy, 16 experts of 1.7 MiB a launch by the gather kernel (each of its configs, the
@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moeferry.memory.allocator import configure_allocator  # noqa: E402
+from moeferry.memory.pinned import pinned_tensors  # noqa: E402
 from moeferry.ops.triton.slot_gather import CONFIGS, SlotGather  # noqa: E402
 
 EXPERT = int(1.7 * 2**20) // 16 * 16
@@ -58,10 +59,10 @@ def huge_share(ptr: int, n: int) -> str:
     return "?"
 
 
-def mapped(n: int, advice: int) -> tuple[torch.Tensor, mmap.mmap]:
-    """n bytes of an anonymous mapping with `advice`, touched, registered with CUDA (a host tensor)."""
+def small_pages(n: int) -> tuple[torch.Tensor, mmap.mmap]:
+    """n bytes of an anonymous mapping in 4 KiB pages, touched, registered with CUDA (a host tensor)."""
     mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mm.madvise(advice)
+    mm.madvise(mmap.MADV_NOHUGEPAGE)
     t = torch.frombuffer(mm, dtype=torch.uint8)
     t.fill_(1)
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), n, 0)
@@ -126,12 +127,12 @@ def main() -> None:
     pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     pinned.fill_(1)
     bufs = {"torch pinned": pinned}
-    for name, advice in (("huge pages", mmap.MADV_HUGEPAGE), ("small pages", mmap.MADV_NOHUGEPAGE)):
-        try:
-            bufs[name], mm = mapped(n, advice)
-            keep.append(mm)
-        except (RuntimeError, OSError, ValueError) as e:
-            lines.append(f"({name}: {e})")
+    try:
+        bufs["huge pages"] = pinned_tensors({"bank": ((n,), torch.uint8)})["bank"]
+        bufs["small pages"], mm = small_pages(n)
+        keep.append(mm)
+    except (RuntimeError, OSError, ValueError) as e:
+        lines.append(f"(not measured: {e})")
     for name, buf in bufs.items():
         r = rates(buf)
         lines.append(f"| {name} | {huge_share(buf.data_ptr(), n)} | {r['dma 256 MiB'] / 1e9:.1f} "
