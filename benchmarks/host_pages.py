@@ -135,7 +135,8 @@ def main() -> None:
         lines.append(f"(not measured: {e})")
     for name, buf in bufs.items():
         r = rates(buf)
-        lines.append(f"| {name} | {huge_share(buf.data_ptr(), n)} | {r['dma 256 MiB'] / 1e9:.1f} "
+        label = name if buf.is_pinned() else f"{name} (torch: not pinned)"
+        lines.append(f"| {label} | {huge_share(buf.data_ptr(), n)} | {r['dma 256 MiB'] / 1e9:.1f} "
                      f"| {r['gather, same 16'] / 1e9:.1f} | {r['gather, random 16'] / 1e9:.1f} "
                      f"| {r['dma, random 16'] / 1e9:.1f} | {r['gather, same 16: config']} / "
                      f"{r['gather, random 16: config']} |")

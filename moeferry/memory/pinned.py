@@ -17,6 +17,7 @@ import weakref
 import torch
 
 HUGE = 2 << 20  # a transparent huge page
+BANKS = False   # host banks (pinned slot matrices) made here: off until host_pages.py has timed it on a GPU host
 ALIGN = 256     # each tensor carved from a region starts at a multiple of this
 
 
@@ -30,12 +31,13 @@ def _cuda_unregister(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-def pinned_tensors(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], register=_cuda_register,
-                   unregister=_cuda_unregister) -> dict[str, torch.Tensor]:
+def pinned_tensors(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], register=None,
+                   unregister=None) -> dict[str, torch.Tensor]:
     """Uninitialised page-locked host tensors of these shapes and dtypes, carved from one mapping
     on huge pages (each at a multiple of ALIGN bytes). `register(ptr, nbytes)` locks the mapping
-    for the device, `unregister(ptr)` runs once the last tensor over it is freed (defaults: CUDA's;
+    for the device, `unregister(ptr)` runs once the last tensor over it is freed (None: CUDA's;
     other callables for tests)."""
+    register, unregister = register or _cuda_register, unregister or _cuda_unregister
     at, spans = 0, {}
     for name, (shape, dtype) in shapes.items():
         n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
