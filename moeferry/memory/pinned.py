@@ -45,8 +45,10 @@ def pinned_tensors(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], regis
         at += -(-n // ALIGN) * ALIGN
     nbytes = max(HUGE, -(-at // HUGE) * HUGE)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    try:
         region.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # no THP on this host (or kernel): 4 KiB pages, as torch's pinned memory
+        pass
     raw = torch.frombuffer(region, dtype=torch.uint8)  # its storage holds the mapping alive
     raw.fill_(0)  # the pages faulted in by PyTorch's threads, not one by one inside the registration
     register(raw.data_ptr(), nbytes)
