@@ -42,14 +42,17 @@ def time_gather(bank: SlotBuffer, device: torch.device, config: tuple, programs:
     of `repeats` launches after one untimed launch), from slot lists on the device as decode steps
     give them, its grid capped at `programs` as the prefetch's is (None: a full grid). `hits`: that
     many of the `experts` listed are hits (a negative destination: nothing moved), as in a decode
-    step's gather of every chosen expert."""
+    step's gather of every chosen expert. Each launch reads other experts, spread over the bank
+    (a seeded permutation), as decode misses land: the same few read again would find their
+    host pages' translations cached on the device, which scattered misses do not."""
     n = min(experts, bank.num_slots)
     dst = SlotBuffer.allocate_like(bank, n, device=device)
-    src_slots = torch.arange(n, dtype=torch.int32, device=device).flip(0)
+    order = torch.randperm(bank.num_slots, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    src_lists = [order.roll(-i * n)[:n].to(device) for i in range(repeats + 1)]
     dst_slots = torch.arange(n, dtype=torch.int32, device=device)
     dst_slots[:hits] = -1
     times = []
-    for i in range(repeats + 1):
+    for i, src_slots in enumerate(src_lists):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         dst.copy_indexed(bank, src_slots, dst_slots, config, programs)
