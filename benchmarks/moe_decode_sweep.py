@@ -43,10 +43,6 @@ from moeferry.ops.triton import moe_decode as D  # noqa: E402
 FORMS = {"fp4": "nvfp4", "int4": "int4_awq", "fp8_row": "fp8_tensor", "fp8_block": "fp8_block", "dense": "bf16"}
 GATE_UP_GRID = [(bn, bk, w) for bn in (2, 4, 8, 16, 32) for bk in (256, 512, 1024, 2048) for w in (4, 8)]
 DOWN_GRID = [(bn, bk, w, p) for bn in (2, 4, 8, 16, 32) for bk in (256, 512) for w in (2, 4, 8) for p in (0, 1, 3)]
-# --fused: one launch for gate_up and down (`DecodeConfig.fused_slice`): (slice, gate_up BK, down BN, warps)
-FUSED_GRID = [(s, bk, bn, w) for s in (32, 64, 128) for bk in (256, 512, 1024) for bn in (256, 512, 1024)
-              for w in (4, 8)]
-FUSED_SMOKE = [(32, 64, 64, 4), (64, 128, 128, 4)]
 TOKENS = (1, 4)         # the kernels alone
 WHOLE_TOKENS = (1, 2, 4, 8)  # the whole call
 CALLS = 16
@@ -127,46 +123,11 @@ def _pick(times: dict) -> D.DecodeConfig:
     return min(times, key=lambda c: sum(times[c][t] / best[t] for t in TOKENS))
 
 
-def fused_configs(layer: "Layer", smoke: bool) -> list[D.DecodeConfig]:
-    """--fused: the grid's points the form's layout runs (`moe_decode.fused_handles`)."""
-    return [replace(layer.current, fused_slice=s, gate_up_bk=bk, fused_bn=bn, num_warps=w)
-            for s, bk, bn, w in (FUSED_SMOKE if smoke else FUSED_GRID) if D.fused_handles(layer.buf.gate_up, s)]
-
-
-def fused_form(label: str, bw: float, smoke: bool, log) -> dict:
-    """--fused: every fused point as a whole call at T = 1 and 4, the best (as `_pick` ranks) against the
-    form's current entry at WHOLE_TOKENS, and its error against the fp32 reference."""
-    layer = Layer(label)
-    times, data = {}, {}
-    for t in TOKENS:
-        x, gate, rts = layer.inputs(t, CALLS, seed=t)
-        data[t] = (x, gate, rts, layer.touched_bytes(rts))
-        for cfg in fused_configs(layer, smoke):
-            times.setdefault(cfg, {})[t] = _timed(layer.whole_fns(x, gate, rts, cfg), log, f"fused {cfg}")
-    best = _pick(times)
-    ranked = sorted(times.items(), key=lambda kv: kv[1][TOKENS[0]])[:5]
-    log(f"{label}: fused fastest at T=1: " + "; ".join(
-        f"(slice {c.fused_slice}, bk {c.gate_up_bk}, bn {c.fused_bn}, warps {c.num_warps}) "
-        f"{v[TOKENS[0]] * 1e6:.1f}/{v[TOKENS[1]] * 1e6:.1f} us" for c, v in ranked))
-    rows = _whole_rows(layer, dict(current=layer.current, fused=best), bw, log, data)
-    err = layer.rel_error(best)
-    log(f"  fused {best}: rel error vs fp32 reference {err:.1e}")
-    return dict(label=label, form=layer.buf.gate_up.kernel.name, config=asdict(best), rel_error=err, rows=rows,
-                fused={repr(c): v for c, v in times.items()})
-
-
 def compile_only(label: str, smoke: bool, kernels) -> None:
     """Run every variant once (Triton compiles it into its on-disk cache)."""
     layer = Layer(label)
     x, gate, rts = layer.inputs(1, 1, seed=0)
     w, ids = rts[0]
-    if "fused" in kernels:
-        for cfg in fused_configs(layer, smoke):
-            try:
-                layer.whole_fns(x, gate, rts, cfg)[0]()
-            except Exception:  # noqa: BLE001 (reported by the timing pass)
-                pass
-        kernels = [k for k in kernels if k != "fused"]
     inter = D.decode_gate_up(x, ids, w, layer.buf.gate_up, layer.table, layer.shared, gate, layer.current)
     for kernel in kernels:
         for cfg in configs(kernel, layer.buf, smoke):
@@ -263,8 +224,6 @@ def main():
     ap.add_argument("--compile-only", metavar="FORM")
     ap.add_argument("--kernels", default="gate_up,down", help="the kernels swept (others keep the current entry)")
     ap.add_argument("--whole-only", action="store_true", help="time the current entries as whole calls, no sweep")
-    ap.add_argument("--fused", action="store_true", help="sweep the one-launch path (DecodeConfig.fused_slice) as "
-                    "whole calls against the current entries instead")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.smoke:
@@ -287,20 +246,12 @@ def main():
         results = [whole_form(f, bw, log) for f in forms]
         (out / "moe_decode_whole.json").write_text(json.dumps(dict(hbm_Bps=bw, forms=results), indent=1))
         return
-    kernels = "fused" if args.fused else args.kernels
     if args.jobs:
-        cmd = [sys.executable, __file__, "--kernels", kernels] + (["--smoke"] if args.smoke else [])
+        cmd = [sys.executable, __file__, "--kernels", args.kernels] + (["--smoke"] if args.smoke else [])
         for i in range(0, len(forms), args.jobs):
             procs = [subprocess.Popen(cmd + ["--compile-only", f]) for f in forms[i:i + args.jobs]]
             log(f"compiled {forms[i:i + args.jobs]}: exit codes {[p.wait() for p in procs]}")
     torch.manual_seed(0)
-    if args.fused:
-        results = [fused_form(f, bw, args.smoke, log) for f in forms]
-        (out / "moe_decode_fused.json").write_text(json.dumps(dict(hbm_Bps=bw, forms=results), indent=1))
-        md = _table(results, ("current", "current entry"), ("fused", "fused"), "fused entries")
-        (out / "moe_decode_fused.md").write_text(md)
-        log(md)
-        return
     results = [sweep_form(f, bw, args.smoke, log, args.kernels.split(",")) for f in forms]
     (out / "moe_decode_sweep.json").write_text(json.dumps(dict(hbm_Bps=bw, forms=results), indent=1))
     md = _table(results, ("default", "DecodeConfig()"), ("swept", "swept"), "DECODE_CONFIGS entries")

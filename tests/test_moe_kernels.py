@@ -209,19 +209,6 @@ CASES["decode-down-pairs2-nvfp4-T3-fp32-exact-missing-shared"] = (check_moe, dic
 CASES["decode-down-pairs3-int4_awq-T2"] = (check_moe, dict(
     fmt="int4_awq", t=2, e=8, k=4, missing=1, seed=15, params=_params("int4_awq"),
     path=DecodeConfig(16, 64, 32, 32, down_pairs=3)))
-# one launch for gate_up and down (`fused_slice`): each program a pair's slice of inter and its
-# share of every down row, the shares summed in order by a second launch
-_FUSED = DecodeConfig(gate_up_bk=64, fused_slice=32, fused_bn=32)
-for _f in FORMAT_NAMES:
-    CASES[f"decode-fused-{_f}-T2-permuted-missing-shared"] = (check_moe, dict(
-        fmt=_f, t=2, e=16, k=4, slots=20, missing=3, shared=True, seed=16, path=_FUSED,
-        params={"block_size": (32, 32)} if _f == "fp8_block" else _params(_f)))
-CASES["decode-fused-nvfp4-T3-fp32-exact-missing"] = (check_moe, dict(
-    fmt="nvfp4", t=3, e=8, k=3, missing=2, dtype="float32", tol=1e-4, seed=17, path=_FUSED))
-CASES["decode-fused-unrolled-int4_ct-T1-asymmetric-fp32-exact-shared"] = (check_moe, dict(
-    fmt="int4_ct", t=1, e=8, k=2, shared=True, seed=18, dtype="float32", tol=1e-4,
-    params={"group_size": 32, "symmetric": False},
-    path=DecodeConfig(gate_up_bk=32, unroll=True, fused_slice=64, fused_bn=128)))
 CASES["nvfp4-T20"] = (check_moe, dict(fmt="nvfp4", t=20, e=8, k=2, seed=8))
 CASES["prep-T1"] = (check_prep, dict(t=1, k=2))
 CASES["prep-T3-shared"] = (check_prep, dict(t=3, k=4, shared=True))

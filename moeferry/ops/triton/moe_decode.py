@@ -1,4 +1,4 @@
-"""MoE decode path for a few tokens (T * top_k small): two launches (or one, `fused_slice`), no routing prep.
+"""MoE decode path for a few tokens (T * top_k small): two launches, no routing prep.
 
     out[t] = sum_j w[t, j] * down[s] @ (silu(gate[s] @ x[t]) * (up[s] @ x[t])),  s = table[ids[t, j]]
 
@@ -20,12 +20,8 @@ the format's GEMV step (moe_formats.py, "decode GEMV steps") on the CUDA cores:
    memory latency of fewer pairs one after another, and `_sum_chunks_kernel` adds the chunks'
    fp32 rows in order (still deterministic; one more launch).
 
-3. With `fused_slice` set (off in every `DECODE_CONFIGS` entry until timed): one launch,
-   `_decode_fused_kernel`, grid (pairs, I / fused_slice), does both: each program computes its
-   pair's slice of inter (gate_up's rows for it) and right after, that slice's share of every
-   down row (down's columns for it) into an fp32 partial row, so no launch boundary stands
-   between a pair's gate_up and down loads; `_sum_slices_kernel` adds each pair's slices in
-   order, times the routing weight, rounded per pair as above (deterministic).
+One launch for both halves was built twice and timed slower on the GPU (a program per pair's
+inter slice and its share of every down row; one launch over a grid barrier): benchmarks/README.md.
 
 A non-resident pair (slot -1) reads no weight: its rows are masked off (n0 moved past N),
 its inter row is written as zeros and it adds 0.
@@ -53,9 +49,6 @@ class DecodeConfig:
     down_warps: int = 4
     down_pairs: int = 0    # pairs per down program (0: all of the token's; fewer: a grid of pair
                            # chunks whose fp32 partial rows a third launch sums in order)
-    fused_slice: int = 0   # > 0: one launch instead of gate_up + down (`decode_fused`): each program
-                           # takes a pair's slice of this many inter values, gate_up's BN = this
-    fused_bn: int = 256    # down rows per step of the fused program's loop over H
 
 
 # Per slot form (MoEKernel.name): the block sizes `benchmarks/moe_decode_sweep.py` found fastest
@@ -135,15 +128,15 @@ def _store_inter(inter_ptr, p, h, n0, I, PACK_RANGE: tl.constexpr, BN: tl.conste
 
 
 @triton.jit
-def _down_rows(a_row, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, k0, H, I, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr,
-               G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, KEND: tl.constexpr,
+def _down_rows(a_row, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I: tl.constexpr, GEMV: tl.constexpr,
+               ROW_SCALE: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr):
-    """Down rows n0..n0+BN of slot s (-1: zeros) times the pair's inter values k0..KEND, fp32 [BN]."""
+    """Down rows n0..n0+BN of slot s (-1: zeros) times the pair's inter row, fp32 [BN]."""
     slot = tl.maximum(s, 0).to(tl.int64)
     r0 = tl.where(s >= 0, n0, H)
     acc = tl.zeros((BN,), tl.float32)
-    for kk in tl.static_range(0, KEND, BK):
-        acc = GEMV(acc, a_row, w_ptr, s_ptr, z_ptr, slot, r0, k0 + kk, H, I, H, BN, BK, G, GN, GB, HAS_Z)
+    for k0 in tl.static_range(0, I, BK):
+        acc = GEMV(acc, a_row, w_ptr, s_ptr, z_ptr, slot, r0, k0, H, I, H, BN, BK, G, GN, GB, HAS_Z)
     if ROW_SCALE:
         offs_n = n0 + tl.arange(0, BN)
         acc *= tl.load(rs_ptr + slot * H + offs_n, mask=(offs_n < H) & (s >= 0), other=0.0)
@@ -189,61 +182,12 @@ def _decode_down_kernel(inter_ptr, out_ptr, stride_out, ids_ptr, rw_ptr, shw_ptr
         s = tl.where(j < TOPK, tl.sum(tl.where(jv == j, slots, 0)), -1)
         w = tl.sum(tl.where(jv == j, weights, 0.0))
         a_row = inter_ptr + (t * TOPK + tl.minimum(j, TOPK - 1)).to(tl.int64) * ROW
-        acc = _down_rows(a_row, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, 0, H, I, GEMV, ROW_SCALE, G, GN, GB, HAS_Z,
-                         I, BN, BK)
+        acc = _down_rows(a_row, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I, GEMV, ROW_SCALE, G, GN, GB, HAS_Z, BN, BK)
         out += (acc * w).to(x_dtype).to(tl.float32)
     if PAIRS >= TOPK:
         tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
     else:  # this chunk's fp32 partial sum, row (t, chunk) of a [T, chunks, H] buffer (`_sum_chunks_kernel`)
         tl.store(out_ptr + (t * tl.num_programs(2) + chunk).to(tl.int64) * H + offs_n, out, mask=mask_n)
-
-
-@triton.jit
-def _decode_fused_kernel(x_ptr, stride_x, inter_ptr, part_ptr, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot,
-                         uw_ptr, us_ptr, uz_ptr, urs_ptr, dw_ptr, ds_ptr, dz_ptr, drs_ptr, I,
-                         H: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr,
-                         GN: tl.constexpr, GB: tl.constexpr, DG: tl.constexpr, DGN: tl.constexpr,
-                         DGB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr, TOPK: tl.constexpr,
-                         HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr, PACK_RANGE: tl.constexpr,
-                         ROW: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-    """Pair p's inter slice i0..i0+BS (gate_up, as `_decode_gate_up_kernel` with BN = BS), then
-    that slice's share of every down row: part[p, slice] = down[:, i0:i0+BS] @ inter[i0:i0+BS]."""
-    p = tl.program_id(0)
-    t = p // TOPK
-    s, _ = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, p % TOPK, K_IN, TOPK, HAS_SHARED)
-    i0 = tl.program_id(1) * BS
-    h = _gate_up_h(x_ptr + t.to(tl.int64) * stride_x, uw_ptr, us_ptr, uz_ptr, urs_ptr, s, i0, H, I, GEMV,
-                   ROW_SCALE, G, GN, GB, HAS_Z, UNROLL, BS, BK)
-    _store_inter(inter_ptr, p, h, i0, I, PACK_RANGE, BS)
-    tl.debug_barrier()  # the slice's inter values, stored by some threads, read by all
-    a_row = inter_ptr + p.to(tl.int64) * ROW
-    part_row = part_ptr + (p * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * H
-    for n0 in tl.static_range(0, H, BN):
-        acc = _down_rows(a_row, dw_ptr, ds_ptr, dz_ptr, drs_ptr, s, n0, i0, H, I, GEMV, ROW_SCALE, DG, DGN, DGB,
-                         HAS_Z, BS, BN, BS)
-        offs_n = n0 + tl.arange(0, BN)
-        tl.store(part_row + offs_n, acc, mask=offs_n < H)
-
-
-@triton.jit
-def _sum_slices_kernel(part_ptr, out_ptr, stride_out, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, H,
-                       K_IN: tl.constexpr, TOPK: tl.constexpr, TP: tl.constexpr, HAS_SHARED: tl.constexpr,
-                       SLICES: tl.constexpr, x_dtype: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = sum over the token's pairs, in order, of (its slices' fp32 rows summed in order) x
-    its routing weight, rounded to x's dtype as `_decode_down_kernel` rounds each pair's share."""
-    t = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < H
-    jv = tl.arange(0, TP)
-    _, weights = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, jv, K_IN, TOPK, HAS_SHARED)
-    out = tl.zeros((BLOCK,), tl.float32)
-    for j in tl.static_range(TOPK):
-        w = tl.sum(tl.where(jv == j, weights, 0.0))
-        acc = tl.zeros((BLOCK,), tl.float32)
-        for c in tl.static_range(SLICES):
-            acc += tl.load(part_ptr + ((t * TOPK + j) * SLICES + c).to(tl.int64) * H + offs, mask=m, other=0.0)
-        out += (acc * w).to(x_dtype).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64) * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -362,47 +306,5 @@ def decode_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
                cfg: DecodeConfig) -> torch.Tensor:
     """`fused_moe`'s contract (x [T, H] contiguous rows, ids/weights [T, k], table_row [E])."""
     route = (table_row, shared_slot, shared_gate)
-    if cfg.fused_slice:
-        return decode_fused(x, ids, weights, gate_up, down, *route, cfg)
     inter = decode_gate_up(x, ids, weights, gate_up, *route, cfg)
     return decode_down(inter, torch.empty_like(x), ids, weights, down, *route, cfg)
-
-
-def fused_handles(gate_up: SlotMatrix, slice_: int) -> bool:
-    """Whether `decode_fused` runs slices of `slice_` inter values: a power of two of at least 32
-    (a down GEMV step's BK) that divides I."""
-    i = gate_up.part
-    return slice_ >= 32 and not slice_ & (slice_ - 1) and i % slice_ == 0
-
-
-def decode_fused(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: SlotMatrix, down: SlotMatrix,
-                 table_row: torch.Tensor, shared_slot: int, shared_gate: torch.Tensor | None,
-                 cfg: DecodeConfig) -> torch.Tensor:
-    """The decode path in one launch plus a summing one: grid (pairs, I / fused_slice), each
-    program computes its pair's slice of inter and that slice's share of every down row (no
-    launch boundary between gate_up and down: a program's down loads follow its own gate_up),
-    and `_sum_slices_kernel` adds the shares in order (deterministic)."""
-    t, k_in = ids.shape
-    common = _common(gate_up, k_in, shared_gate is not None)
-    i, h, bs = gate_up.part, down.n, cfg.fused_slice
-    if not fused_handles(gate_up, bs):
-        raise ValueError(f"MoE decode: fused slices of {bs} need a power of two >= 32 dividing I = {i}")
-    bk, gb = _bk(cfg.gate_up_bk, gate_up)
-    dbk, dgb = _bk(bs, down)
-    assert dbk == bs, (dbk, bs)
-    topk, slices = common["TOPK"], i // bs
-    pack = packs_inter(gate_up, x.dtype, bs)
-    inter = _inter_buffer(x, t * topk, i, pack)
-    part = torch.empty(t * topk, slices, h, dtype=torch.float32, device=x.device)
-    args = _route_args(ids, weights, table_row, shared_slot, shared_gate)
-    _decode_fused_kernel[(t * topk, slices)](
-        x, x.stride(0), inter, part, *args, *gate_up.kernel_args(), *down.kernel_args(), i, H=gate_up.k, GB=gb,
-        DG=down.group, DGN=down.group_n, DGB=dgb, UNROLL=cfg.unroll, PACK_RANGE=gate_up.kernel.x_range if pack else 0.0,
-        ROW=inter.shape[1], BS=bs, BK=bk, BN=min(cfg.fused_bn, triton.next_power_of_2(h)),
-        num_warps=cfg.num_warps, **common)
-    out = torch.empty_like(x)
-    block = min(1024, triton.next_power_of_2(h))
-    _sum_slices_kernel[(t, triton.cdiv(h, block))](
-        part, out, out.stride(0), *args, h, K_IN=k_in, TOPK=topk, TP=triton.next_power_of_2(topk),
-        HAS_SHARED=common["HAS_SHARED"], SLICES=slices, x_dtype=TL_DTYPES[out.dtype], BLOCK=block, num_warps=4)
-    return out
