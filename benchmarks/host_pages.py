@@ -72,8 +72,8 @@ def small_pages(n: int) -> tuple[torch.Tensor, mmap.mmap]:
 
 
 def device_time(fn, reps: int) -> float:
-    """Seconds per call of fn, by CUDA events over `reps` calls after one untimed."""
-    fn(0)
+    """Seconds per call of fn(r), by CUDA events over r = 0 .. reps - 1 after an untimed fn(reps)."""
+    fn(reps)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for r in range(reps):
@@ -90,8 +90,8 @@ def rates(host: torch.Tensor) -> dict:
     big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     out = {"dma 256 MiB": (256 << 20) / device_time(lambda r: big.copy_(host[:256 << 20], non_blocking=True), 5)}
     gen = torch.Generator().manual_seed(0)
-    picks = [torch.randperm(k, generator=gen)[:SLOTS] for _ in range(LAUNCHES)]
-    ids = {"same 16": [torch.arange(SLOTS, dtype=torch.int32, device="cuda")] * LAUNCHES,
+    picks = [torch.randperm(k, generator=gen)[:SLOTS] for _ in range(LAUNCHES + 1)]  # the last: the warm-up's
+    ids = {"same 16": [torch.arange(SLOTS, dtype=torch.int32, device="cuda")] * (LAUNCHES + 1),
            "random 16": [p.to(torch.int32).cuda() for p in picks]}
     to = torch.arange(SLOTS, dtype=torch.int32, device="cuda")
     nbytes = SLOTS * EXPERT
@@ -99,14 +99,14 @@ def rates(host: torch.Tensor) -> dict:
         best = None
         for config in CONFIGS:
             g = SlotGather([(src.view(torch.int32), dst.view(torch.int32))], config)
-            rate = nbytes / device_time(lambda r: g.indexed(lists[r % LAUNCHES], to), LAUNCHES)
+            rate = nbytes / device_time(lambda r: g.indexed(lists[r], to), LAUNCHES)
             if best is None or rate > best[0]:
                 best = (rate, config)
         out[f"gather, {pattern}"] = best[0]
         out[f"gather, {pattern}: config"] = best[1]
 
     def dma_random(r):
-        for i, e in enumerate(picks[r % LAUNCHES].tolist()):
+        for i, e in enumerate(picks[r].tolist()):
             dst[i].copy_(src[e], non_blocking=True)
     out["dma, random 16"] = nbytes / device_time(dma_random, LAUNCHES)
     return out
