@@ -935,6 +935,23 @@ def test_miss_split_charges_further_tokens_their_own_cost():
     assert "CPU 2000000 us/expert + 500000 us a further token" in split.describe()
 
 
+def test_miss_split_times_the_fetch_the_caches_make(monkeypatch):
+    """The hybrid split's fetch time is measured the way its caches fetch (`backend.gather`: the
+    gather kernel where the boot chose it), over experts spread across the bank."""
+    from types import SimpleNamespace
+    from moeferry.moe import bandwidth
+    seen = []
+    monkeypatch.setattr(bandwidth, "time_cpu_expert", lambda bank, tokens: 1e-3 * tokens)
+    monkeypatch.setattr(bandwidth, "time_fetch", lambda bank, device, gather=None: seen.append(gather) or 2e-3)
+    backend = SimpleNamespace(banks={0: "bank"}, device=torch.device("cpu"), gather=(4096, 8, True))
+    split = MissSplit.measure(backend, None)
+    assert seen == [(4096, 8, True)] and split.fetch_s == 2e-3 and split.cpu_s == 1e-3
+    bank = SimpleNamespace(num_slots=20)
+    batches = bandwidth.spread(bank, 8, 3)
+    assert [len(b) for b in batches] == [8, 8, 8] and all(len(set(b.tolist())) == 8 for b in batches)
+    assert len(set(batches[0].tolist()) | set(batches[1].tolist())) == 16  # the next batch reads others
+
+
 def test_hybrid_max_fetch_caps_fetches(ckpt, ref_logits, monkeypatch):
     arch = "qwen3_moe"
     fetched = []  # (misses, fetches) of every hybrid layer step

@@ -18,18 +18,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def spread(bank: SlotBuffer, n: int, batches: int) -> list[torch.Tensor]:
+    """`batches` lists of n of the bank's slots, each batch others (while the bank has them),
+    spread over it by a seeded permutation: as decode misses land, not the same few read again
+    (whose host pages' translations the device would find cached)."""
+    order = torch.randperm(bank.num_slots, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    return [order.roll(-i * n)[:n] for i in range(batches)]
+
+
 def time_fetch(bank: SlotBuffer, device: torch.device, experts: int = 8, repeats: int = 3,
                gather: tuple[int, int] | None = None) -> float:
-    """Seconds to copy one expert bank -> device slot (median over `repeats` batches of `experts`,
-    host time included); `gather`: by the one-launch gather kernel in that config, else one copy
-    per tensor."""
+    """Seconds to copy one expert bank -> device slot (median over `repeats` batches of `experts`
+    spread over the bank, host time included); `gather`: by the one-launch gather kernel in that
+    config, else one copy per tensor."""
     n = min(experts, bank.num_slots)
     dst = SlotBuffer.allocate_like(bank, n, device=device)
     times = []
-    for _ in range(repeats):
+    for src in spread(bank, n, repeats):
         _sync(device)
         t = time.perf_counter()
-        dst.copy_slots(list(range(n)), bank, list(range(n)), gather=gather)
+        dst.copy_slots(list(range(n)), bank, src.tolist(), gather=gather)
         _sync(device)
         times.append((time.perf_counter() - t) / n)
     del dst
@@ -42,13 +50,10 @@ def time_gather(bank: SlotBuffer, device: torch.device, config: tuple, programs:
     of `repeats` launches after one untimed launch), from slot lists on the device as decode steps
     give them, its grid capped at `programs` as the prefetch's is (None: a full grid). `hits`: that
     many of the `experts` listed are hits (a negative destination: nothing moved), as in a decode
-    step's gather of every chosen expert. Each launch reads other experts, spread over the bank
-    (a seeded permutation), as decode misses land: the same few read again would find their
-    host pages' translations cached on the device, which scattered misses do not."""
+    step's gather of every chosen expert. Each launch reads other experts (`spread`)."""
     n = min(experts, bank.num_slots)
     dst = SlotBuffer.allocate_like(bank, n, device=device)
-    order = torch.randperm(bank.num_slots, generator=torch.Generator().manual_seed(0)).to(torch.int32)
-    src_lists = [order.roll(-i * n)[:n].to(device) for i in range(repeats + 1)]
+    src_lists = [s.to(device) for s in spread(bank, n, repeats + 1)]
     dst_slots = torch.arange(n, dtype=torch.int32, device=device)
     dst_slots[:hits] = -1
     times = []
@@ -161,9 +166,11 @@ class MissSplit:
 
     @classmethod
     def measure(cls, backend, max_fetch: int | None) -> "MissSplit":
+        """The lanes as the backend runs them: a fetch the way its caches fetch (the gather kernel
+        where the boot chose it, `backend.gather`, else one copy per tensor)."""
         bank = next(iter(backend.banks.values()))
         one, four = time_cpu_expert(bank, 1), time_cpu_expert(bank, 4)
-        return cls(time_fetch(bank, backend.device), one, max_fetch, max(0.0, (four - one) / 3))
+        return cls(time_fetch(bank, backend.device, gather=backend.gather), one, max_fetch, max(0.0, (four - one) / 3))
 
     @property
     def further_token_s(self) -> float:
