@@ -946,8 +946,7 @@ def test_miss_split_times_the_fetch_the_caches_make(monkeypatch):
     backend = SimpleNamespace(banks={0: "bank"}, device=torch.device("cpu"), gather=(4096, 8, True))
     split = MissSplit.measure(backend, None)
     assert seen == [(4096, 8, True)] and split.fetch_s == 2e-3 and split.cpu_s == 1e-3
-    bank = SimpleNamespace(num_slots=20)
-    batches = bandwidth.spread(bank, 8, 3)
+    batches = bandwidth.spread(20, 8, 3)
     assert [len(b) for b in batches] == [8, 8, 8] and all(len(set(b.tolist())) == 8 for b in batches)
     assert len(set(batches[0].tolist()) | set(batches[1].tolist())) == 16  # the next batch reads others
 

@@ -52,7 +52,6 @@ def test_a_bank_on_huge_pages_holds_what_a_plain_one_does(monkeypatch):
     monkeypatch.setattr(pinned, "BANKS", True)
     monkeypatch.setattr(pinned, "_cuda_register", lambda p, n: registered.append(n))
     monkeypatch.setattr(pinned, "_cuda_unregister", lambda p: None)
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # nothing else may ask CUDA here
     huge = build_bank(LayerExperts("nvfp4", experts), pin=True)
     assert len(registered) == 2  # one mapping per slot matrix (gate_up, down)
     for m in ("gate_up", "down"):

@@ -40,7 +40,7 @@ def pinned_tensors(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], regis
     register, unregister = register or _cuda_register, unregister or _cuda_unregister
     at, spans = 0, {}
     for name, (shape, dtype) in shapes.items():
-        n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        n = torch.Size(shape).numel() * dtype.itemsize
         spans[name] = (at, n, shape, dtype)
         at += -(-n // ALIGN) * ALIGN
     nbytes = max(HUGE, -(-at // HUGE) * HUGE)

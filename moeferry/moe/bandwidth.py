@@ -18,11 +18,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def spread(bank: SlotBuffer, n: int, batches: int) -> list[torch.Tensor]:
-    """`batches` lists of n of the bank's slots, each batch others (while the bank has them),
-    spread over it by a seeded permutation: as decode misses land, not the same few read again
-    (whose host pages' translations the device would find cached)."""
-    order = torch.randperm(bank.num_slots, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+def spread(num_slots: int, n: int, batches: int) -> list[torch.Tensor]:
+    """`batches` lists of n of a bank's `num_slots` slots, each batch others (while the bank has
+    them), spread over it by a seeded permutation: as decode misses land, not the same few read
+    again (whose host pages' translations the device would find cached)."""
+    order = torch.randperm(num_slots, generator=torch.Generator().manual_seed(0)).to(torch.int32)
     return [order.roll(-i * n)[:n] for i in range(batches)]
 
 
@@ -34,7 +34,7 @@ def time_fetch(bank: SlotBuffer, device: torch.device, experts: int = 8, repeats
     n = min(experts, bank.num_slots)
     dst = SlotBuffer.allocate_like(bank, n, device=device)
     times = []
-    for src in spread(bank, n, repeats):
+    for src in spread(bank.num_slots, n, repeats):
         _sync(device)
         t = time.perf_counter()
         dst.copy_slots(list(range(n)), bank, src.tolist(), gather=gather)
@@ -53,7 +53,7 @@ def time_gather(bank: SlotBuffer, device: torch.device, config: tuple, programs:
     step's gather of every chosen expert. Each launch reads other experts (`spread`)."""
     n = min(experts, bank.num_slots)
     dst = SlotBuffer.allocate_like(bank, n, device=device)
-    src_lists = [s.to(device) for s in spread(bank, n, repeats + 1)]
+    src_lists = [s.to(device) for s in spread(bank.num_slots, n, repeats + 1)]
     dst_slots = torch.arange(n, dtype=torch.int32, device=device)
     dst_slots[:hits] = -1
     times = []
