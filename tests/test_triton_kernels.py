@@ -451,6 +451,81 @@ def _gather_indexed_once(device, g, widths, vec, config, programs=None):
         assert torch.equal(d.cpu(), r), f"gathered slots differ (vec {vec})"
 
 
+def case_ferry_signal(device, seed=15):
+    """The ferry's device ends: `post` writes a box's pairs (int64 sources, int32 destinations)
+    and count, then its ready word, into pinned host memory, words beyond them untouched; `wait`
+    clears a done word that is set, and gives up on one never set (the box's error word raised)."""
+    from moeferry.ops.triton.ferry_signal import HEADER, post, wait
+    g = _gen(seed)
+    box = torch.randint(2, 2**30, (HEADER + 2 * 40,), generator=g, dtype=torch.int32)
+    box = box.pin_memory() if device == "cuda" else box
+    want = box.clone()
+    src = torch.randint(0, 256, (37,), generator=g)
+    dst = torch.randint(-1, 99, (37,), generator=g, dtype=torch.int32)
+    post(box, src.to(device), dst.to(device))
+    done = torch.tensor([1, 7], dtype=torch.int32, device=device)
+    error = torch.zeros(2, dtype=torch.int32).pin_memory() if device == "cuda" else torch.zeros(2, dtype=torch.int32)
+    wait(done[:1], error[:1])
+    wait(done[1:], error[1:], limit=16)  # set: cleared at once
+    if device == "cuda":
+        torch.cuda.synchronize()
+    want[:2] = torch.tensor([1, 37])
+    want[HEADER:HEADER + 74] = torch.stack([src.to(torch.int32), dst], dim=1).reshape(-1)
+    assert torch.equal(box, want), "the posted box differs"
+    assert done.tolist() == [0, 0] and error.tolist() == [0, 0], (done.tolist(), error.tolist())
+    wait(done[:1], error[:1], limit=16)  # never set: gives up
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert done.tolist() == [0, 0] and error.tolist() == [1, 0], (done.tolist(), error.tolist())
+    return 0.0
+
+
+def case_ferry_moves_slots(device, seed=16):
+    """The whole ferry (post, the C thread's copies, wait) moving an NVFP4 bank's experts into
+    cache slots, two boxes on two lanes, boxes used again; -1 moves nothing; what it moved and
+    nothing else changed in the cache; its counts."""
+    from moeferry.moe.ferry import Ferry
+    bank, cache = _ferry_buffers(device, _gen(seed))
+    want = [t.cpu().clone() for _, t in cache.named_tensors()]
+    ferry = Ferry(torch.device(device), boxes=3, max_pairs=8)
+    try:
+        assert ferry.plan(0, bank, cache, lane=0) and ferry.plan(2, bank, cache, lane=1)
+        moves = [(0, [5, 2, 3], [0, -1, 3]), (2, [1], [2]), (0, [4, 4], [1, -1]), (2, [0, 5], [-1, 4])]
+        for box, src, dst in moves:
+            ferry.post(box, torch.tensor(src, device=device), torch.tensor(dst, dtype=torch.int32, device=device))
+            ferry.wait(box)
+            for (_, b), w in zip(bank.named_tensors(), want):
+                for s, d in zip(src, dst):
+                    if d >= 0:
+                        w[d] = b[s].cpu()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        for (name, t), w in zip(cache.named_tensors(), want):
+            assert torch.equal(t.cpu().view(torch.uint8), w.view(torch.uint8)), f"{name} differs"
+        ferry.check()
+        c = ferry.counts()
+        assert (c["experts"], c["boxes"], c["bytes"]) == (5, 4, 5 * cache.bytes_per_slot), c
+    finally:
+        ferry.close()
+    return 0.0
+
+
+def _ferry_buffers(device, g):
+    """An NVFP4 bank of 6 experts (pinned on CUDA) and a cache of 5 slots holding random bytes."""
+    from moeferry.checkpoint.formats import FORMATS
+    from moeferry.moe.bank import build_bank
+    from moeferry.moe.layer_experts import LayerExperts
+    from moeferry.moe.slots import SlotBuffer
+    f = FORMATS["nvfp4"]
+    experts = [tuple(f.packed(f.quantize(torch.randn(n, m, generator=g))) for n, m in ((32, 64), (32, 64), (64, 32)))
+               for _ in range(6)]
+    bank = build_bank(LayerExperts("nvfp4", experts), pin=device == "cuda")
+    cache = SlotBuffer.allocate_like(bank, 5, device=device)
+    for _, t in cache.named_tensors():
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+    return bank, cache
+
+
 def case_cache_resolve(device, seed=13):
     """The device cache's lookup + eviction kernel against its CPU reference, LRU and LFU, call
     after call on the same state (steps and prefetches, repeated ids, a cache filling from

@@ -1,30 +1,23 @@
 """SwiGLU experts computed on the CPU straight from a bank's slot form (`experts.c`).
 
-The C source is built once per machine with the system C compiler (`$CC`, else `cc`) with
-`-O3 -march=native -fopenmp`, falling back to fewer flags where the compiler refuses one, into
-the user cache directory (the temporary directory when that cannot be written) under a name that
-hashes the source, the flags and the CPU. ctypes
-calls it (and releases the GIL meanwhile). Without a compiler, or with MOEFERRY_CPU_KERNEL=0,
-`kernel()` is None and callers keep the PyTorch reference (`SlotBuffer.run_reference`); the
-log says which one runs and why.
+The C source is built once per machine (`moeferry.native`) with `-O3 -march=native -fopenmp`,
+falling back to fewer flags where the compiler refuses one. ctypes calls it (and releases the
+GIL meanwhile). Without a compiler, or with MOEFERRY_CPU_KERNEL=0, `kernel()` is None and
+callers keep the PyTorch reference (`SlotBuffer.run_reference`); the log says which one runs
+and why.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import weakref
 from pathlib import Path
 
 import torch
 
-from moeferry.paths import cache_dir
+from moeferry.native import library
 
 log = logging.getLogger("moeferry.cpu_kernel")
 
@@ -99,46 +92,9 @@ class CpuExperts:
         return out
 
 
-def build(out: Path, flag_sets=FLAG_SETS) -> list[str]:
-    """Compile SOURCE into `out` with the first flag set the compiler accepts; returns it.
-    Raises OSError with the compiler's words when none works."""
-    cc = os.environ.get("CC", "cc")
-    if shutil.which(cc) is None:
-        raise OSError(f"no C compiler ({cc!r} not found; set CC)")
-    errors = []
-    for flags in flag_sets:
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            target = Path(tmp) / out.name
-            r = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", str(target), str(SOURCE), "-lm"],
-                               capture_output=True, text=True)
-            if r.returncode == 0:
-                os.replace(target, out)  # atomic: a concurrent build never loads half a file
-                return flags
-            errors.append(f"{' '.join(flags)}: {(r.stderr.strip().splitlines() or [r.returncode])[-1]}")
-    raise OSError("the C compiler refused every flag set: " + "; ".join(errors))
-
-
 def load(path: Path, flags: list[str]) -> CpuExperts:
     """A built kernel, loaded (OSError when it cannot be)."""
     return CpuExperts(ctypes.CDLL(str(path)), path, flags)
-
-
-def _cpu_id() -> str:
-    """What -march=native depends on: the machine and, on Linux, the CPU's feature flags."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return platform.machine() + flags
-
-
-def _found_or_built(path: Path) -> CpuExperts:
-    """The kernel at `path`, built there first if missing (OSError when neither works)."""
-    flags_file = path.with_suffix(".flags")
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        flags_file.write_text(" ".join(build(path)))
-    return load(path, flags_file.read_text().split() if flags_file.is_file() else [])
 
 
 @functools.cache
@@ -149,21 +105,11 @@ def kernel() -> CpuExperts | None:
     if os.environ.get("MOEFERRY_CPU_KERNEL", "1") == "0":
         log.info("CPU experts: PyTorch reference (MOEFERRY_CPU_KERNEL=0)")
         return None
-    digest = hashlib.sha256(SOURCE.read_bytes() + repr(FLAG_SETS).encode() + _cpu_id().encode()).hexdigest()[:16]
-    name = f"experts-{digest}.so"
-    uid = os.getuid() if hasattr(os, "getuid") else 0
-    places = (cache_dir() / "cpu_kernels", Path(tempfile.gettempdir()) / f"moeferry-cpu-kernels-{uid}")
-    errors = []
-    for place in places:
-        try:
-            found = _found_or_built(place / name)
-        except OSError as e:
-            errors.append(f"{place}: {e}")
-            if "compiler" in str(e):  # no compiler, or it refused every flag set: another place will not help
-                break
-            continue
-        log.info("CPU experts: %s, %s", found.describe(), found.path)
-        return found
-    log.warning("CPU experts: the C kernel could not be built (%s); the PyTorch reference computes them, "
-                "several times slower", "; ".join(errors))
-    return None
+    try:
+        found = library(SOURCE, FLAG_SETS, ["-lm"], load)
+    except OSError as e:
+        log.warning("CPU experts: the C kernel could not be built (%s); the PyTorch reference computes them, "
+                    "several times slower", e)
+        return None
+    log.info("CPU experts: %s, %s", found.describe(), found.path)
+    return found
