@@ -14,6 +14,7 @@
 #   offload_ca  offload with moeferry's kernels compiled ahead (--compile-workers COMPILE_WORKERS, default 8), both
 #             engines (with FRESH_TRITON=1 each boots cold)
 #   offload_w8  offload, moeferry alone, the prefetch guessing 8 a row (the width before the eighteenth session)
+#   offload_gather  offload, moeferry alone, decode graphs' misses by the gather kernel (--moe-decode-fetch gather)
 #   skew      its own checkpoint with --router-skew SKEW, offload.py on it (moeferry; both if SKEW_FT=1, then
 #             under OFFLOAD_MAX_S)
 #   seed_c4   --max-running-requests 4, 4 concurrent 8k prompts
@@ -282,6 +283,8 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
                   --ours-args "--moe-prefetch-width 8" ;;
       offload_nopf) step offload_nopf 150 240 offload offload_nopf "$WORK/ckpt" --engines moeferry \
                   --ours-args "--disable-moe-decode-prefetch" ;;
+      offload_gather) step offload_gather 150 240 offload offload_gather "$WORK/ckpt" --engines moeferry \
+                  --ours-args "--moe-decode-fetch gather" ;;
       skew)     step make_skew 200 300 make_ckpt "$WORK/ckpt_skew" "$SKEW" \
                   && step skew 70 "$([ "${SKEW_FT:-0}" = 1 ] && echo "${OFFLOAD_MAX_S:-400}" || echo 200)" offload skew \
                   "$WORK/ckpt_skew" --engines "moeferry$([ "${SKEW_FT:-0}" = 1 ] && echo ,freetoken)" ;;

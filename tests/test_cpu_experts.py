@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from moeferry.moe.slots import SlotBuffer
+from moeferry import native
+from moeferry.native import build
 from moeferry.ops.cpu import experts as cpu
 from tests.test_moe_kernels import _rel
 from tests.test_slot_reference import CASES, _buffer
@@ -34,7 +36,7 @@ def builds(tmp_path_factory) -> dict[str, cpu.CpuExperts]:
     out = {}
     for name, flags in BUILDS.items():
         path = tmp_path_factory.mktemp(name) / "experts.so"
-        out[name] = cpu.load(path, cpu.build(path, [flags]))
+        out[name] = cpu.load(path, build(cpu.SOURCE, path, [flags], ["-lm"]))
     assert not out["portable"].simd and not out["portable"].openmp
     assert "avx2" not in out or (out["avx2"].simd and not out["avx2"].avx512)
     return out
@@ -138,7 +140,7 @@ def test_an_unusable_cache_builds_in_the_temporary_directory(monkeypatch, tmp_pa
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "moeferry").write_text("a file where the cache directory would be")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     cpu.kernel.cache_clear()
     try:
         found = cpu.kernel()

@@ -441,7 +441,7 @@ class OffloadBackend:
         from moeferry.moe.bandwidth import time_ferry
         try:
             ferry_s = time_ferry(bank, self.device) if self.device.type == "cuda" else None
-        except OSError as e:  # no C compiler, no driver library
+        except (OSError, RuntimeError) as e:  # no C compiler or driver library; its thread never served a box
             log.warning("decode misses in graphs: gather kernel (the ferry cannot run here: %s)", e)
             return
         rates = (f"ferry {_micros(ferry_s)}, gather kernel {_micros(gather_s)} an expert of "
