@@ -15,6 +15,8 @@
 #             engines (with FRESH_TRITON=1 each boots cold)
 #   offload_w8  offload, moeferry alone, the prefetch guessing 8 a row (the width before the eighteenth session)
 #   offload_gather  offload, moeferry alone, decode graphs' misses by the gather kernel (--moe-decode-fetch gather)
+#   offload_ferry   the same by the ferry (--moe-decode-fetch ferry)
+#   bw        `moeferry bench bw` on a 4-layer mixed_nvfp4 checkpoint (copies, gather configs, ferry by lanes)
 #   skew      its own checkpoint with --router-skew SKEW, offload.py on it (moeferry; both if SKEW_FT=1, then
 #             under OFFLOAD_MAX_S)
 #   seed_c4   --max-running-requests 4, 4 concurrent 8k prompts
@@ -211,7 +213,7 @@ export SKEW T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFF
 print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__)' || exit 4
   fi
   needs_ckpt=0  # prep13 makes the checkpoint itself, alongside other work; some runs do not read it
-  for run in $RUNS; do case $run in prep|prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|prepbf16|prefill|loadcmp|gputests|numa|pages|moe|sampling|inputs|skew|prepskew|e2e_skew|e2e_skew_widths|lanes) ;;
+  for run in $RUNS; do case $run in prep|prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|prepbf16|prefill|loadcmp|bw|gputests|numa|pages|moe|sampling|inputs|skew|prepskew|e2e_skew|e2e_skew_widths|lanes) ;;
     *) needs_ckpt=1 ;; esac; done
   if [ "$needs_ckpt" = 1 ]; then
     step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; }
@@ -285,6 +287,11 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
                   --ours-args "--disable-moe-decode-prefetch" ;;
       offload_gather) step offload_gather 150 240 offload offload_gather "$WORK/ckpt" --engines moeferry \
                   --ours-args "--moe-decode-fetch gather" ;;
+      offload_ferry) step offload_ferry 150 240 offload offload_ferry "$WORK/ckpt" --engines moeferry \
+                  --ours-args "--moe-decode-fetch ferry" ;;
+      bw)       step make_load4 60 200 make_ckpt "$WORK/ckpt_load4" 0 mixed_nvfp4 4 \
+                  && step bw 30 120 bash -c "mkdir -p $WORK/bw && python3 -m moeferry.cli bench bw \
+                  --model $WORK/ckpt_load4 > $WORK/bw/bw.md" ;;
       skew)     step make_skew 200 300 make_ckpt "$WORK/ckpt_skew" "$SKEW" \
                   && step skew 70 "$([ "${SKEW_FT:-0}" = 1 ] && echo "${OFFLOAD_MAX_S:-400}" || echo 200)" offload skew \
                   "$WORK/ckpt_skew" --engines "moeferry$([ "${SKEW_FT:-0}" = 1 ] && echo ,freetoken)" ;;

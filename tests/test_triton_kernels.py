@@ -489,7 +489,7 @@ def case_ferry_moves_slots(device, seed=16):
     want = [t.cpu().clone() for _, t in cache.named_tensors()]
     ferry = Ferry(torch.device(device), boxes=3, max_pairs=8)
     try:
-        assert ferry.plan(0, bank, cache, lane=0) and ferry.plan(2, bank, cache, lane=1)
+        assert ferry.plan(0, bank, cache) and ferry.plan(2, bank, cache, ahead=True)
         moves = [(0, [5, 2, 3], [0, -1, 3]), (2, [1], [2]), (0, [4, 4], [1, -1]), (2, [0, 5], [-1, 4])]
         for box, src, dst in moves:
             ferry.post(box, torch.tensor(src, device=device), torch.tensor(dst, dtype=torch.int32, device=device))

@@ -82,7 +82,7 @@ def gather_times(bank, device: torch.device) -> dict:
     return {"gather_config": list(choice.config), "gather_programs_prefetch": programs,
             "gather_s_per_expert": full, "gather_s_per_expert_prefetch": capped,
             "gather_s_per_expert_step": step, "gather_s_per_expert_guess": guess,
-            "ferry_s_per_expert": time_ferry(bank, device)}
+            "ferry_s_per_expert_by_lanes": {lanes: time_ferry(bank, device, lanes=lanes) for lanes in (1, 2, 3, 4)}}
 
 
 def cpu_lane() -> str:
@@ -119,7 +119,8 @@ def gather_rows(r: dict) -> list[tuple[str, str]]:
             (f"  on the prefetch's {r['gather_programs_prefetch']} programs", rate(r["gather_s_per_expert_prefetch"])),
             ("  a step's 8 chosen, 3 missing, per expert moved", rate(r["gather_s_per_expert_step"])),
             ("  a guess of 4, 2 uncached, on the prefetch's grid", rate(r["gather_s_per_expert_guess"])),
-            ("ferry one expert (copy engine, 16 posted)", rate(r["ferry_s_per_expert"]))]
+            *((f"ferry one expert (16 posted, {lanes} lane{'s' * (lanes > 1)})", rate(s))
+              for lanes, s in r["ferry_s_per_expert_by_lanes"].items())]
 
 
 def main(args: argparse.Namespace) -> int:

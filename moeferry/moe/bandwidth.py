@@ -74,16 +74,18 @@ def _fastest(bank: SlotBuffer, device: torch.device, n: int, repeats: int, move)
     return min(times)
 
 
-def time_ferry(bank: SlotBuffer, device: torch.device, experts: int = 16, repeats: int = 3) -> float:
+def time_ferry(bank: SlotBuffer, device: torch.device, experts: int = 16, repeats: int = 3,
+               lanes: int | None = None) -> float:
     """Device seconds per expert moved by the ferry (`moe.ferry`: the post, the host thread's
     copy-engine copies, the wait), by CUDA events, the fastest of `repeats` batches after one
-    untimed, each reading other experts spread over the bank (as `time_gather`)."""
-    from moeferry.moe.ferry import Ferry
+    untimed, each reading other experts spread over the bank (as `time_gather`); its experts
+    dealt over `lanes` streams (None: the ferry's default)."""
+    from moeferry.moe.ferry import LANES, Ferry
     n = min(experts, bank.num_slots)
     dst = SlotBuffer.allocate_like(bank, n, device=device)
-    ferry = Ferry(device, boxes=1, max_pairs=n)
+    ferry = Ferry(device, boxes=1, max_pairs=n, lanes=lanes or LANES)
     try:
-        if not ferry.plan(0, bank, dst, lane=0):
+        if not ferry.plan(0, bank, dst):
             return math.inf
         dst_slots = torch.arange(n, dtype=torch.int32, device=device)
 

@@ -10,8 +10,9 @@ per miss on the box's stream and then sets the box's done word on the device, wh
 MoE waits for (`ferry_signal.wait`). Nothing in the step waits for the host's Python.
 
 Boxes: each layer with a cache has two, its own misses and the prefetch of its experts by the
-layer before; their copies take two streams (two lanes: a prefetch never queues ahead of a
-layer's own misses). On the CPU (tests) the device is the CPU: copies are memcpy, the post and
+layer before. A box's experts are dealt over `LANES` streams (a copy engine runs a stream's
+copies one after another, each paying the link's read latency; lanes overlap it), own misses
+and prefetches on separate ones (a prefetch never queues ahead of a layer's own misses). On the CPU (tests) the device is the CPU: copies are memcpy, the post and
 the wait are done by the host, and the thread runs the same protocol.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ log = logging.getLogger("moeferry.moe")
 SOURCE = Path(__file__).with_name("ferry.c")
 FLAG_SETS = (["-O2", "-pthread"], ["-O2"])
 IDLE_S = 0.002    # the thread spins this long after its last box, then naps 50 us between scans
+LANES = 3         # streams a box's experts are dealt over (the copy engines overlap their link latency)
 WAIT_S = 10.0     # the CPU's wait gives up after this (the device's: `ferry_signal.LIMIT` polls)
 
 
@@ -42,8 +44,8 @@ def _lib() -> ctypes.CDLL:
     lib = library(SOURCE, FLAG_SETS, ["-pthread"], lambda path, flags: ctypes.CDLL(str(path)))
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.ferry_new.restype = p
-    lib.ferry_new.argtypes = [p, i, i, p, p, p, p, i64]
-    lib.ferry_plan.argtypes = [p, i, i, p, i, i, p, ctypes.c_uint64]
+    lib.ferry_new.argtypes = [p, i, i, p, p, p, i64]
+    lib.ferry_plan.argtypes = [p, i, i, p, i, i, i, p, ctypes.c_uint64]
     lib.ferry_start.argtypes = [p]
     lib.ferry_stop.argtypes = [p]
     lib.ferry_free.argtypes = [p]
@@ -51,16 +53,21 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def _driver(device: torch.device) -> tuple[int, int, int]:
-    """(copy function, context setter, context) for the thread: the CUDA driver's async
-    host-to-device copy on the device's current (primary) context."""
+DRIVER = ("cuMemcpyHtoDAsync_v2", "cuCtxSetCurrent", "cuEventCreate", "cuEventRecord", "cuStreamWaitEvent",
+          "cuEventDestroy_v2")  # the thread's calls, in ferry.c's Driver order
+HOST = ("ferry_host_copy", "ferry_no_ctx", "ferry_no_event_create", "ferry_no_event_record", "ferry_no_stream_wait",
+        "ferry_no_event_destroy")  # the same on the CPU: memcpy and no-ops
+
+
+def _driver(device: torch.device) -> tuple[list[int], int]:
+    """The CUDA driver's calls for the thread and the device's current (primary) context."""
     cuda = ctypes.CDLL("libcuda.so.1")
     ctx = ctypes.c_void_p()
     with torch.cuda.device(device):
         torch.cuda.synchronize()  # the context is current on this thread
         if cuda.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value:
             raise OSError("no current CUDA context for the ferry's thread")
-    return _address(cuda.cuMemcpyHtoDAsync_v2), _address(cuda.cuCtxSetCurrent), ctx.value
+    return [_address(getattr(cuda, name)) for name in DRIVER], ctx.value
 
 
 def _address(fn) -> int:
@@ -68,20 +75,20 @@ def _address(fn) -> int:
 
 
 class Ferry:
-    def __init__(self, device: torch.device, boxes: int, max_pairs: int):
+    """`boxes` mailbox boxes of `max_pairs` pairs, their copies on `lanes` streams for own
+    misses and as many for prefetches; the thread runs from construction to `close`."""
+
+    def __init__(self, device: torch.device, boxes: int, max_pairs: int, lanes: int = LANES):
         self.device, self.max_pairs = device, max_pairs
         cuda = device.type == "cuda"
         lib = _lib()
         self.mailbox = torch.zeros(boxes, HEADER + 2 * max_pairs, dtype=torch.int32, pin_memory=cuda)
         self.one = torch.ones(1, dtype=torch.int32, pin_memory=cuda)
         self.done = torch.zeros(boxes, dtype=torch.int32, device=device)
-        self.lanes = [torch.cuda.Stream(device) for _ in range(2)] if cuda else [None, None]
-        if cuda:
-            copy, set_ctx, ctx = _driver(device)
-        else:  # memcpy, no context
-            copy, set_ctx, ctx = _address(lib.ferry_host_copy), _address(lib.ferry_no_ctx), None
-        self.handle = lib.ferry_new(self.mailbox.data_ptr(), boxes, max_pairs, self.one.data_ptr(), copy, set_ctx,
-                                    ctx, int(IDLE_S * 1e9))
+        self.lanes = [[torch.cuda.Stream(device) if cuda else None for _ in range(lanes)] for _ in range(2)]
+        calls, ctx = _driver(device) if cuda else ([_address(getattr(lib, name)) for name in HOST], None)
+        self.handle = lib.ferry_new(self.mailbox.data_ptr(), boxes, max_pairs, self.one.data_ptr(),
+                                    (ctypes.c_void_p * len(calls))(*calls), ctx, int(IDLE_S * 1e9))
         if not self.handle:
             raise MemoryError("the ferry's thread state could not be allocated")
         self.close = weakref.finalize(self, lib.ferry_free, self.handle)  # stops the thread, once
@@ -91,9 +98,9 @@ class Ferry:
         if _lib().ferry_start(self.handle) != 0:
             raise OSError("the ferry's thread could not be started")
 
-    def plan(self, box: int, bank: SlotBuffer, cache: SlotBuffer, lane: int) -> bool:
-        """Box `box` moves `bank`'s slots into `cache`'s on lane `lane`; False (no plan) when a
-        slot tensor's slots are not contiguous in both."""
+    def plan(self, box: int, bank: SlotBuffer, cache: SlotBuffer, ahead: bool = False) -> bool:
+        """Box `box` moves `bank`'s slots into `cache`'s on the own misses' lanes (`ahead`: the
+        prefetch's); False (no plan) when a slot tensor's slots are not contiguous in both."""
         parts = []
         for (name, src), (_, dst) in zip(bank.named_tensors(), cache.named_tensors()):
             if not (src[0].is_contiguous() and dst[0].is_contiguous() and src[0].nbytes == dst[0].nbytes):
@@ -101,9 +108,9 @@ class Ferry:
             size = src.element_size()
             parts += [src.data_ptr(), src.stride(0) * size, dst.data_ptr(), dst.stride(0) * size, src[0].nbytes]
         words = (ctypes.c_uint64 * len(parts))(*parts)
-        stream = self.lanes[lane]
-        rc = _lib().ferry_plan(self.handle, box, len(parts) // 5, words, bank.num_slots, cache.num_slots,
-                               stream.cuda_stream if stream is not None else None, self.done[box:].data_ptr())
+        lanes = [s.cuda_stream if s is not None else None for s in self.lanes[int(ahead)]]
+        rc = _lib().ferry_plan(self.handle, box, len(parts) // 5, words, bank.num_slots, cache.num_slots, len(lanes),
+                               (ctypes.c_void_p * len(lanes))(*lanes), self.done[box:].data_ptr())
         if rc != 0:
             raise MemoryError(f"the ferry could not take box {box}'s plan")
         return True

@@ -529,9 +529,9 @@ class OffloadBackend:
             self.ferry = None
 
     def _plan_ferry(self) -> bool:
-        """Each cached layer's two boxes: its bank into its cache, own misses on lane 0, the
-        prefetch of its experts on lane 1."""
-        return all(self.ferry.plan(self.box(ex.layer, ahead), ex.bank, ex.cache.buffer, int(ahead))
+        """Each cached layer's two boxes: its bank into its cache, its own misses on the ferry's
+        own lanes, the prefetch of its experts on the prefetch's lanes."""
+        return all(self.ferry.plan(self.box(ex.layer, ahead), ex.bank, ex.cache.buffer, ahead)
                    for ex in self.executors.values() if ex.cache is not None for ahead in (False, True))
 
     def stats(self) -> dict:
