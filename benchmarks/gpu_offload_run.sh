@@ -14,9 +14,7 @@
 #   offload_ca  offload with moeferry's kernels compiled ahead (--compile-workers COMPILE_WORKERS, default 8), both
 #             engines (with FRESH_TRITON=1 each boots cold)
 #   offload_w8  offload, moeferry alone, the prefetch guessing 8 a row (the width before the eighteenth session)
-#   offload_gather  offload, moeferry alone, decode graphs' misses by the gather kernel (--moe-decode-fetch gather)
-#   offload_ferry   the same by the ferry (--moe-decode-fetch ferry)
-#   bw        `moeferry bench bw` on a 4-layer mixed_nvfp4 checkpoint (copies, gather configs, ferry by lanes)
+#   bw        `moeferry bench bw` on a 4-layer mixed_nvfp4 checkpoint (copies, gather configs, CPU expert times)
 #   skew      its own checkpoint with --router-skew SKEW, offload.py on it (moeferry; both if SKEW_FT=1, then
 #             under OFFLOAD_MAX_S)
 #   seed_c4   --max-running-requests 4, 4 concurrent 8k prompts
@@ -285,10 +283,6 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
                   --ours-args "--moe-prefetch-width 8" ;;
       offload_nopf) step offload_nopf 150 240 offload offload_nopf "$WORK/ckpt" --engines moeferry \
                   --ours-args "--disable-moe-decode-prefetch" ;;
-      offload_gather) step offload_gather 150 240 offload offload_gather "$WORK/ckpt" --engines moeferry \
-                  --ours-args "--moe-decode-fetch gather" ;;
-      offload_ferry) step offload_ferry 150 240 offload offload_ferry "$WORK/ckpt" --engines moeferry \
-                  --ours-args "--moe-decode-fetch ferry" ;;
       bw)       step make_load4 60 200 make_ckpt "$WORK/ckpt_load4" 0 mixed_nvfp4 4 \
                   && step bw 30 120 bash -c "mkdir -p $WORK/bw && python3 -m moeferry.cli bench bw \
                   --model $WORK/ckpt_load4 > $WORK/bw/bw.md" ;;

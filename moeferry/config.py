@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from moeferry.engine.config import (CACHE_POLICIES, DECODE_FETCHES, EXPERT_LOADS, MOE_BACKENDS, EngineConfig,
-                                    EngineSizes, derive_sizes)
+from moeferry.engine.config import CACHE_POLICIES, EXPERT_LOADS, MOE_BACKENDS, EngineConfig, EngineSizes, derive_sizes
 from moeferry.freetoken_flags import add_freetoken_arguments, our_value, refused_freetoken_flags, their_values
 from moeferry.text.reasoning import REASONING_PARSERS
 from moeferry.text.tool_parsers import TOOL_CALL_PARSERS
@@ -168,11 +167,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="offload on CUDA: experts a token's decode prefetch guesses for the next layer, its N "
                    "likeliest (default: half the model's top-k; a wrong guess costs link time, a missed one is "
                    "fetched when its layer routes)")
-    g.add_argument("--moe-decode-fetch", choices=DECODE_FETCHES, default="auto",
-                   help="offload on CUDA: how a decode step captured in a CUDA graph moves its misses: gather (a "
-                   "kernel reads the pinned banks across PCIe), ferry (the step posts them to a host thread that "
-                   "queues copy-engine copies, and waits on the device for them), or auto (the default: both timed "
-                   "at boot, the faster kept; the log says which and the rates)")
     g.add_argument("--moe-cpu-threads", type=_positive_int, metavar="N",
                    help="cpu/hybrid backends and --moe-cpu-layers: threads computing experts on the CPU (the "
                    "worker's torch thread count, so on a CPU device every op's; default: torch's, the physical cores)")
@@ -504,7 +498,6 @@ def _engine_config(args: argparse.Namespace, model_dir: str, checkpoint_token_id
             moe_cache_auto=args.moe_cache_auto, moe_cache_policy=args.moe_cache_policy,
             moe_prefill_overlap=args.moe_prefill_overlap,
             moe_decode_prefetch=args.moe_decode_prefetch, moe_prefetch_width=args.moe_prefetch_width,
-            moe_decode_fetch=args.moe_decode_fetch,
             moe_cpu_threads=args.moe_cpu_threads,
             moe_cpu_layers=args.moe_cpu_layers, moe_hybrid_max_fetch=args.moe_hybrid_max_fetch,
             expert_load=args.expert_load, memory_ratio=args.memory_ratio, gpu_memory_limit=args.gpu_memory_limit,

@@ -630,31 +630,6 @@ def test_device_managed_decode_equals_resident(arch, preset, prefetch, policy, c
     assert (s["cpu_experts"] > 0) == bool(cpu_layers)
 
 
-@pytest.mark.parametrize("arch,preset,prefetch,policy", [("qwen3_5_moe", "mixed_nvfp4", "after", "lru"),
-                                                          ("qwen3_moe", "bf16", "none", "lfu")])
-def test_device_managed_decode_through_the_ferry(arch, preset, prefetch, policy, ckpt, ref_logits, monkeypatch):
-    """--moe-decode-fetch ferry: device-managed decode steps post their misses (and the prefetch's)
-    to the ferry's host thread, which copies them (memcpy here) and marks them done; resident's
-    logits, alone and batched; no gather launched; the thread moved experts and saw no error."""
-    llm = build(ckpt, arch, preset, "offload-25%", moe_cache_size=24, moe_cache_policy=policy,
-                moe_decode_fetch="ferry")
-    backend = llm.engine.experts
-    backend.prefetch = prefetch != "none"
-    assert backend.ferry is not None and backend.steps_on_device(3)
-    monkeypatch.setattr(SlotBuffer, "copy_indexed", lambda *a, **k: pytest.fail("gathered, not ferried"))
-    steps = decode_on_device(llm, monkeypatch)
-    for g, w in zip(llm.logits_batch(BATCH, [5, 3, 1]), ref_logits(arch, preset, BATCH, [5, 3, 1])):
-        assert rel_err(g, w) <= TOL
-    got = llm.logits(PROMPT, chunk_size=CHUNKS)
-    assert rel_err(got, ref_logits(arch, preset, [PROMPT], CHUNKS)[0]) <= TOL
-    assert 1 in steps and max(steps) > 1, steps
-    check_all(llm)
-    backend.ferry.check()
-    moved, s = backend.ferry.counts()["experts"], llm.engine.stats()["experts"]
-    assert 0 < moved <= s["misses"] + s["prefetched"], (moved, s)
-    assert (s["prefetched"] > 0) == (prefetch != "none")
-
-
 def test_prefetch_gather_has_its_own_launch_shape(ckpt, ref_logits, monkeypatch):
     """The device-managed prefetch gathers in `prefetch_gather` (set apart from the own misses'
     `gather_kernel`): setting it makes each cache's gather in that shape at once (not inside

@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from moeferry.ops.triton import cache_resolve, ferry_signal, slot_gather  # noqa: E402
+from moeferry.ops.triton import cache_resolve, slot_gather  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 ALIGNED = [["tt.divisibility", 16]]  # what the launcher passes for a 16-byte aligned pointer
@@ -44,17 +44,6 @@ def test_cache_resolve_compiles(prefetch, lfu, n, s):
            "N": "constexpr", "S": "constexpr"}
     constants = {"PREFETCH": prefetch, "LFU": lfu, "N": n, "S": s}
     assert "cubin" in _compile(cache_resolve._resolve_kernel, sig, constants).asm
-
-
-def test_ferry_signal_compiles_with_its_system_fence():
-    """The ferry's post orders its pairs before the ready word by a system-scope fence (inline
-    PTX, which the interpreter never sees); its wait polls the done word uncached."""
-    post = _compile(ferry_signal._post_kernel, {"box_ptr": "*i32", "src_ptr": "*i64", "dst_ptr": "*i32", "n": "i32",
-                                                "N": "constexpr", "FENCE": "constexpr"}, {"N": 64, "FENCE": True})
-    assert "fence.sc.sys" in post.asm["ptx"]
-    wait = _compile(ferry_signal._wait_kernel, {"done_ptr": "*i32", "error_ptr": "*i32", "LIMIT": "constexpr"},
-                    {"LIMIT": ferry_signal.LIMIT})
-    assert re.search(r"ld\.volatile\.global", wait.asm["ptx"]), "the done word is not polled uncached"
 
 
 @pytest.mark.parametrize("vec", [True, False])

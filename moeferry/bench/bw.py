@@ -68,7 +68,7 @@ def gather_times(bank, device: torch.device) -> dict:
     a full grid (a step's own misses) and on the decode prefetch's grid."""
     if device.type != "cuda":
         return {}
-    from moeferry.moe.bandwidth import choose_gather, time_ferry, time_gather
+    from moeferry.moe.bandwidth import choose_gather, time_gather
     from moeferry.moe.offload import prefetch_programs
     programs = prefetch_programs(device)
     choice = choose_gather(bank, device, programs)  # times every config on both grids
@@ -81,8 +81,7 @@ def gather_times(bank, device: torch.device) -> dict:
     guess = time_gather(bank, device, choice.config, programs, experts=4, hits=2)
     return {"gather_config": list(choice.config), "gather_programs_prefetch": programs,
             "gather_s_per_expert": full, "gather_s_per_expert_prefetch": capped,
-            "gather_s_per_expert_step": step, "gather_s_per_expert_guess": guess,
-            "ferry_s_per_expert_by_lanes": {lanes: time_ferry(bank, device, lanes=lanes) for lanes in (1, 2, 3, 4)}}
+            "gather_s_per_expert_step": step, "gather_s_per_expert_guess": guess}
 
 
 def cpu_lane() -> str:
@@ -118,9 +117,7 @@ def gather_rows(r: dict) -> list[tuple[str, str]]:
              rate(r["gather_s_per_expert"])),
             (f"  on the prefetch's {r['gather_programs_prefetch']} programs", rate(r["gather_s_per_expert_prefetch"])),
             ("  a step's 8 chosen, 3 missing, per expert moved", rate(r["gather_s_per_expert_step"])),
-            ("  a guess of 4, 2 uncached, on the prefetch's grid", rate(r["gather_s_per_expert_guess"])),
-            *((f"ferry one expert (16 posted, {lanes} lane{'s' * (lanes > 1)})", rate(s))
-              for lanes, s in r["ferry_s_per_expert_by_lanes"].items())]
+            ("  a guess of 4, 2 uncached, on the prefetch's grid", rate(r["gather_s_per_expert_guess"]))]
 
 
 def main(args: argparse.Namespace) -> int:

@@ -30,7 +30,6 @@ class EngineConfig:
     moe_prefill_overlap: bool = True    # stream layer l+1's experts while layer l computes
     moe_decode_prefetch: bool = True    # offload decode: fetch layer l+1's predicted misses while layer l computes
     moe_prefetch_width: int | None = None  # experts a row that prefetch guesses (None: half the top-k)
-    moe_decode_fetch: str = "auto"      # offload decode graphs' misses: gather kernel, ferry (copy engine), auto
     moe_cpu_threads: int | None = None  # None: the physical cores
     moe_cpu_layers: str | None = None   # offload / cpu: MoE layers with no device slots, on the CPU (moe.cpu_layers)
     moe_hybrid_max_fetch: int | None = None  # hybrid: most PCIe fetches per layer and step
@@ -110,8 +109,6 @@ class EngineConfig:
                              "--disable-cuda-graphs turns off: give one")
         if self.moe_cache_policy not in CACHE_POLICIES:
             raise ValueError(f"moe_cache_policy must be one of {', '.join(CACHE_POLICIES)}")
-        if self.moe_decode_fetch not in DECODE_FETCHES:
-            raise ValueError(f"moe_decode_fetch must be one of {', '.join(DECODE_FETCHES)}")
 
     @property
     def sizes_expert_cache(self) -> bool:
@@ -130,7 +127,6 @@ class EngineConfig:
 
 
 CACHE_POLICIES = ("lru", "lfu")
-DECODE_FETCHES = ("auto", "gather", "ferry")
 
 # Settings of the offload backends' experts: (field, default, the backends it acts on, the refusal
 # elsewhere). Accepted with auto; an auto that resolves to resident puts them back to their
@@ -140,8 +136,6 @@ OFFLOAD_SETTINGS = (
      "--disable-moe-decode-prefetch applies to the offload backend (--moe-backend offload)"),
     ("moe_prefetch_width", None, ("offload",),
      "--moe-prefetch-width {value} applies to the offload backend (--moe-backend offload)"),
-    ("moe_decode_fetch", "auto", ("offload",),
-     "--moe-decode-fetch {value} applies to the offload backend (--moe-backend offload)"),
     ("moe_prefill_overlap", True, ("offload", "hybrid", "cpu"),
      "--disable-moe-prefill-overlap applies to the offload, hybrid and cpu backends (their prefill staging)"),
     ("moe_cache_policy", "lru", ("offload", "hybrid"),

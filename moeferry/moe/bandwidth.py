@@ -53,50 +53,20 @@ def time_gather(bank: SlotBuffer, device: torch.device, config: tuple, programs:
     step's gather of every chosen expert. Each launch reads other experts (`spread`)."""
     n = min(experts, bank.num_slots)
     dst = SlotBuffer.allocate_like(bank, n, device=device)
+    src_lists = [s.to(device) for s in spread(bank.num_slots, n, repeats + 1)]
     dst_slots = torch.arange(n, dtype=torch.int32, device=device)
     dst_slots[:hits] = -1
-    return _fastest(bank, device, n, repeats,
-                    lambda src_slots: dst.copy_indexed(bank, src_slots, dst_slots, config, programs)) / max(1, n - hits)
-
-
-def _fastest(bank: SlotBuffer, device: torch.device, n: int, repeats: int, move) -> float:
-    """Device seconds of the fastest of `repeats` calls `move(src_slots)` (CUDA events) after
-    one untimed, each given other `n` slots spread over the bank."""
     times = []
-    for i, src_slots in enumerate(s.to(device) for s in spread(bank.num_slots, n, repeats + 1)):
+    for i, src_slots in enumerate(src_lists):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        move(src_slots)
+        dst.copy_indexed(bank, src_slots, dst_slots, config, programs)
         end.record()
         end.synchronize()
         if i:
-            times.append(start.elapsed_time(end) / 1e3)
+            times.append(start.elapsed_time(end) / 1e3 / max(1, n - hits))
+    del dst
     return min(times)
-
-
-def time_ferry(bank: SlotBuffer, device: torch.device, experts: int = 16, repeats: int = 3,
-               lanes: int | None = None) -> float:
-    """Device seconds per expert moved by the ferry (`moe.ferry`: the post, the host thread's
-    copy-engine copies, the wait), by CUDA events, the fastest of `repeats` batches after one
-    untimed, each reading other experts spread over the bank (as `time_gather`); its experts
-    dealt over `lanes` streams (None: the ferry's default)."""
-    from moeferry.moe.ferry import LANES, Ferry
-    n = min(experts, bank.num_slots)
-    dst = SlotBuffer.allocate_like(bank, n, device=device)
-    ferry = Ferry(device, boxes=1, max_pairs=n, lanes=lanes or LANES)
-    try:
-        if not ferry.plan(0, bank, dst):
-            return math.inf
-        dst_slots = torch.arange(n, dtype=torch.int32, device=device)
-
-        def move(src_slots):
-            ferry.post(0, src_slots, dst_slots)
-            ferry.wait(0)
-        seconds = _fastest(bank, device, n, repeats, move) / n
-        ferry.check()
-        return seconds
-    finally:
-        ferry.close()
 
 
 class GatherChoice(NamedTuple):

@@ -35,7 +35,6 @@ cut, while the graph between the two (queued, not waited for) runs the cached ex
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from typing import Callable, NamedTuple
@@ -45,7 +44,6 @@ import torch
 from moeferry.moe.bank import build_bank, pinnable, plan_loading
 from moeferry.moe.cpu_layers import resolve as resolve_cpu_layers
 from moeferry.moe.expert_cache import ExpertCache, LayerCounters
-from moeferry.moe.ferry import Ferry
 from moeferry.moe.layer_experts import LayerExperts
 from moeferry.moe.placement import Placement
 from moeferry.moe.resident import use_kernels
@@ -58,7 +56,6 @@ from moeferry.transfer import staged, to_device
 log = logging.getLogger("moeferry.moe")
 
 STAGING_SLOTS = 32  # slots per staging half (prefill streams a layer's misses in chunks of this)
-FERRY_ROWS = 256    # decode rows a ferry box takes (larger steps are not managed on the device)
 
 
 def choices(ids: torch.Tensor, guess: torch.Tensor | None) -> torch.Tensor:
@@ -94,16 +91,16 @@ def prefetch_programs(device: torch.device) -> int | None:
 
 
 class Landing(NamedTuple):
-    """A device-managed prefetch in flight: the event after its gather (or its post to the
-    ferry; None on the CPU), the tensors that read (kept alive until the compute stream has
-    waited for it), and its ferry box (None: gathered)."""
-    copies: "torch.cuda.Event | None"
+    """A device-managed prefetch in flight: its gather's event on the copy stream and the
+    tensors that gather reads (kept alive until the compute stream has waited for it)."""
+    copies: torch.cuda.Event
     reads: tuple
-    box: int | None = None
 
 
-def _micros(seconds: float | None) -> str:
-    return "not timed" if seconds is None else f"{seconds * 1e6:.0f} us"
+def _join(landing: Landing | None) -> None:
+    """The compute stream waits for a prefetch's gather on the copy stream."""
+    if landing is not None:
+        torch.cuda.current_stream().wait_event(landing.copies)
 
 
 Beside = Callable[[], tuple]  # the shared expert's gated term: (gate, value), added as out + gate * value
@@ -195,8 +192,6 @@ class OffloadBackend:
         # decode prefetch: only the offload lane, and only where copies can overlap compute
         self.prefetch = cfg.moe_decode_prefetch and name == "offload" and device.type == "cuda"
         self.prefetch_done: torch.cuda.Event | None = None  # the copies of the prefetch in flight
-        self.ferry: Ferry | None = None  # device-managed steps' misses by the copy engine (`moe.ferry`), if chosen
-        self.box_index: dict[int, int] = {}  # layer -> its pair of ferry boxes
         if cfg.moe_cpu_threads:
             torch.set_num_threads(cfg.moe_cpu_threads)
 
@@ -258,28 +253,19 @@ class OffloadBackend:
         holding its policy's `graph_steps` decode steps' experts: two for LRU (a step's own are
         never victims then, nor, while its prefetch places the next layer's, this layer's),
         three for LFU (its victims may be any slot outside the two calls it keeps: `cache_resolve`)."""
-        if self.ferry is not None:
-            kernel = rows * self.placed_per_row <= self.ferry.max_pairs
-        else:
-            kernel = self.gathers_ready or self.device.type == "cpu"
+        kernel = self.gathers_ready or self.device.type == "cpu"
         return (self.device_managed and self.name == "offload" and kernel and bool(self.caches)
                 and self._holds(rows, lambda c: c.policy.graph_steps))
 
     def _holds(self, rows: int, steps: Callable[[ExpertCache], int]) -> bool:
         """Every cache has slots for `steps(cache)` decode steps' experts of `rows` sequences."""
-        return all(c.num_slots >= steps(c) * rows * self.placed_per_row for c in self.distinct_caches)
-
-    @property
-    def placed_per_row(self) -> int:
-        """Experts a decode row places in a layer's cache at most: its top-k, or a wider guess."""
-        return max(self.spec.top_k, self.prefetch_width or 0)
+        per_row = max(self.spec.top_k, self.prefetch_width or 0)  # a wider guess places more a step
+        return all(c.num_slots >= steps(c) * rows * per_row for c in self.distinct_caches)
 
     def before_graph(self, rows: int) -> None:
         """Before a decode graph of `rows` sequences runs (or is captured): hand each cache's
         state to the device if the graph manages it there."""
         self.prefetch_join = None  # (an event of an earlier, failed capture is never waited for)
-        if self.ferry is not None:
-            self.ferry.check()  # the steps before went through it whole
         if not self.complete and self.steps_on_device(rows):
             self.settle()
             for c in self.distinct_caches:
@@ -296,8 +282,6 @@ class OffloadBackend:
         have placed experts whose copies never ran, so every cached expert is copied again
         from its bank (the state back on the host first)."""
         self.prefetch_join = None
-        if self.ferry is not None:
-            self.ferry.reset()  # a box posted and never waited for would pass the next wait early
         for c in self.distinct_caches:
             if c.on_device_state is not None:
                 c.reload(self.banks)
@@ -310,15 +294,7 @@ class OffloadBackend:
 
     def gather_ahead(self, nxt: "OffloadExperts", placed: tuple, side: "SideWork") -> None:
         """Device-managed: gather `placed` on the copy stream, after what the compute stream and
-        the side stream have queued so far (or post them to the ferry after the side stream's
-        placement); the next layer joins them (`take_prefetch`)."""
-        if self.ferry is not None:
-            box = self.box(nxt.layer, ahead=True)
-            with torch.cuda.stream(side.stream) if side.stream is not None else contextlib.nullcontext():
-                self.ferry.post(box, *placed)
-                event = side.stream.record_event() if side.stream is not None else None
-            self.prefetch_join = Landing(event, placed, box)
-            return
+        the side stream have queued so far; the next layer joins them (`take_prefetch`)."""
         stream = self.copy_stream
         if stream is None:  # in line (the CPU in tests): nothing to leave SMs to
             nxt.cache.buffer.copy_indexed(nxt.bank, *placed, self.prefetch_gather)
@@ -335,19 +311,6 @@ class OffloadBackend:
         """Work of a device-managed layer that its own gather need not wait for, on the side
         stream where there is one and `work_aside` is on (else in line)."""
         return SideWork(self.side_stream if self.work_aside else None)
-
-    def join(self, landing: Landing | None) -> None:
-        """The compute stream waits for a prefetch: its gather on the copy stream, or its box."""
-        if landing is None:
-            return
-        if landing.copies is not None:
-            torch.cuda.current_stream().wait_event(landing.copies)
-        if landing.box is not None:
-            self.ferry.wait(landing.box)
-
-    def box(self, layer: int, ahead: bool = False) -> int:
-        """The ferry's box of a layer's own misses, or of the prefetch of its experts."""
-        return 2 * self.box_index[layer] + int(ahead)
 
     def take_prefetch(self) -> "Landing | None":
         """The prefetch in flight for the layer about to run, now this layer's to join."""
@@ -422,37 +385,13 @@ class OffloadBackend:
             log.info("hybrid lanes: %s", self.split.describe())
 
     def _choose_transfer(self) -> None:
-        """Decode misses move by the one-launch gather kernel or by copies: measured, the faster
-        kept; then how decode graphs move theirs (`_choose_decode_fetch`)."""
+        """Decode misses move by the one-launch gather kernel or by copies: measured, the faster kept."""
         from moeferry.moe.bandwidth import choose_gather
-        bank = next(iter(self.banks.values()))
-        self.gather_kernel, faster, what, device_s = choose_gather(bank, self.device, self.prefetch_programs)
+        self.gather_kernel, faster, what, _ = choose_gather(next(iter(self.banks.values())), self.device,
+                                                            self.prefetch_programs)
         self.gather = self.gather_kernel if faster else None
         self.transfer_chosen = True
         log.info("expert fetches: %s", what)
-        self._choose_decode_fetch(bank, device_s[0] if device_s else None)
-
-    def _choose_decode_fetch(self, bank: SlotBuffer, gather_s: float | None) -> None:
-        """`--moe-decode-fetch`: the ferry where asked, or (auto, offload on CUDA) where it moved
-        an expert sooner than the gather kernel at boot; the gather kernel otherwise."""
-        mode = self.cfg.moe_decode_fetch
-        if self.name != "offload" or mode == "gather" or (mode == "auto" and self.device.type != "cuda"):
-            return
-        from moeferry.moe.bandwidth import time_ferry
-        try:
-            ferry_s = time_ferry(bank, self.device) if self.device.type == "cuda" else None
-        except (OSError, RuntimeError) as e:  # no C compiler or driver library; its thread never served a box
-            log.warning("decode misses in graphs: gather kernel (the ferry cannot run here: %s)", e)
-            return
-        rates = (f"ferry {_micros(ferry_s)}, gather kernel {_micros(gather_s)} an expert of "
-                 f"{bank.bytes_per_slot / 2**20:.2f} MiB")
-        if mode == "auto" and not (gather_s is None or ferry_s < gather_s):
-            log.info("decode misses in graphs: gather kernel (%s)", rates)
-            return
-        self.box_index = {layer: i for i, layer in enumerate(sorted(self.banks))}
-        self.ferry = Ferry(self.device, 2 * len(self.banks), FERRY_ROWS * self.placed_per_row)
-        log.info("decode misses in graphs: ferry, copy-engine copies by a host thread (%s%s)", rates,
-                 "; asked for" if mode == "ferry" else "")
 
     def _release_device(self) -> None:
         """Drop an earlier cache and staging area (finish() called again, e.g. after the probe)."""
@@ -522,17 +461,6 @@ class OffloadBackend:
             if ex.cache is not None:
                 ready &= all(ex.cache.buffer.gather_launch(ex.bank, c) is not None for c in configs)
         self.gathers_ready = ready
-        if self.ferry is not None and not self._plan_ferry():
-            log.warning("decode misses in graphs: gather kernel (a slot tensor's slots are not contiguous, which "
-                        "the ferry's copies need)")
-            self.ferry.close()
-            self.ferry = None
-
-    def _plan_ferry(self) -> bool:
-        """Each cached layer's two boxes: its bank into its cache, its own misses on the ferry's
-        own lanes, the prefetch of its experts on the prefetch's lanes."""
-        return all(self.ferry.plan(self.box(ex.layer, ahead), ex.bank, ex.cache.buffer, ahead)
-                   for ex in self.executors.values() if ex.cache is not None for ahead in (False, True))
 
     def stats(self) -> dict:
         caches = self.distinct_caches
@@ -725,27 +653,21 @@ class OffloadExperts:
         and every cache holds its policy's `graph_steps` steps' experts (`steps_on_device`)."""
         landed = self.b.take_prefetch()
         if not self.b.join_late:
-            self.b.join(landed)
+            _join(landed)
             landed = None
         flat = ids.reshape(-1)
         own = self.cache.resolve(self.layer, flat)
-        ferry = self.b.ferry
-        if ferry is not None:  # the host thread starts on them while the side work runs
-            ferry.post(self.b.box(self.layer), flat, own)
         ahead = ahead and self.next.cache is not None
         with self.b.side_work() as side:  # forked after this layer's placement (the cache state's order)
             placed = self.b.place_ahead(self.next, self._guess(x, ids).reshape(-1)) if ahead else None
             shared = beside() if beside is not None else None
         if placed is not None and self.b.prefetch_first:
             self.b.gather_ahead(self.next, placed, side)
-        if ferry is None:
-            self.cache.buffer.copy_indexed(self.bank, flat, own, self.b.gather_kernel, self.b.own_programs)
+        self.cache.buffer.copy_indexed(self.bank, flat, own, self.b.gather_kernel, self.b.own_programs)
         if placed is not None and not self.b.prefetch_first:
             self.b.gather_ahead(self.next, placed, side)
         side.join()
-        if ferry is not None:
-            ferry.wait(self.b.box(self.layer))
-        self.b.join(landed)
+        _join(landed)
         return _with_shared(self._run_cached(x, ids, weights), shared)
 
     def _lookup(self, needed: list[int]) -> list[int]:
