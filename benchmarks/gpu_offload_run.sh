@@ -24,8 +24,6 @@
 #   seed_10g  ballast leaving 10 GiB
 #   seed_int4 an int4_awq checkpoint (same geometry), the seed's flags
 #   bench     bench_serve.py: `moeferry bench serve` against both engines, BENCH_FLAGS, no ballast (issue 14)
-#   pages     host_pages.py: gather and copy rates from pinned memory by page backing (torch pinned, huge, small
-#             pages), the same 16 experts a launch against 16 random ones of 2 GiB (issue 11)
 #   numa      numa_h2d.py: host-to-device copy and gather rates from pinned memory on each NUMA node, and under
 #             the engine's policy (memory.numa: the GPU's node preferred) (issue 11)
 #   moe       quant_decode.py moe: the MoE decode path against the grouped-GEMM path (issue 13 item 3)
@@ -211,7 +209,7 @@ export SKEW T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFF
 print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__)' || exit 4
   fi
   needs_ckpt=0  # prep13 makes the checkpoint itself, alongside other work; some runs do not read it
-  for run in $RUNS; do case $run in prep|prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|prepbf16|prefill|loadcmp|bw|gputests|numa|pages|moe|sampling|inputs|skew|prepskew|e2e_skew|e2e_skew_widths|lanes) ;;
+  for run in $RUNS; do case $run in prep|prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|prepbf16|prefill|loadcmp|bw|gputests|numa|moe|sampling|inputs|skew|prepskew|e2e_skew|e2e_skew_widths|lanes) ;;
     *) needs_ckpt=1 ;; esac; done
   if [ "$needs_ckpt" = 1 ]; then
     step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; }
@@ -227,7 +225,6 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
                   && step seed_int4 250 360 seed seed_int4 --model "$WORK/ckpt_int4" ;;
       bench)    step bench 200 400 python3 benchmarks/bench_serve.py --model "$WORK/ckpt" --out "$WORK/bench" \
                   --flags "$BENCH_FLAGS" --ft-args "$FT_ARGS" --boot-timeout 180 --request-timeout 240 ${BENCH_ARGS:-} ;;
-      pages)    step pages 20 120 python3 benchmarks/host_pages.py --out "$WORK/pages" ;;
       numa)     step numa 20 120 bash -c "python3 benchmarks/numa_h2d.py --out $WORK/numa \
                   && python3 benchmarks/numa_h2d.py --prefer --out $WORK/numa" ;;
       moe)      step moe 200 480 python3 benchmarks/quant_decode.py moe --out "$WORK/moe" ;;

@@ -16,9 +16,6 @@ are read once first):
   resident before   per-expert reads, `pack`, one write per expert into the device slots
   resident after    one `HostStaging` for all timed layers (its buffers allocated at the first
                     layers, its placement's template from the second): every layer staged on the host
-  resident from files  the same with `from_files` (a layout's later layers go from spans of the
-                    mapped files to the device, no host staging; off in the resident backend,
-                    `moe.resident.FROM_FILES`, until this row has been timed on a GPU host)
 Banks are pinned with `--device cuda` (as the offload backends build them); resident slots go
 to `--device` (on the CPU the resident backend keeps the packed experts: no copy at all, so its
 row times only the read). `--load-model` also times a whole `load_model` per backend (1 and
@@ -124,7 +121,6 @@ def measure(model: str, device: torch.device, layers: int, threads: int) -> list
     reader, spec, w, moe = open_layers(model, layers)
     pin = device.type == "cuda"
     placement, staging = Placement(), HostStaging(pin=pin, depth=2)  # kept from layer to layer, as loading keeps them
-    files = HostStaging(pin=pin, depth=2, from_files=True)
     rows: dict[str, list[float]] = {}
     nbytes = 0
     for layer in moe:
@@ -147,7 +143,6 @@ def measure(model: str, device: torch.device, layers: int, threads: int) -> list
             cases["resident before"] = lambda: per_expert_slots(_layer_experts(w, spec, p, threads, mapped=False),
                                                                 device, False, threads)
             cases["resident after"] = lambda: resident_slots(_layer_experts(w, spec, p, threads), device, staging)
-            cases["resident from files"] = lambda: resident_slots(_layer_experts(w, spec, p, threads), device, files)
         for name, fn in cases.items():
             t, out = timed(fn, device)
             rows.setdefault(name, []).append(t)
@@ -158,30 +153,12 @@ def measure(model: str, device: torch.device, layers: int, threads: int) -> list
     return [(name, sum(ts) / len(ts), per_layer) for name, ts in zip(rows, steady)]
 
 
-def files_identical(model: str, device: torch.device, threads: int) -> str:
-    """Whether the file-span path (`HostStaging(from_files=True)`) puts the same bytes into device
-    slots as the staged path, on every MoE layer of the checkpoint's first four."""
-    reader, spec, w, moe = open_layers(model, 4)
-    pin = device.type == "cuda"
-    staged, files = HostStaging(pin=pin, depth=2), HostStaging(pin=pin, depth=2, from_files=True)
-    differ = []
-    for layer in moe:
-        p = f"model.layers.{layer}.mlp."
-        a = resident_slots(_layer_experts(w, spec, p, threads), device, staged)
-        b = resident_slots(_layer_experts(w, spec, p, threads), device, files)
-        differ += [f"layer {layer} {m}.{k}" for m in ("gate_up", "down")
-                   for k, t in getattr(a, m).tensors().items()
-                   if not torch.equal(t.view(torch.uint8), getattr(b, m).tensors()[k].view(torch.uint8))]
-    return (f"resident from files: byte-identical to the staged path on {len(moe)} layers" if not differ
-            else f"resident from files: DIFFERS from the staged path: {', '.join(differ)}")
-
-
 def resident_steady(model: str, device: torch.device, layers: int, threads: int) -> tuple[float, int]:
-    """The resident backend's placement of one MoE layer (the loader's read, the staging or the
-    file spans, the copy to `device`): seconds, the mean over `layers` layers but the first; the
+    """The resident backend's placement of one MoE layer (the loader's read, the staging, the
+    copy to `device`): seconds, the mean over `layers` layers but the first; the
     layer's expert bytes."""
     reader, spec, w, moe = open_layers(model, max(2, layers))
-    staging = HostStaging(pin=device.type == "cuda", depth=2)  # as the resident backend (FROM_FILES off)
+    staging = HostStaging(pin=device.type == "cuda", depth=2)  # as the resident backend
     times, nbytes = [], 0
     for layer in moe:
         ranges = expert_ranges(reader, layer)
@@ -270,8 +247,6 @@ def main() -> None:
                   f"{rows[0][2] / 1e9:.3f} GB of experts per layer", "",
                   "| path | s/layer | GB/s | s per 20 GB |", "|---|---|---|---|"]
         lines += [f"| {name} | {t:.3f} | {n / t / 1e9:.2f} | {20e9 / (n / t):.1f} |" for name, t, n in rows]
-        if device.type == "cuda":
-            lines += ["", files_identical(args.model, device, args.threads)]
     if args.load_model:
         lines += [""] + load_model_rows(args.model, args.compare, device, args.threads)
     if args.compare:

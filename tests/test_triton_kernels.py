@@ -399,26 +399,6 @@ def case_slot_gather(device, seed=11):
     return 0.0
 
 
-def case_copy_ranges(device, seed=14):
-    """Word ranges copied by address in one gather launch (how a layer's slots are filled from a
-    file span on the device): ranges shorter and longer than a block, into two tensors, bytes
-    outside them untouched."""
-    from moeferry.ops.triton.slot_gather import copy_ranges
-    g = _gen(seed)
-    src = torch.randint(-2**31, 2**31 - 1, (5000,), generator=g, dtype=torch.int32).to(device)
-    dst = [torch.randint(-2**31, 2**31 - 1, (n,), generator=g, dtype=torch.int32).to(device) for n in (3000, 40)]
-    ref = [d.cpu().clone() for d in dst]
-    ranges = [(0, 0, 0, 10), (17, 0, 800, 2100), (4000, 1, 3, 37), (3600, 0, 2990, 7), (9, 0, 20, 700)]
-    moves = []
-    for at, which, to, words in ranges:
-        moves.append((src.data_ptr() + 4 * at, dst[which].data_ptr() + 4 * to, words))
-        ref[which][to:to + words] = src.cpu()[at:at + words]
-    copy_ranges(moves, torch.device(device), block=1024, warps=4)
-    for d, r in zip(dst, ref):
-        assert torch.equal(d.cpu(), r), "copied ranges differ"
-    return 0.0
-
-
 def case_slot_gather_indexed(device, seed=12):
     """The gather from slot lists on the device (as a CUDA graph runs it): a negative
     destination moves nothing; int64 sources (router ids) and int32 destinations; whole 16-byte

@@ -152,76 +152,6 @@ class _Template:
                 srcs.append(data[a:a + p.nbytes].view(p.dtype).expand(p.count))
         return LayerCopies(moves, (dsts, srcs))
 
-    def file_copies(self, reader: "CheckpointReader", prefix: str, buf: "SlotBuffer") -> "FileCopies | None":
-        """The copies of the layer at `prefix` into `buf` as parts of the mapped files (None: as
-        `instantiate`, or a part is not whole 32-bit words where it starts, ends and lands)."""
-        found = self._sources(reader, prefix)
-        tensors = _slot_tensors(buf)
-        if found is None or any(not t.is_contiguous() or t.numel() * t.element_size() < end
-                                for t, end in zip(tensors, self.extents)):
-            return None
-        plain, broadcasts = [], []
-        for p in self.parts:
-            data, start = found[p.src]
-            a = start + p.src_off
-            size = p.nbytes * max(1, p.count)
-            if p.dst_off % 4 or size % 4 or (not p.count and a % 4) or (p.count and a % p.nbytes):
-                return None
-            if p.count:
-                broadcasts.append((data[a:a + p.nbytes].view(p.dtype), p))
-            else:
-                plain.append((data, a, p))
-        return FileCopies(plain, broadcasts, tensors)
-
-
-class FileCopies:
-    """A templated layer's copies straight from the mapped files into slots on a device, with no
-    host staging: each file's parts go over in spans of the file (one host-to-device copy each,
-    at most SPAN_BYTES, so the device holds one span beside the slots), and one launch of the
-    gather kernel per span moves every part's words into place (`slot_gather.copy_ranges`); the
-    broadcast parts (an element repeated) are expanded on the host into one small image first."""
-
-    SPAN_BYTES = 64 << 20
-
-    def __init__(self, plain: list, broadcasts: list, tensors: list[torch.Tensor]):
-        self.plain, self.broadcasts, self.tensors = plain, broadcasts, tensors
-
-    def run(self) -> None:
-        from moeferry.ops.triton.slot_gather import copy_ranges
-
-        device = self.tensors[0].device
-        bases = [t.data_ptr() for t in self.tensors]
-        for data, lo, hi, parts in self._spans():
-            span = torch.empty(hi - lo, dtype=torch.uint8, device=device)
-            span.copy_(data[lo:hi])
-            copy_ranges([(span.data_ptr() + a - lo, bases[p.dst] + p.dst_off, p.nbytes // 4) for a, p in parts],
-                        device)
-        if self.broadcasts:
-            image = torch.cat([v.repeat(p.count).view(torch.uint8) for v, p in self.broadcasts])
-            image, at = image.to(device), 0
-            moves = []
-            for _, p in self.broadcasts:
-                moves.append((image.data_ptr() + at, bases[p.dst] + p.dst_off, p.nbytes * p.count // 4))
-                at += p.nbytes * p.count
-            copy_ranges(moves, device)
-
-    def _spans(self):
-        """(file data, lo, hi, [(offset, part)]) per span: each file's parts by offset, a new span
-        where the next part would take it past SPAN_BYTES (a larger part is a span of its own)."""
-        by_file: dict[int, tuple[torch.Tensor, list]] = {}
-        for data, a, p in self.plain:
-            by_file.setdefault(data.data_ptr(), (data, []))[1].append((a, p))
-        for data, parts in by_file.values():
-            parts.sort(key=lambda ap: ap[0])
-            group: list = []
-            for a, p in parts:
-                if group and a + p.nbytes - group[0][0] > self.SPAN_BYTES:
-                    yield data, group[0][0], max(b + q.nbytes for b, q in group), group
-                    group = []
-                group.append((a, p))
-            if group:
-                yield data, group[0][0], max(b + q.nbytes for b, q in group), group
-
 
 @dataclass
 class LayerCopies:
@@ -276,33 +206,19 @@ def _part(dst: torch.Tensor, src: torch.Tensor, bases, index: _SourceIndex, pref
 
 class Placement:
     """Places layers one after another, keeping a template per slot layout (see module doc); a
-    templated layer's byte copies run on `threads` threads, or go from the files to a device
-    (`fill_from_files`). `templated` / `plain` / `from_files`: layers placed each way (the log and
-    tests read them)."""
+    templated layer's byte copies run on `threads` threads. `templated` / `plain`: layers placed
+    each way (the log and tests read them)."""
 
     def __init__(self, threads: int | None = None):
         self._templates: dict[tuple, _Template | None] = {}
         self._index: _SourceIndex | None = None
         self.threads = threads or min(8, os.cpu_count() or 1)
-        self.templated = self.plain = self.from_files = 0
+        self.templated = self.plain = 0
 
     @staticmethod
     def _key(buf: "SlotBuffer", experts: LayerExperts, extra: Sequence[ExpertWeights]) -> tuple:
         return (experts.format, experts.num_experts, len(extra),
                 tuple((t.shape[1:], t.dtype) for t in _slot_tensors(buf)))
-
-    def fill_from_files(self, buf: "SlotBuffer", experts: LayerExperts, extra: Sequence[ExpertWeights] = ()) -> bool:
-        """`fill` of a buffer on a device straight from the mapped files (`FileCopies`), when a
-        layer of this layout placed before left a template; False: nothing was done (no template,
-        or the layer cannot be placed so: `fill` it on the host and copy the buffer over)."""
-        source = experts.source
-        template = self._templates.get(self._key(buf, experts, extra)) if source is not None else None
-        copies = template.file_copies(source.reader, source.prefix, buf) if template is not None else None
-        if copies is None:
-            return False
-        copies.run()
-        self.from_files += 1
-        return True
 
     def fill(self, buf: "SlotBuffer", experts: LayerExperts, extra: Sequence[ExpertWeights] = ()) -> None:
         """Slot s of `buf` <- experts.experts[s], then `extra` (e.g. the shared expert) after them."""

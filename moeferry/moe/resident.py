@@ -15,9 +15,6 @@ from moeferry.ops.moe import experts_reference
 
 log = logging.getLogger(__name__)
 
-FROM_FILES = False  # HostStaging(from_files=...) for resident slots on CUDA: untimed on a GPU host, off
-
-
 class DenseExperts:
     """Reference executor over stacked unquantized experts: gate_up [E, 2I, H] (gate rows first), down [E, H, I]."""
 
@@ -116,9 +113,7 @@ class ResidentBackend:
             from moeferry.moe.triton_experts import TritonExperts
 
             if self.staging is None:  # two page-locked host buffers per slot layout, reused by every layer
-                # (`from_files`, the layers after a layout's first straight from file spans, stays off
-                # until `benchmarks/load_speed.py` has timed it on a GPU host)
-                self.staging = HostStaging(pin=self.device.type == "cuda", depth=2, from_files=FROM_FILES)
+                self.staging = HostStaging(pin=self.device.type == "cuda", depth=2)
             buf = self.staging.to_device(experts, [shared] if shared is not None else [], self.device)
             ex = TritonExperts(buf, torch.arange(experts.num_experts, dtype=torch.int32, device=self.device),
                                shared_slot=experts.num_experts if shared is not None else -1)
@@ -135,8 +130,8 @@ class ResidentBackend:
         """All layers are added: the host staging buffers are freed."""
         if self.staging is not None:
             placed = self.staging.placement
-            log.info("resident experts: %d layers placed from spans of the mapped files, %d through page-locked "
-                     "host buffers", placed.from_files, placed.templated + placed.plain)
+            log.info("resident experts: %d layers placed through page-locked host buffers (%d from the first "
+                     "layer's template)", placed.templated + placed.plain, placed.templated)
             self.staging.release()
             self.staging = None
 

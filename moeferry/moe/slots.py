@@ -259,12 +259,10 @@ class HostStaging:
     formats. With `depth` 2, `to_device` leaves a layer's copy running while the next layer is
     packed into the other buffer (a buffer is refilled only after its copy is done). Layers are
     packed by one `Placement` (its templates skip the per-expert work after a layout's first
-    layer). With `from_files`, a layout's later layers skip the host buffers: `to_device` fills
-    their device slots from spans of the mapped files (`Placement.fill_from_files`) where the
-    template allows. `release()` frees them after loading."""
+    layer). `release()` frees them after loading."""
 
-    def __init__(self, pin: bool, depth: int = 1, from_files: bool = False):
-        self.pin, self.depth, self.from_files = pin, depth, from_files
+    def __init__(self, pin: bool, depth: int = 1):
+        self.pin, self.depth = pin, depth
         self._buffers: dict[tuple, list[list]] = {}  # layout -> [[buffer, its copy's event or None], ...]
         self._turn: dict[tuple, int] = {}
         self.placement = Placement()
@@ -293,14 +291,7 @@ class HostStaging:
     def to_device(self, experts: LayerExperts, extra: Sequence[ExpertWeights], device) -> SlotBuffer:
         """The layer's slots on `device`; from page-locked buffers (CUDA) the copy is left running
         on the current stream, and the buffer is refilled only after it."""
-        key = self._key(experts, extra)
-        ring = self._buffers.get(key) if self.from_files else None
-        if ring:  # a layer of this layout was staged: its template may place this one from the files
-            like = ring[0][0]
-            out = SlotBuffer.allocate_like(like, like.num_slots, device)
-            if self.placement.fill_from_files(out, experts, extra):
-                return out
-        entry = self._fill(experts, extra, key)
+        entry = self._fill(experts, extra, self._key(experts, extra))
         out = entry[0].to(device, non_blocking=self.pin)
         if self.pin:
             entry[1] = torch.cuda.Event()

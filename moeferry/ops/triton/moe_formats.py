@@ -40,7 +40,6 @@ import triton
 import triton.language as tl
 
 from moeferry.checkpoint.formats.fp4 import E2M1_VALUES, unpack_nibbles
-from moeferry.memory import pinned
 
 from .nibble_gemv import FP4_RANGE, INT4_RANGE, fp4_gemv, int4_gemv
 
@@ -375,11 +374,8 @@ class MoEKernel:
         `pin`: in page-locked host memory (host expert banks that the device copies from)."""
         tensors, meta = self.pack(example)
         n = sum(w.out_features for w in example)
-        shapes = {k: ((num_slots, *t.shape), t.dtype) for k, t in tensors.items()}
-        if pin and pinned.BANKS:  # one mapping on huge pages for the matrix's tensors (`memory.pinned`)
-            stacked = pinned.pinned_tensors(shapes)
-        else:
-            stacked = {k: torch.empty(s, dtype=d, device=device, pin_memory=pin) for k, (s, d) in shapes.items()}
+        stacked = {k: torch.empty((num_slots, *t.shape), dtype=t.dtype, device=device, pin_memory=pin)
+                   for k, t in tensors.items()}
         return SlotMatrix(self, n, example[0].in_features, part or n, **stacked, **meta)
 
 

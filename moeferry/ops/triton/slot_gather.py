@@ -19,8 +19,6 @@ from the descriptor carries no alignment the compiler could use).
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 import triton
 import triton.language as tl
@@ -145,21 +143,3 @@ class SlotGather:
         if grid:
             _gather_kernel[(grid,)](self.desc, self.pieces, src_slots, dst_slots, *self.base, items, len(self.pieces),
                                     BLOCK=self.block, VEC=self.vec, num_warps=self.warps)
-
-
-def copy_ranges(moves: list[tuple[int, int, int]], device: torch.device, block: int = 8192, warps: int = 8) -> None:
-    """dst[:words] = src[:words] (32-bit words) for every (source address, destination address,
-    words) in `moves`, memory of `device`, in one launch of the gather kernel: the ranges are the
-    tensors of one expert moved from slot 0 to slot 0 (the word path: addresses as integers).
-    Elsewhere (no CUDA, no interpreter) the plain reference: a `memmove` per range."""
-    if not moves:
-        return
-    if not use_triton(torch.empty(0, device=device)):
-        for src, dst, words in moves:
-            ctypes.memmove(dst, src, 4 * words)
-        return
-    desc = torch.tensor([[src, dst, 0, 0, words] for src, dst, words in moves], dtype=torch.int64).to(device)
-    pieces = _pieces([words for _, _, words in moves], block, device)
-    zero = torch.zeros(1, dtype=torch.int32, device=device)
-    _gather_kernel[(len(pieces),)](desc, pieces, zero, zero, zero, zero, len(pieces), len(pieces), BLOCK=block,
-                                   VEC=False, num_warps=warps)
