@@ -15,6 +15,7 @@ from moeferry.ops.moe import experts_reference
 
 log = logging.getLogger(__name__)
 
+
 class DenseExperts:
     """Reference executor over stacked unquantized experts: gate_up [E, 2I, H] (gate rows first), down [E, H, I]."""
 
