@@ -55,7 +55,7 @@ def _found_or_built(source: Path, path: Path, flag_sets, libs) -> list[str]:
     return flags_file.read_text().split() if flags_file.is_file() else []
 
 
-def library(source: Path, flag_sets, libs=(), load=None):
+def library(source: Path, flag_sets, libs, load):
     """`load(path, flags)` of `source` built (or found) in the user cache directory, else the
     temporary directory. OSError naming every place tried when none works (no compiler, or
     it refused every flag set: other places are not tried then)."""
