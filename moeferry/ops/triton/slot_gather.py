@@ -23,8 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import use_triton
-
 # (words per program, warps, vec): a pinned host read's latency is hidden by the reads in flight,
 # which these trade against the programs' count; vec: 16-byte accesses where the tensors allow
 # (else the same config in words, so no config asks for words only); the offload backend times
