@@ -531,9 +531,21 @@ def device_timeline(engine, log, batch: int, steps: int = 4, top: int = 12) -> d
         f"running {out['idle_us']} us; busy by stream {out['busy_us_by_stream']}; gathers by stream "
         f"{out['gather_us_by_stream']}")
     out["kernels_by_stream"] = {k: {str(st): round(us, 1) for st, us in by_stream[k].items()} for k in out["kernels"]}
+    out["events"] = kernel_events(kernels)
     for k, (t, n) in out["kernels"].items():
         log(f"    {t:8.1f} us  x{n:4d}  {k[:90]}  by stream {out['kernels_by_stream'][k]}")
     return out
+
+
+def kernel_events(kernels) -> dict:
+    """Every profiled kernel as [stream, start us, duration us, name index] (start from the first
+    kernel's), in start order, with the names they index: the timeline itself, to read offline
+    where the link and the SMs wait."""
+    t0 = min(e.time_range.start for e in kernels)
+    names: dict = {}
+    rows = [[getattr(e, "device_resource_id", 0), round(e.time_range.start - t0, 1), round(e.time_range.elapsed_us(), 1),
+             names.setdefault(e.name, len(names))] for e in sorted(kernels, key=lambda e: e.time_range.start)]
+    return {"names": list(names), "rows": rows}
 
 
 def attempt(log, fn, *args):
