@@ -537,6 +537,79 @@ def device_timeline(engine, log, batch: int, steps: int = 4, top: int = 12) -> d
     return out
 
 
+def launch_gaps(engine, log, batch: int = 1, steps: int = 16) -> dict:
+    """Where a graph-replayed decode step's time outside its kernels goes. Three ways of running
+    the captured step of `batch` rows: the benchmark's loop (each step's tokens read on the host
+    before the next step's inputs are written: `decode_rate`); replays back to back with no host
+    read between (a random token written on the device before each, so the routing changes as in
+    decoding), timed by CUDA events, and each `replay` call's host time; and, under the profiler
+    (CPU and CUDA), each graph launch's host call and the time from its start to the graph's
+    first kernel, and between one replay's last kernel and the next one's first."""
+    from torch.profiler import ProfilerActivity, profile
+    graphs = engine.graphs
+    out = {"loop_tok_s": round(decode_rate(engine, batch, steps=steps, warmup=4), 1)}
+    step, _ = graphs.graphs[next(s for s in graphs.sizes if s >= batch)]
+    tok = graphs.tokens[0, :batch]
+
+    def back_to_back(n: int) -> tuple[float, list[float]]:
+        start, end, host = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), []
+        sync()
+        start.record()
+        for _ in range(n):
+            tok.random_(0, engine.spec.vocab_size)
+            t = time.perf_counter()
+            step.replay(batch)
+            host.append((time.perf_counter() - t) * 1e3)
+        end.record()
+        sync()
+        return start.elapsed_time(end) / n, host
+
+    back_to_back(4)
+    ms, host = back_to_back(steps)
+    host.sort()
+    out.update(back_to_back_ms=round(ms, 3), back_to_back_tok_s=round(batch * 1e3 / ms, 1),
+               replay_host_ms_median=round(host[len(host) // 2], 3), replay_host_ms_max=round(host[-1], 3))
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    with prof:
+        decode_rate(engine, batch, steps=3, warmup=0)
+        back_to_back(3)
+    ev = prof.events()
+    launches = sorted((e.time_range.start, e.time_range.elapsed_us()) for e in ev if e.name == "cudaGraphLaunch")
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in ev
+                     if e.device_type.name == "CUDA" and "Memcpy" not in e.name and "Memset" not in e.name)
+    rows = []
+    for i, (t0, dur) in enumerate(launches):
+        t1 = launches[i + 1][0] if i + 1 < len(launches) else float("inf")
+        mine = [k for k in kernels if t0 <= k[0] < t1]
+        before = [k[1] for k in kernels if k[0] < t0]
+        if mine:
+            idle_before = mine[0][0] - max(before[-1] if before else t0, t0)
+            rows.append([round(dur, 1), round(mine[0][0] - t0, 1), round(max(idle_before, 0.0), 1)])
+    out["launches"] = rows  # [host us of cudaGraphLaunch, its start to the first kernel, GPU idle before that kernel]
+    log(f"  launch gaps b{batch}: loop {out['loop_tok_s']} tok/s; back to back {out['back_to_back_ms']} ms a step "
+        f"({out['back_to_back_tok_s']} tok/s), replay() host {out['replay_host_ms_median']} ms median, "
+        f"{out['replay_host_ms_max']} max; profiled launches [host us, to first kernel us, GPU idle before it us]: {rows}")
+    return out
+
+
+def launch_variants(engine, log) -> dict:
+    """`launch_gaps` at b1 with the step's streams as configured, with its side work in line, and with
+    neither side work nor prefetch (one stream): whether the graph's branches cost its start."""
+    backend, res = engine.experts, {}
+    saved = backend.work_aside, backend.prefetch
+    try:
+        for name, aside, prefetch in (("default", saved[0], saved[1]), ("side work in line", False, saved[1]),
+                                      ("one stream", False, False)):
+            backend.work_aside, backend.prefetch = aside, prefetch
+            engine.graphs.invalidate()
+            log(f"  {name}:")
+            res[name] = attempt(log, launch_gaps, engine, log)
+    finally:
+        backend.work_aside, backend.prefetch = saved
+        engine.graphs.invalidate()
+    return res
+
+
 def kernel_events(kernels) -> dict:
     """Every profiled kernel as [stream, start us, duration us, name index] (start from the first
     kernel's), in start order, with the names they index: the timeline itself, to read offline
@@ -626,7 +699,7 @@ def width_variants(engine, log, widths: list[int] | None = None) -> dict:
 
 
 def bench_offload(engine, slots: int, out: dict, log, policies: list[str], orders: bool = False,
-                  widths: list[int] | None = None, aside: bool = False) -> dict:
+                  widths: list[int] | None = None, aside: bool = False, launch: bool = False) -> dict:
     """Offload decode through a partial cache three ways: graphs with the cache managed on the
     device (the default where it can be), piecewise graphs (host-managed), eager; then where a
     piecewise step's time goes. `policies`: instead, the default mode under each eviction policy
@@ -646,6 +719,8 @@ def bench_offload(engine, slots: int, out: dict, log, policies: list[str], order
             out["prefetch_widths"] = attempt(log, width_variants, engine, log, widths)
         if aside and backend.graph_mode(engine.graphs.max_batch) == "device":
             out["aside"] = attempt(log, aside_variants, engine, log)
+        if launch and backend.graph_mode(engine.graphs.max_batch) == "device":
+            out["launch"] = attempt(log, launch_variants, engine, log)
         attempt(log, scheduler_rates, engine, out, log)  # under the last policy
         return out
     offload_rates(engine, out, mode or "eager", log)
@@ -682,7 +757,7 @@ def bench_e2e(args, log):
     out = dict(load_s=load_s, checkpoint=args.checkpoint)
     if args.offload:  # decode through a partial cache: device-managed graphs, piecewise, eager; the breakdown
         return bench_offload(engine, args.offload, out, log, [p for p in args.policies.split(",") if p], args.orders,
-                             [int(w) for w in args.widths.split(",") if w], args.aside)
+                             [int(w) for w in args.widths.split(",") if w], args.aside, args.launch)
     for b in (1, 4, 16):
         out[f"b{b}"] = decode_rate(engine, b)
     out["graphs"] = graphs_state(engine.graphs)
@@ -737,6 +812,9 @@ def main():
                     "decode prefetch guessing each of these many experts a row (e.g. 4,6,8)")
     ap.add_argument("--aside", action="store_true", help="e2e --offload --policies: then device-managed decode "
                     "with the side stream on and off (a layer's guess, placement and shared expert beside its gather)")
+    ap.add_argument("--launch", action="store_true", help="e2e --offload --policies: then where a device-managed "
+                    "b1 step's time outside its kernels goes (graph launches), with the step's streams as configured, "
+                    "its side work in line, and one stream")
     ap.add_argument("--forms", default="", help="dense: device forms to run (default all)")
     ap.add_argument("--rows", default="1,4,16,4096", help="dense: values of M")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (set MOEFERRY_TRITON_INTERPRET=1)")
