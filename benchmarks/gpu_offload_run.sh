@@ -52,6 +52,8 @@
 #   e2e_launch  quant_decode.py e2e --offload CACHE_SIZE --policies lru --launch: where a device-managed b1 step's time
 #             outside its kernels goes (graph launches: host call, start to first kernel, back-to-back replays), with the
 #             step's streams as configured, its side work in line and one stream (no ballast)
+#   e2e_budget  quant_decode.py e2e --offload CACHE_SIZE --policies lru --budgets: device-managed decode with the prefetch
+#             guessing 4-8 a row and copying at most 2-3 of them, sync loop and back-to-back replays (no ballast)
 #   e2e_skew_widths  the same on skew's checkpoint under lfu (WIDTHS default 4,6,8)
 #   e2e_skew  quant_decode.py e2e --offload CACHE_SIZE --policies lru,lfu --orders on skew's checkpoint: in-process
 #             device-managed decode under each policy, then the prefetch started before / after the layer's own gather
@@ -260,6 +262,8 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
                   --offload "$CACHE_SIZE" --policies lru --widths "${WIDTHS:-4,5,6,7,8}" ;;
       e2e_launch) step e2e_launch 150 300 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e_launch" \
                   --offload "$CACHE_SIZE" --policies lru --launch ;;
+      e2e_budget) step e2e_budget 150 360 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e_budget" \
+                  --offload "$CACHE_SIZE" --policies lru --budgets ;;
       e2e_aside) step e2e_aside 150 300 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e_aside" \
                   --offload "$CACHE_SIZE" --policies lru --aside ;;
       e2e_skew_widths) step make_skew 200 300 make_ckpt "$WORK/ckpt_skew" "$SKEW" \

@@ -537,6 +537,51 @@ def device_timeline(engine, log, batch: int, steps: int = 4, top: int = 12) -> d
     return out
 
 
+def back_to_back(engine, batch: int, n: int) -> tuple[float, list[float]]:
+    """n replays of the captured decode step of `batch` rows with no host read between (a random
+    token written on the device before each, so the routing changes as in decoding): ms a step by
+    CUDA events, and each `replay` call's host ms. What a server's overlapped steps approach."""
+    graphs = engine.graphs
+    step, _ = graphs.graphs[next(s for s in graphs.sizes if s >= batch)]
+    tok = graphs.tokens[0, :batch]
+    start, end, host = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), []
+    sync()
+    start.record()
+    for _ in range(n):
+        tok.random_(0, engine.spec.vocab_size)
+        t = time.perf_counter()
+        step.replay(batch)
+        host.append((time.perf_counter() - t) * 1e3)
+    end.record()
+    sync()
+    return start.elapsed_time(end) / n, host
+
+
+def budget_variants(engine, log, combos=((None, None), (6, 2), (6, 3), (8, 2), (8, 3), (5, None))) -> dict:
+    """Device-managed decode with the prefetch guessing `width` experts a row and copying at most
+    `budget` of them a row (the best ranked not cached; None: the default width, every guess):
+    the sync loop's b1/b4 (`offload_rates`) and back-to-back replays' b1/b4 (`back_to_back`: the
+    host's share taken out, as a server's overlapped steps do)."""
+    backend, res = engine.experts, {}
+    saved = backend.prefetch_width, backend.prefetch_budget
+    try:
+        for width, budget in combos:
+            backend.prefetch_width, backend.prefetch_budget = width or saved[0], budget
+            engine.graphs.invalidate()
+            name, row = f"guess {width or saved[0]}, budget {budget or 'all'}", {}
+            offload_rates(engine, row, name, log, steps=64, warmup=32)
+            for b in (1, 4):
+                back_to_back(engine, b, 8)
+                ms, _ = back_to_back(engine, b, 48)
+                row[f"back_to_back_b{b}"] = round(b * 1e3 / ms, 1)
+            log(f"    back to back: b1 {row['back_to_back_b1']} tok/s  b4 {row['back_to_back_b4']} tok/s")
+            res[name] = row
+    finally:
+        backend.prefetch_width, backend.prefetch_budget = saved
+        engine.graphs.invalidate()
+    return res
+
+
 def launch_gaps(engine, log, batch: int = 1, steps: int = 16) -> dict:
     """Where a graph-replayed decode step's time outside its kernels goes. Three ways of running
     the captured step of `batch` rows: the benchmark's loop (each step's tokens read on the host
@@ -546,33 +591,16 @@ def launch_gaps(engine, log, batch: int = 1, steps: int = 16) -> dict:
     (CPU and CUDA), each graph launch's host call and the time from its start to the graph's
     first kernel, and between one replay's last kernel and the next one's first."""
     from torch.profiler import ProfilerActivity, profile
-    graphs = engine.graphs
     out = {"loop_tok_s": round(decode_rate(engine, batch, steps=steps, warmup=4), 1)}
-    step, _ = graphs.graphs[next(s for s in graphs.sizes if s >= batch)]
-    tok = graphs.tokens[0, :batch]
-
-    def back_to_back(n: int) -> tuple[float, list[float]]:
-        start, end, host = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), []
-        sync()
-        start.record()
-        for _ in range(n):
-            tok.random_(0, engine.spec.vocab_size)
-            t = time.perf_counter()
-            step.replay(batch)
-            host.append((time.perf_counter() - t) * 1e3)
-        end.record()
-        sync()
-        return start.elapsed_time(end) / n, host
-
-    back_to_back(4)
-    ms, host = back_to_back(steps)
+    back_to_back(engine, batch, 4)
+    ms, host = back_to_back(engine, batch, steps)
     host.sort()
     out.update(back_to_back_ms=round(ms, 3), back_to_back_tok_s=round(batch * 1e3 / ms, 1),
                replay_host_ms_median=round(host[len(host) // 2], 3), replay_host_ms_max=round(host[-1], 3))
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     with prof:
         decode_rate(engine, batch, steps=3, warmup=0)
-        back_to_back(3)
+        back_to_back(engine, batch, 3)
     ev = prof.events()
     launches = sorted((e.time_range.start, e.time_range.elapsed_us()) for e in ev if e.name.startswith("cudaGraphLaunch"))
     kernels = sorted((e.time_range.start, e.time_range.end) for e in ev
@@ -699,7 +727,8 @@ def width_variants(engine, log, widths: list[int] | None = None) -> dict:
 
 
 def bench_offload(engine, slots: int, out: dict, log, policies: list[str], orders: bool = False,
-                  widths: list[int] | None = None, aside: bool = False, launch: bool = False) -> dict:
+                  widths: list[int] | None = None, aside: bool = False, launch: bool = False,
+                  budgets: bool = False) -> dict:
     """Offload decode through a partial cache three ways: graphs with the cache managed on the
     device (the default where it can be), piecewise graphs (host-managed), eager; then where a
     piecewise step's time goes. `policies`: instead, the default mode under each eviction policy
@@ -721,6 +750,8 @@ def bench_offload(engine, slots: int, out: dict, log, policies: list[str], order
             out["aside"] = attempt(log, aside_variants, engine, log)
         if launch and backend.graph_mode(engine.graphs.max_batch) == "device":
             out["launch"] = attempt(log, launch_variants, engine, log)
+        if budgets and backend.graph_mode(engine.graphs.max_batch) == "device":
+            out["budgets"] = attempt(log, budget_variants, engine, log)
         attempt(log, scheduler_rates, engine, out, log)  # under the last policy
         return out
     offload_rates(engine, out, mode or "eager", log)
@@ -757,7 +788,8 @@ def bench_e2e(args, log):
     out = dict(load_s=load_s, checkpoint=args.checkpoint)
     if args.offload:  # decode through a partial cache: device-managed graphs, piecewise, eager; the breakdown
         return bench_offload(engine, args.offload, out, log, [p for p in args.policies.split(",") if p], args.orders,
-                             [int(w) for w in args.widths.split(",") if w], args.aside, args.launch)
+                             [int(w) for w in args.widths.split(",") if w], args.aside, args.launch,
+                             args.budgets)
     for b in (1, 4, 16):
         out[f"b{b}"] = decode_rate(engine, b)
     out["graphs"] = graphs_state(engine.graphs)
@@ -815,6 +847,8 @@ def main():
     ap.add_argument("--launch", action="store_true", help="e2e --offload --policies: then where a device-managed "
                     "b1 step's time outside its kernels goes (graph launches), with the step's streams as configured, "
                     "its side work in line, and one stream")
+    ap.add_argument("--budgets", action="store_true", help="e2e --offload --policies: then device-managed decode "
+                    "with the prefetch guessing 4-8 a row and copying at most 2-3 of them (sync loop and back to back)")
     ap.add_argument("--forms", default="", help="dense: device forms to run (default all)")
     ap.add_argument("--rows", default="1,4,16,4096", help="dense: values of M")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (set MOEFERRY_TRITON_INTERPRET=1)")

@@ -630,6 +630,33 @@ def test_device_managed_decode_equals_resident(arch, preset, prefetch, policy, c
     assert (s["cpu_experts"] > 0) == bool(cpu_layers)
 
 
+def test_prefetch_budget_copies_the_best_guesses(ckpt, ref_logits, monkeypatch):
+    """A device-managed prefetch guessing the whole top-k with a budget of one miss a row: each
+    placement copies at most one expert a row, the best ranked of those not cached (over the rows,
+    best rank first), and the logits stay resident's, alone and batched."""
+    llm = build(ckpt, "qwen3_moe", "bf16", "offload-25%", moe_cache_size=24)
+    backend = llm.engine.experts
+    backend.prefetch, backend.prefetch_width, backend.prefetch_budget = True, 2, 1
+    placed = []
+    plain = type(backend).place_ahead
+
+    def place_ahead(self, nxt, guess):
+        cached = set((nxt.cache.table.table[nxt.cache.row_of[nxt.layer]] >= 0).nonzero().flatten().tolist())
+        flat, slots = plain(self, nxt, guess)
+        assert torch.equal(flat, guess.t().reshape(-1))  # rank-major
+        missing = [e for e in dict.fromkeys(flat.tolist()) if e not in cached]
+        copied = [e for e, s in zip(flat.tolist(), slots.tolist()) if s >= 0]
+        assert copied == missing[:guess.shape[0]], (copied, missing)
+        placed.append(len(copied))
+        return flat, slots
+
+    monkeypatch.setattr(type(backend), "place_ahead", place_ahead)
+    decode_on_device(llm, monkeypatch)
+    for g, w in zip(llm.logits_batch(BATCH, [5, 3, 1]), ref_logits("qwen3_moe", "bf16", BATCH, [5, 3, 1])):
+        assert rel_err(g, w) <= TOL
+    assert placed and max(placed) >= 1
+
+
 def test_prefetch_gather_has_its_own_launch_shape(ckpt, ref_logits, monkeypatch):
     """The device-managed prefetch gathers in `prefetch_gather` (set apart from the own misses'
     `gather_kernel`): setting it makes each cache's gather in that shape at once (not inside

@@ -40,7 +40,7 @@ def _compile(fn, signature: dict, constants: dict, attrs: dict | None = None):
 def test_cache_resolve_compiles(prefetch, lfu, n, s):
     sig = {"ids_ptr": "*i64", "n": "i32", "table_ptr": "*i32", "owner_ptr": "*i32", "stamp_ptr": "*i64",
            "flag_ptr": "*i8", "prio_ptr": "*i64", "uses_ptr": "*i32", "state_ptr": "*i64", "dst_ptr": "*i32",
-           "count_ptr": "*i64", "key_base": "i32", "num_slots": "i32", "PREFETCH": "constexpr", "LFU": "constexpr",
+           "count_ptr": "*i64", "key_base": "i32", "num_slots": "i32", "budget": "i32", "PREFETCH": "constexpr", "LFU": "constexpr",
            "N": "constexpr", "S": "constexpr"}
     constants = {"PREFETCH": prefetch, "LFU": lfu, "N": n, "S": s}
     assert "cubin" in _compile(cache_resolve._resolve_kernel, sig, constants).asm

@@ -433,8 +433,8 @@ def _gather_indexed_once(device, g, widths, vec, config, programs=None):
 
 def case_cache_resolve(device, seed=13):
     """The device cache's lookup + eviction kernel against its CPU reference, LRU and LFU, call
-    after call on the same state (steps and prefetches, repeated ids, a cache filling from
-    empty, two table rows): the slots chosen, table, owners, stamps, flags, priorities, uses,
+    after call on the same state (steps and prefetches, some with a budget of misses, repeated
+    ids, a cache filling from empty, two table rows): the slots chosen, table, owners, stamps, flags, priorities, uses,
     clock, age and counters."""
     from moeferry.moe.device_policy import DevicePolicy, resolve_reference
     from moeferry.ops.triton.cache_resolve import resolve
@@ -449,9 +449,10 @@ def case_cache_resolve(device, seed=13):
             n = int(torch.randint(1, 7, (1,), generator=g))  # at most slots // 3 distinct ids
             ids = torch.randint(0, 9 if step % 3 else experts, (n,), generator=g)
             row, prefetch = step % rows, step % 4 == 3
+            budget = (step // 4) % 3 if prefetch and step % 8 == 7 else None  # a prefetch placing at most 0-2
             (ref, ref_table), (dev_state, table) = states
-            want = resolve_reference(ref, ref_table, row, ids, prefetch)
-            got = resolve(ids.to(device), table, dev_state, row, prefetch)
+            want = resolve_reference(ref, ref_table, row, ids, prefetch, budget)
+            got = resolve(ids.to(device), table, dev_state, row, prefetch, budget)
             for name in ("owner", "stamps", "flags", "prio", "uses", "state", "counts"):
                 a, b = getattr(dev_state, name).cpu(), getattr(ref, name)
                 assert torch.equal(a, b), f"lfu {lfu} step {step}: {name} {a.tolist()} != {b.tolist()}"

@@ -46,13 +46,15 @@ class DevicePolicy:
             self.uses = torch.zeros(num_slots, dtype=torch.int32, device=device)
             self.state = torch.zeros(2, dtype=torch.int64, device=device)  # clock, age
 
-    def resolve(self, table: torch.Tensor, row: int, ids: torch.Tensor, prefetch: bool) -> torch.Tensor:
-        """Look up `ids` of table row `row`, place the misses (table updated); returns the slot
-        each id must be copied into ([n] int32, -1: nothing to copy). No host sync on CUDA."""
+    def resolve(self, table: torch.Tensor, row: int, ids: torch.Tensor, prefetch: bool,
+                budget: int | None = None) -> torch.Tensor:
+        """Look up `ids` of table row `row`, place the misses (table updated; a prefetch at most
+        `budget` of them, the first in `ids`' order); returns the slot each id must be copied into
+        ([n] int32, -1: nothing to copy). No host sync on CUDA."""
         if ids.is_cuda:
             from moeferry.ops.triton.cache_resolve import resolve
-            return resolve(ids, table, self, row, prefetch)
-        return resolve_reference(self, table, row, ids, prefetch)
+            return resolve(ids, table, self, row, prefetch, budget)
+        return resolve_reference(self, table, row, ids, prefetch, budget)
 
     # -- moving the state between the host cache and the device ------------------------------
     def push(self, entries: list[Entry], prefetched: list[int], age: int) -> None:
@@ -87,7 +89,7 @@ class DevicePolicy:
 
 
 def resolve_reference(dev: DevicePolicy, table: torch.Tensor, row: int, ids: torch.Tensor,
-                      prefetch: bool) -> torch.Tensor:
+                      prefetch: bool, budget: int | None = None) -> torch.Tensor:
     """The kernel's contract on the CPU, step by step (see `cache_resolve`)."""
     flat, experts = table.view(-1), table.shape[1]
     ids = ids.reshape(-1).tolist()
@@ -99,6 +101,8 @@ def resolve_reference(dev: DevicePolicy, table: torch.Tensor, row: int, ids: tor
             seen.add(e)
             s = int(flat[row * experts + e])
             (hits if s >= 0 else misses).append((i, s))
+    if prefetch and budget is not None:
+        misses = misses[:budget]
     was = sum(int(dev.flags[s]) for _, s in hits)
     for _, s in hits:
         dev.stamps[s] = clock

@@ -232,12 +232,13 @@ class ExpertCache:
         self.free_slots = [s for s in range(self.num_slots - 1, -1, -1) if self.owner[s] is None]
         self.prefetched = {self.owner[s] for s in prefetched}
 
-    def resolve(self, layer: int, ids: torch.Tensor, prefetch: bool = False) -> torch.Tensor:
-        """A step's (or, `prefetch`, the next layer's predicted) experts placed by the device
-        (`DevicePolicy.resolve`); the slot each id must be copied into, -1 for none."""
+    def resolve(self, layer: int, ids: torch.Tensor, prefetch: bool = False, budget: int | None = None) -> torch.Tensor:
+        """A step's (or, `prefetch`, the next layer's predicted, at most `budget` of them copied)
+        experts placed by the device (`DevicePolicy.resolve`); the slot each id must be copied
+        into, -1 for none."""
         if not self.device_owned:
             raise RuntimeError("expert cache: resolve() on the device before on_device()")
-        return self.on_device_state.resolve(self.table.table, self.row_of[layer], ids, prefetch)
+        return self.on_device_state.resolve(self.table.table, self.row_of[layer], ids, prefetch, budget)
 
     def set_policy(self, name: str) -> None:
         """Evict by policy `name` from now on; the cached experts stay, handed over in the old

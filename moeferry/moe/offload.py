@@ -171,6 +171,9 @@ class OffloadBackend:
         # 81% right, 4 of them 93%; b1 85.8 -> 91.4 tok/s, b4 98.6 -> 115.7 (a wrong guess is link time;
         # a missed one is gathered with its layer)
         self.prefetch_width: int | None = cfg.moe_prefetch_width or max(1, spec.top_k // 2)
+        # device-managed: the most guessed experts a row the prefetch copies (the best ranked not
+        # cached; None: every one of the guess)
+        self.prefetch_budget: int | None = None
         self.join_late = True
         self.prefetch_first = False  # device-managed: the next layer's prefetch started before this layer's own gather
         self.transfer_chosen = False
@@ -287,10 +290,15 @@ class OffloadBackend:
                 c.reload(self.banks)
 
     def place_ahead(self, nxt: "OffloadExperts", guess: torch.Tensor) -> tuple:
-        """Device-managed: `nxt`'s predicted experts placed in its cache (on the stream the
-        cache's state is ordered on: the compute stream, or the side stream forked from it
-        after this layer's own placement); (guess, their slots) for `gather_ahead`."""
-        return guess, nxt.cache.resolve(nxt.layer, guess, prefetch=True)
+        """Device-managed: `nxt`'s predicted experts ([rows, width], best first) placed in its
+        cache (on the stream the cache's state is ordered on: the compute stream, or the side
+        stream forked from it after this layer's own placement), at most `prefetch_budget` misses
+        a row, best ranked first over the rows; (guess, their slots) for `gather_ahead`."""
+        if self.prefetch_budget is None:
+            flat = guess.reshape(-1)
+            return flat, nxt.cache.resolve(nxt.layer, flat, prefetch=True)
+        flat = guess.t().reshape(-1)  # rank-major: every row's best guess first
+        return flat, nxt.cache.resolve(nxt.layer, flat, prefetch=True, budget=self.prefetch_budget * guess.shape[0])
 
     def gather_ahead(self, nxt: "OffloadExperts", placed: tuple, side: "SideWork") -> None:
         """Device-managed: gather `placed` on the copy stream, after what the compute stream and
@@ -659,7 +667,7 @@ class OffloadExperts:
         own = self.cache.resolve(self.layer, flat)
         ahead = ahead and self.next.cache is not None
         with self.b.side_work() as side:  # forked after this layer's placement (the cache state's order)
-            placed = self.b.place_ahead(self.next, self._guess(x, ids).reshape(-1)) if ahead else None
+            placed = self.b.place_ahead(self.next, self._guess(x, ids)) if ahead else None
             shared = beside() if beside is not None else None
         if placed is not None and self.b.prefetch_first:
             self.b.gather_ahead(self.next, placed, side)

@@ -10,7 +10,8 @@ victim's old owner leaves the table, the miss enters it, the slot gets the clock
 key. `dst[i]` is the slot the i-th id must be copied into, -1 where nothing moves. Counters of
 the row: hits, misses, prefetch hits (hits on slots a prefetch filled and no step had used
 since), prefetched. A `prefetch` call (the next layer's predicted experts) counts only what it
-placed and marks those slots as prefetched.
+placed and marks those slots as prefetched; it places at most `budget` misses, the first ones
+in `ids`' order (the guess ranked best first), and leaves the others out of the table.
 
 Victims by policy:
     LRU  the smallest stamp (free slots hold -1, so they go first; ties: the lowest slot). The
@@ -37,7 +38,7 @@ _BIG, _SLOT_BITS, _SLOTS = tl.constexpr(BIG), tl.constexpr(SLOT_BITS), tl.conste
 
 @triton.jit(do_not_specialize=["n"])
 def _resolve_kernel(ids_ptr, n, table_ptr, owner_ptr, stamp_ptr, flag_ptr, prio_ptr, uses_ptr, state_ptr, dst_ptr,
-                    count_ptr, key_base, num_slots, PREFETCH: tl.constexpr, LFU: tl.constexpr, N: tl.constexpr,
+                    count_ptr, key_base, num_slots, budget, PREFETCH: tl.constexpr, LFU: tl.constexpr, N: tl.constexpr,
                     S: tl.constexpr):
     offs = tl.arange(0, N)
     valid = offs < n
@@ -48,6 +49,8 @@ def _resolve_kernel(ids_ptr, n, table_ptr, owner_ptr, stamp_ptr, flag_ptr, prio_
     slot = tl.load(table_ptr + keys, mask=first, other=-1).to(tl.int64)
     hit = first & (slot >= 0)
     miss = first & (slot < 0)
+    if PREFETCH:  # the first `budget` misses in ids' order are placed, the others left out
+        miss = miss & (tl.cumsum(miss.to(tl.int32), axis=0) <= budget)
     clock = tl.load(state_ptr) + 1
     tl.store(state_ptr, clock)
     age = tl.load(state_ptr + 1)
@@ -108,12 +111,12 @@ def _resolve_kernel(ids_ptr, n, table_ptr, owner_ptr, stamp_ptr, flag_ptr, prio_
         tl.store(count_ptr + 2, tl.load(count_ptr + 2) + tl.sum(tl.where(hit, was, 0).to(tl.int64), axis=0))
 
 
-def resolve(ids: torch.Tensor, table: torch.Tensor, s, row: int, prefetch: bool) -> torch.Tensor:
+def resolve(ids: torch.Tensor, table: torch.Tensor, s, row: int, prefetch: bool, budget: int | None = None) -> torch.Tensor:
     """Launch the kernel for `ids` (any integer dtype) of table row `row` over the device state
     `s` (`moeferry.moe.device_policy.DevicePolicy`: owner [slots] int32, key row*experts+id, -1
     free; stamps [slots] int64; flags [slots] int8; prio [slots] int64; uses [slots] int32;
     state [2] int64, clock and age; counts [rows, 4] int64); `table` [rows, experts] int32.
-    Returns dst [n] int32."""
+    `budget`: a prefetch's most misses placed (None: all). Returns dst [n] int32."""
     flat = ids.reshape(-1)
     n, slots = flat.numel(), s.owner.numel()
     if slots > 1 << SLOT_BITS:
@@ -121,6 +124,6 @@ def resolve(ids: torch.Tensor, table: torch.Tensor, s, row: int, prefetch: bool)
     dst = torch.empty(n, dtype=torch.int32, device=ids.device)
     size = triton.next_power_of_2(slots)
     _resolve_kernel[(1,)](flat, n, table, s.owner, s.stamps, s.flags, s.prio, s.uses, s.state, dst, s.counts[row],
-                          row * table.shape[1], slots, PREFETCH=prefetch, LFU=s.lfu,
+                          row * table.shape[1], slots, n if budget is None else budget, PREFETCH=prefetch, LFU=s.lfu,
                           N=max(16, triton.next_power_of_2(n)), S=size, num_warps=16 if size >= 8192 else 8)
     return dst
