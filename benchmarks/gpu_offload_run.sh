@@ -13,7 +13,8 @@
 #   offload_nopf  the same, moeferry alone, decode prefetch off (what the prefetch is worth)
 #   offload_ca  offload with moeferry's kernels compiled ahead (--compile-workers COMPILE_WORKERS, default 8), both
 #             engines (with FRESH_TRITON=1 each boots cold)
-#   offload_w8  offload, moeferry alone, the prefetch guessing 8 a row (the width before the eighteenth session)
+#   offload_w8  offload, moeferry alone, the prefetch copying all of 8 guessed a row (the default before the eighteenth session)
+#   offload_w4  offload, moeferry alone, the prefetch copying all of 4 guessed a row (the default before the twenty-fifth)
 #   bw        `moeferry bench bw` on a 4-layer mixed_nvfp4 checkpoint (copies, gather configs, CPU expert times)
 #   skew      its own checkpoint with --router-skew SKEW, offload.py on it (moeferry; both if SKEW_FT=1, then
 #             under OFFLOAD_MAX_S)
@@ -286,7 +287,9 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
                   --ours-args "--compile-workers ${COMPILE_WORKERS:-8}" ;;
       hybrid)   step hybrid 150 240 offload hybrid "$WORK/ckpt" --engines moeferry --ours-args "--moe-backend hybrid" ;;
       offload_w8) step offload_w8 150 240 offload offload_w8 "$WORK/ckpt" --engines moeferry \
-                  --ours-args "--moe-prefetch-width 8" ;;
+                  --ours-args "--moe-prefetch-width 8 --moe-prefetch-budget 8" ;;
+      offload_w4) step offload_w4 150 240 offload offload_w4 "$WORK/ckpt" --engines moeferry \
+                  --ours-args "--moe-prefetch-width 4 --moe-prefetch-budget 4" ;;
       offload_nopf) step offload_nopf 150 240 offload offload_nopf "$WORK/ckpt" --engines moeferry \
                   --ours-args "--disable-moe-decode-prefetch" ;;
       bw)       step make_load4 60 200 make_ckpt "$WORK/ckpt_load4" 0 mixed_nvfp4 4 \

@@ -165,8 +165,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "misses are copied on a copy stream while layer l computes)")
     g.add_argument("--moe-prefetch-width", type=_positive_int, metavar="N",
                    help="offload on CUDA: experts a token's decode prefetch guesses for the next layer, its N "
-                   "likeliest (default: half the model's top-k; a wrong guess costs link time, a missed one is "
-                   "fetched when its layer routes)")
+                   "likeliest (default: the model's top-k)")
+    g.add_argument("--moe-prefetch-budget", type=_positive_int, metavar="N",
+                   help="offload on CUDA: most of a token's guessed experts the decode prefetch copies, the "
+                   "likeliest of those not cached (default: a quarter of the model's top-k; a wrong guess costs "
+                   "link time, a missed one is fetched when its layer routes)")
     g.add_argument("--moe-cpu-threads", type=_positive_int, metavar="N",
                    help="cpu/hybrid backends and --moe-cpu-layers: threads computing experts on the CPU (the "
                    "worker's torch thread count, so on a CPU device every op's; default: torch's, the physical cores)")
@@ -498,6 +501,7 @@ def _engine_config(args: argparse.Namespace, model_dir: str, checkpoint_token_id
             moe_cache_auto=args.moe_cache_auto, moe_cache_policy=args.moe_cache_policy,
             moe_prefill_overlap=args.moe_prefill_overlap,
             moe_decode_prefetch=args.moe_decode_prefetch, moe_prefetch_width=args.moe_prefetch_width,
+            moe_prefetch_budget=args.moe_prefetch_budget,
             moe_cpu_threads=args.moe_cpu_threads,
             moe_cpu_layers=args.moe_cpu_layers, moe_hybrid_max_fetch=args.moe_hybrid_max_fetch,
             expert_load=args.expert_load, memory_ratio=args.memory_ratio, gpu_memory_limit=args.gpu_memory_limit,

@@ -70,6 +70,9 @@ def test_offload_flags_reach_the_engine(model):
     (["--moe-backend", "hybrid", "--moe-prefetch-width", "4"], "applies to the offload backend"),
     (["--moe-backend", "offload", "--moe-cache-size", "8", "--moe-prefetch-width", "4",
       "--disable-moe-decode-prefetch"], "give one"),
+    (["--moe-backend", "resident", "--moe-prefetch-budget", "2"], "applies to the offload backend"),
+    (["--moe-backend", "offload", "--moe-cache-size", "8", "--moe-prefetch-budget", "2",
+      "--disable-moe-decode-prefetch"], "--moe-prefetch-budget sizes the decode prefetch"),
 ])
 def test_contradictory_flags_are_refused(model, argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -108,8 +111,10 @@ def test_defaults_and_aliases(model):
     one_by_one = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--compile-workers", "0"))
     assert one_by_one.engine.compile_workers == 0
     wide = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--moe-backend", "offload",
-                                       "--moe-cache-size", "8", "--moe-prefetch-width", "6"))
+                                       "--moe-cache-size", "8", "--moe-prefetch-width", "6",
+                                       "--moe-prefetch-budget", "3"))
     assert wide.engine.moe_prefetch_width == 6 and plain.engine.moe_prefetch_width is None
+    assert wide.engine.moe_prefetch_budget == 3 and plain.engine.moe_prefetch_budget is None
     assert cfg.served_model_name == Path(model).name
     fused = ServeConfig.from_args(parse("--model", model, "--device", "cpu", "--moe-backend", "fused"))
     assert fused.engine.moe_backend == "resident"  # FreeToken's name for experts on the device

@@ -730,22 +730,25 @@ def test_split_choices_reads_only_the_real_rows():
     """A padded graph batch: the host part reads the first rows' choices of the step and of
     the guess, never the padding rows' (nor the guess as the step's)."""
     ids = torch.tensor([[3, 1], [1, 7], [9, 9]])    # 3 rows, top-2; the last row is padding
-    guess = torch.tensor([[5, 4], [4, 6], [8, 8]])
+    guess = torch.tensor([[5, 4], [4, 6], [8, 8]])  # best first: the guess comes back rank-major
     flat = offload_mod.choices(ids, guess).tolist()
-    assert offload_mod.split_choices(flat, 2 * 2, ids.numel(), 2 * 2) == ([1, 3, 7], [4, 5, 6])
-    assert offload_mod.split_choices(flat, 1 << 30, ids.numel(), ids.numel()) == ([1, 3, 7, 9], [4, 5, 6, 8])
-    assert offload_mod.distinct_experts(ids, guess) == ([1, 3, 7, 9], [4, 5, 6, 8])
+    assert offload_mod.split_choices(flat, 2 * 2, ids.numel(), 2 * 2, 2) == ([1, 3, 7], [5, 4, 6])
+    assert offload_mod.split_choices(flat, 1 << 30, ids.numel(), ids.numel(), 2) == ([1, 3, 7, 9], [5, 4, 8, 6])
+    assert offload_mod.distinct_experts(ids, guess) == ([1, 3, 7, 9], [5, 4, 8, 6])
     wide = torch.tensor([[5, 4, 2], [4, 6, 0], [8, 8, 8]])  # a guess of 3 a row (`prefetch_width`)
     flat = offload_mod.choices(ids, wide).tolist()
-    assert offload_mod.split_choices(flat, 2 * 2, ids.numel(), 2 * 3) == ([1, 3, 7], [0, 2, 4, 5, 6])
-    assert offload_mod.distinct_experts(ids, wide[:, :1]) == ([1, 3, 7, 9], [4, 5, 8])
+    assert offload_mod.split_choices(flat, 2 * 2, ids.numel(), 2 * 3, 3) == ([1, 3, 7], [5, 4, 6, 2, 0])
+    assert offload_mod.distinct_experts(ids, wide[:, :1]) == ([1, 3, 7, 9], [5, 4, 8])
 
 
-def test_prefetch_width_defaults_to_half_the_top_k(ckpt):
-    """The decode prefetch guesses half the top-k a row unless --moe-prefetch-width says."""
-    engine = build(ckpt, "qwen3_5_moe", "bf16", "offload-25%").engine
-    assert engine.experts.prefetch_width == max(1, engine.spec.top_k // 2)
-    assert build(ckpt, "qwen3_5_moe", "bf16", "offload-25%", moe_prefetch_width=3).engine.experts.prefetch_width == 3
+def test_prefetch_defaults_to_the_top_k_and_a_quarter_of_it(ckpt):
+    """The decode prefetch guesses the top-k a row and copies at most a quarter of it unless
+    --moe-prefetch-width / --moe-prefetch-budget say."""
+    backend = build(ckpt, "qwen3_5_moe", "bf16", "offload-25%").engine.experts
+    k = backend.spec.top_k
+    assert (backend.prefetch_width, backend.prefetch_budget) == (k, max(1, k // 4))
+    backend = build(ckpt, "qwen3_5_moe", "bf16", "offload-25%", moe_prefetch_width=3, moe_prefetch_budget=2).engine.experts
+    assert (backend.prefetch_width, backend.prefetch_budget) == (3, 2)
 
 
 @pytest.mark.parametrize("width", [1, 4])

@@ -29,7 +29,8 @@ class EngineConfig:
     moe_cache_policy: str = "lru"
     moe_prefill_overlap: bool = True    # stream layer l+1's experts while layer l computes
     moe_decode_prefetch: bool = True    # offload decode: fetch layer l+1's predicted misses while layer l computes
-    moe_prefetch_width: int | None = None  # experts a row that prefetch guesses (None: half the top-k)
+    moe_prefetch_width: int | None = None  # experts a row that prefetch guesses (None: the top-k)
+    moe_prefetch_budget: int | None = None  # most of them a row it copies (None: a quarter of the top-k)
     moe_cpu_threads: int | None = None  # None: the physical cores
     moe_cpu_layers: str | None = None   # offload / cpu: MoE layers with no device slots, on the CPU (moe.cpu_layers)
     moe_hybrid_max_fetch: int | None = None  # hybrid: most PCIe fetches per layer and step
@@ -87,16 +88,19 @@ class EngineConfig:
         if self.moe_cpu_threads is not None and self.moe_backend not in ("cpu", "hybrid") and not self.moe_cpu_layers:
             raise ValueError("moe_cpu_threads (--moe-cpu-threads) applies to the cpu and hybrid backends "
                              "and to --moe-cpu-layers")
-        if self.moe_prefetch_width is not None and not self.moe_decode_prefetch:
-            raise ValueError("--moe-prefetch-width sizes the decode prefetch, which --disable-moe-decode-prefetch "
-                             "turns off: give one")
+        for name, flag in (("moe_prefetch_width", "--moe-prefetch-width"),
+                           ("moe_prefetch_budget", "--moe-prefetch-budget")):
+            if getattr(self, name) is not None and not self.moe_decode_prefetch:
+                raise ValueError(f"{flag} sizes the decode prefetch, which --disable-moe-decode-prefetch "
+                                 "turns off: give one")
         if self.compile_workers < 0:
             raise ValueError(f"compile_workers must be at least 0, got {self.compile_workers}")
         if self.memory_ratio is not None and not 0 < self.memory_ratio <= 1:
             raise ValueError(f"memory_ratio must be in (0, 1], got {self.memory_ratio}")
         for name in ("moe_cache_size", "num_tokens", "num_state_slots", "page_size", "max_seq_len",
                      "max_running_requests", "max_extend_tokens", "kv_reserve_tokens", "moe_cpu_threads",
-                     "moe_hybrid_max_fetch", "cuda_graph_max_bs", "decode_log_interval", "moe_prefetch_width"):
+                     "moe_hybrid_max_fetch", "cuda_graph_max_bs", "decode_log_interval", "moe_prefetch_width",
+                     "moe_prefetch_budget"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
@@ -136,6 +140,8 @@ OFFLOAD_SETTINGS = (
      "--disable-moe-decode-prefetch applies to the offload backend (--moe-backend offload)"),
     ("moe_prefetch_width", None, ("offload",),
      "--moe-prefetch-width {value} applies to the offload backend (--moe-backend offload)"),
+    ("moe_prefetch_budget", None, ("offload",),
+     "--moe-prefetch-budget {value} applies to the offload backend (--moe-backend offload)"),
     ("moe_prefill_overlap", True, ("offload", "hybrid", "cpu"),
      "--disable-moe-prefill-overlap applies to the offload, hybrid and cpu backends (their prefill staging)"),
     ("moe_cache_policy", "lru", ("offload", "hybrid"),

@@ -283,10 +283,13 @@ class ExpertCache:
         seen.index_fill_(0, ids.reshape(-1), 1)
         self.device_counts[r, 0] += seen.sum()
 
-    def prefetch(self, layer: int, experts: list[int], bank: SlotBuffer, protect: set[Key]) -> list[int]:
-        """Fetch the predicted `experts` of `layer` that are not cached, evicting nothing in
-        `protect` (keys the step in flight uses) or predicted; returns the experts placed."""
+    def prefetch(self, layer: int, experts: list[int], bank: SlotBuffer, protect: set[Key],
+                 budget: int | None = None) -> list[int]:
+        """Fetch the predicted `experts` of `layer` that are not cached (at most `budget`, the
+        first in `experts`' order), evicting nothing in `protect` (keys the step in flight uses)
+        or predicted; returns the experts placed."""
         _, misses = self.cached(layer, experts)
+        misses = misses if budget is None else misses[:budget]
         placed = self.fetch(layer, misses, bank, keep=set(experts), protect=protect, prefetched=True)
         self.counters[layer].prefetched += len(placed)
         self.prefetched.update((layer, e) for e in placed)

@@ -64,12 +64,14 @@ def choices(ids: torch.Tensor, guess: torch.Tensor | None) -> torch.Tensor:
     return ids.reshape(-1) if guess is None else torch.cat([ids.reshape(-1), guess.reshape(-1)])
 
 
-def split_choices(flat: list[int], first: int, each: int, guessed: int) -> tuple[list[int], list[int]]:
-    """(the sorted distinct ids among the step's first `first` choices, the same among the
-    guess's first `guessed` (the guess may be wider or narrower than the step's top-k:
-    `prefetch_width`)), from `choices` read back (the step's `each` choices first)."""
-    first = min(first, each)
-    return sorted(set(flat[:first])), sorted(set(flat[each:each + guessed]))
+def split_choices(flat: list[int], first: int, each: int, guessed: int, width: int) -> tuple[list[int], list[int]]:
+    """(the sorted distinct ids among the step's first `first` choices, the distinct ids among
+    the guess's first `guessed`, rank-major: every row's best guess first (rows of `width`, which
+    may be wider or narrower than the step's top-k: `prefetch_width`)), from `choices` read back
+    (the step's `each` choices first)."""
+    first, rows = min(first, each), min(guessed, len(flat) - each) // width if width else 0
+    guess = [flat[each + r * width + j] for j in range(width) for r in range(rows)]
+    return sorted(set(flat[:first])), list(dict.fromkeys(guess))
 
 
 def distinct_experts(ids: torch.Tensor, guess: torch.Tensor | None = None) -> tuple[list[int], list[int]]:
@@ -77,7 +79,7 @@ def distinct_experts(ids: torch.Tensor, guess: torch.Tensor | None = None) -> tu
     a decode step's few ids are read back as they are (cheaper than a unique kernel), a prefill
     chunk's are made unique first."""
     if guess is not None:
-        return split_choices(choices(ids, guess).tolist(), ids.numel(), ids.numel(), guess.numel())
+        return split_choices(choices(ids, guess).tolist(), ids.numel(), ids.numel(), guess.numel(), guess.shape[-1])
     if ids.numel() <= 256:
         return sorted(set(ids.reshape(-1).tolist())), []
     return torch.unique(ids).tolist(), []
@@ -166,14 +168,16 @@ class OffloadBackend:
         # overlaps), and joined only before the layer's MoE runs (its own misses gathered first)
         self.prefetch_programs = prefetch_programs(device)
         self._prefetch_gather: tuple | None = None  # the prefetch gather's own config (None: gather_kernel's)
-        # experts a row the decode prefetch guesses (--moe-prefetch-width), by default its best half.
-        # Measured (H100, full-depth mixed_nvfp4, 3600 of 10240 slots, uniform routing): 8 of top-8 guessed
-        # 81% right, 4 of them 93%; b1 85.8 -> 91.4 tok/s, b4 98.6 -> 115.7 (a wrong guess is link time;
-        # a missed one is gathered with its layer)
-        self.prefetch_width: int | None = cfg.moe_prefetch_width or max(1, spec.top_k // 2)
-        # device-managed: the most guessed experts a row the prefetch copies (the best ranked not
-        # cached; None: every one of the guess)
-        self.prefetch_budget: int | None = None
+        # The decode prefetch guesses the next layer's `prefetch_width` best experts a row (by default
+        # the top-k: --moe-prefetch-width) and copies at most `prefetch_budget` of them a row, the best
+        # ranked of those not cached (by default a quarter of the top-k: --moe-prefetch-budget): a wrong
+        # guess is link time, a missed one is gathered with its layer. Measured (H100, full-depth
+        # mixed_nvfp4, 3600 of 10240 slots, uniform routing, back-to-back decode graphs): the best 4
+        # copied whole 130.5 / 144.3 tok/s at b1 / b4, the best 8 copied 2 a row 137.4 / 155.2 with 2%
+        # fewer bytes a token; the best 8 copied whole 85.8 / 98.6 against the best 4's 91.4 / 115.7
+        # in an earlier sync-loop run (benchmarks/README.md)
+        self.prefetch_width: int = cfg.moe_prefetch_width or spec.top_k
+        self.prefetch_budget: int = cfg.moe_prefetch_budget or max(1, spec.top_k // 4)
         self.join_late = True
         self.prefetch_first = False  # device-managed: the next layer's prefetch started before this layer's own gather
         self.transfer_chosen = False
@@ -262,7 +266,7 @@ class OffloadBackend:
 
     def _holds(self, rows: int, steps: Callable[[ExpertCache], int]) -> bool:
         """Every cache has slots for `steps(cache)` decode steps' experts of `rows` sequences."""
-        per_row = max(self.spec.top_k, self.prefetch_width or 0)  # a wider guess places more a step
+        per_row = max(self.spec.top_k, self.prefetch_width)  # a wider guess places (stamps) more a step
         return all(c.num_slots >= steps(c) * rows * per_row for c in self.distinct_caches)
 
     def before_graph(self, rows: int) -> None:
@@ -294,9 +298,6 @@ class OffloadBackend:
         cache (on the stream the cache's state is ordered on: the compute stream, or the side
         stream forked from it after this layer's own placement), at most `prefetch_budget` misses
         a row, best ranked first over the rows; (guess, their slots) for `gather_ahead`."""
-        if self.prefetch_budget is None:
-            flat = guess.reshape(-1)
-            return flat, nxt.cache.resolve(nxt.layer, flat, prefetch=True)
         flat = guess.t().reshape(-1)  # rank-major: every row's best guess first
         return flat, nxt.cache.resolve(nxt.layer, flat, prefetch=True, budget=self.prefetch_budget * guess.shape[0])
 
@@ -551,7 +552,7 @@ class OffloadExperts:
         guess = self._guess(x, ids) if ahead else None
         flat = choices(ids, guess)  # concatenated in the graph
         k, w = ids.shape[-1], guess.shape[-1] if guess is not None else 0
-        self.b.capturing.cut(lambda rows: self._place(flat, rows * k, ids.numel(), rows * w))
+        self.b.capturing.cut(lambda rows: self._place(flat, rows, k, ids.numel(), w))
         return self._run_cached(x, ids, weights)
 
     def _eager(self, x, ids, weights, ahead: bool) -> torch.Tensor:
@@ -566,9 +567,9 @@ class OffloadExperts:
                 return self._streamed(x, ids, weights, needed)
             self.cpu_experts += len(needed)
             return self._on_cpu(x, ids, weights, needed)
-        misses = self._lookup(needed)
+        misses, rows = self._lookup(needed), x.shape[0]
         if not misses:
-            self._fetch([], needed, predicted)
+            self._fetch([], needed, predicted, rows)
             return self._run_cached(x, ids, weights)
         if self.b.name == "cpu" and prefill:  # the cache keeps what the boot placed; the misses stream
             return self._run_cached(x, ids, weights) + self._streamed(x, ids, weights, misses)
@@ -581,7 +582,7 @@ class OffloadExperts:
             leftover = fetch
             self._count_streamed(len(fetch))
         else:
-            leftover = self._fetch(fetch, needed, predicted)
+            leftover = self._fetch(fetch, needed, predicted, rows)
             out = self._run_cached(x, ids, weights)
             self._count_streamed(len(leftover))
         if leftover:
@@ -632,7 +633,7 @@ class OffloadExperts:
         on_cpu = needed
         if self.cache is not None:
             fetch, on_cpu = self._divide(self._lookup(needed), hids)
-            on_cpu = on_cpu + self._fetch(fetch, needed, [])
+            on_cpu = on_cpu + self._fetch(fetch, needed, [], 0)
         self.cpu_experts += len(on_cpu)
         return (hx, hids, hw, on_cpu) if on_cpu else None
 
@@ -645,8 +646,8 @@ class OffloadExperts:
 
     def _guess(self, x, ids) -> torch.Tensor:
         """The next MoE layer's experts predicted: its router applied to this layer's input (one
-        kernel on CUDA), its `prefetch_width` best a row (by default half the top-k; unset: the top-k)."""
-        return route_topk(self.next_router(x), self.b.prefetch_width or ids.shape[-1], False)[1]
+        kernel on CUDA), its `prefetch_width` best a row, best first."""
+        return route_topk(self.next_router(x), self.b.prefetch_width, False)[1]
 
     def _on_device(self, x, ids, weights, ahead: bool, beside: Beside | None) -> torch.Tensor:
         """A decode step in a graph, the cache managed on the device (`before_graph` handed it
@@ -684,28 +685,30 @@ class OffloadExperts:
         self.cache.record(self.layer, hits, misses)
         return misses
 
-    def _fetch(self, experts: list[int], needed: list[int], predicted: list[int]) -> list[int]:
+    def _fetch(self, experts: list[int], needed: list[int], predicted: list[int], rows: int) -> list[int]:
         """Copy `experts` into cache slots, then start the prefetch of the next layer's
-        `predicted` experts; returns the experts left without a slot (the cache is smaller
-        than this step's working set)."""
+        `predicted` experts (guessed for `rows` rows); returns the experts left without a slot
+        (the cache is smaller than this step's working set)."""
         placed = self.cache.fetch(self.layer, experts, self.bank, keep=set(needed))
         if predicted:
-            self._prefetch(predicted, needed)
+            self._prefetch(predicted, needed, self.b.prefetch_budget * rows)
         return experts[len(placed):]
 
-    def _place(self, flat: torch.Tensor, first: int, each: int, guessed: int) -> None:
+    def _place(self, flat: torch.Tensor, rows: int, k: int, each: int, width: int) -> None:
         """A captured step's host part (at its cut, between two graphs): read the router's
-        choices of the real rows (the first `first` of `each`, and of the guess its first
-        `guessed`; `flat` from `choices`), fetch the misses, start the prefetch. `graph_mode`
-        made sure they all fit."""
-        needed, predicted = split_choices(flat.tolist(), first, each, guessed)
+        choices of the `rows` real rows (top-`k` each, of the step's `each` choices, and of the
+        guess of `width` a row; `flat` from `choices`), fetch the misses, start the prefetch.
+        `graph_mode` made sure they all fit."""
+        rows = min(rows, each // k)  # (the graph's batch at most)
+        needed, predicted = split_choices(flat.tolist(), rows * k, each, rows * width, width)
         self.b.settle()
-        left = self._fetch(self._lookup(needed), needed, predicted)
+        left = self._fetch(self._lookup(needed), needed, predicted, rows)
         if left:
             raise RuntimeError(f"layer {self.layer}: {len(left)} experts got no cache slot inside a CUDA graph")
 
-    def _prefetch(self, predicted: list[int], needed: list[int]) -> None:
-        """Copy the next layer's predicted misses on the copy stream, after this layer's own
+    def _prefetch(self, predicted: list[int], needed: list[int], budget: int) -> None:
+        """Copy the next layer's predicted misses (at most `budget`, the first in `predicted`'s
+        order: best ranked first) on the copy stream, after this layer's own
         fetches (queued on the compute stream since the layer's sync: they are on the critical
         path, and both would share the link), overlapping the compute that follows; nothing this
         step uses is evicted. The next layer waits for them (`settle`) before it reads or
@@ -715,11 +718,11 @@ class OffloadExperts:
             return  # (nothing to copy: no stream work at all)
         keep = {(self.layer, e) for e in needed}
         if stream is None:  # no copy stream: in line (tests run the bookkeeping on the CPU)
-            nxt.cache.prefetch(nxt.layer, predicted, nxt.bank, keep)
+            nxt.cache.prefetch(nxt.layer, predicted, nxt.bank, keep, budget)
             return
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            if nxt.cache.prefetch(nxt.layer, predicted, nxt.bank, keep):
+            if nxt.cache.prefetch(nxt.layer, predicted, nxt.bank, keep, budget):
                 self.b.prefetch_done = stream.record_event()
 
     def _run_cached(self, x, ids, weights) -> torch.Tensor:
