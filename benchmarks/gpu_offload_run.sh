@@ -53,8 +53,10 @@
 #   e2e_launch  quant_decode.py e2e --offload CACHE_SIZE --policies lru --launch: where a device-managed b1 step's time
 #             outside its kernels goes (graph launches: host call, start to first kernel, back-to-back replays), with the
 #             step's streams as configured, its side work in line and one stream (no ballast)
-#   e2e_budget  quant_decode.py e2e --offload CACHE_SIZE --policies lru --budgets: device-managed decode with the prefetch
-#             guessing 4-8 a row and copying at most 2-3 of them, sync loop and back-to-back replays (no ballast)
+#   e2e_budget  quant_decode.py e2e --offload CACHE_SIZE --policies lru --budgets BUDGETS: device-managed decode with the
+#             prefetch guessing W a row and copying at most B of them (BUDGETS "W:B,...", default 4:4,8:2,8:3,6:2,8:8),
+#             sync loop and back-to-back replays (no ballast)
+#   e2e_skew_budget  the same on skew's checkpoint under lfu (BUDGETS default 4:4,8:2)
 #   e2e_skew_widths  the same on skew's checkpoint under lfu (WIDTHS default 4,6,8)
 #   e2e_skew  quant_decode.py e2e --offload CACHE_SIZE --policies lru,lfu --orders on skew's checkpoint: in-process
 #             device-managed decode under each policy, then the prefetch started before / after the layer's own gather
@@ -215,7 +217,7 @@ export SKEW T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFF
 print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__)' || exit 4
   fi
   needs_ckpt=0  # prep13 makes the checkpoint itself, alongside other work; some runs do not read it
-  for run in $RUNS; do case $run in prep|prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|prepbf16|prefill|loadcmp|bw|gputests|numa|moe|sampling|inputs|skew|prepskew|e2e_skew|e2e_skew_widths|lanes) ;;
+  for run in $RUNS; do case $run in prep|prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|prepbf16|prefill|loadcmp|bw|gputests|numa|moe|sampling|inputs|skew|prepskew|e2e_skew|e2e_skew_widths|e2e_skew_budget|lanes) ;;
     *) needs_ckpt=1 ;; esac; done
   if [ "$needs_ckpt" = 1 ]; then
     step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; }
@@ -264,7 +266,10 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       e2e_launch) step e2e_launch 150 300 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e_launch" \
                   --offload "$CACHE_SIZE" --policies lru --launch ;;
       e2e_budget) step e2e_budget 150 360 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e_budget" \
-                  --offload "$CACHE_SIZE" --policies lru --budgets ;;
+                  --offload "$CACHE_SIZE" --policies lru --budgets "${BUDGETS:-4:4,8:2,8:3,6:2,8:8}" ;;
+      e2e_skew_budget) step make_skew 200 300 make_ckpt "$WORK/ckpt_skew" "$SKEW" \
+                  && step e2e_skew_budget 120 300 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt_skew" \
+                  --out "$WORK/e2e_skew_budget" --offload "$CACHE_SIZE" --policies lfu --budgets "${BUDGETS:-4:4,8:2}" ;;
       e2e_aside) step e2e_aside 150 300 python3 benchmarks/quant_decode.py e2e "$WORK/ckpt" --out "$WORK/e2e_aside" \
                   --offload "$CACHE_SIZE" --policies lru --aside ;;
       e2e_skew_widths) step make_skew 200 300 make_ckpt "$WORK/ckpt_skew" "$SKEW" \

@@ -729,7 +729,7 @@ def width_variants(engine, log, widths: list[int] | None = None) -> dict:
 
 def bench_offload(engine, slots: int, out: dict, log, policies: list[str], orders: bool = False,
                   widths: list[int] | None = None, aside: bool = False, launch: bool = False,
-                  budgets: bool = False) -> dict:
+                  budgets: list | None = None) -> dict:
     """Offload decode through a partial cache three ways: graphs with the cache managed on the
     device (the default where it can be), piecewise graphs (host-managed), eager; then where a
     piecewise step's time goes. `policies`: instead, the default mode under each eviction policy
@@ -752,7 +752,7 @@ def bench_offload(engine, slots: int, out: dict, log, policies: list[str], order
         if launch and backend.graph_mode(engine.graphs.max_batch) == "device":
             out["launch"] = attempt(log, launch_variants, engine, log)
         if budgets and backend.graph_mode(engine.graphs.max_batch) == "device":
-            out["budgets"] = attempt(log, budget_variants, engine, log)
+            out["budgets"] = attempt(log, budget_variants, engine, log, budgets)
         attempt(log, scheduler_rates, engine, out, log)  # under the last policy
         return out
     offload_rates(engine, out, mode or "eager", log)
@@ -790,7 +790,7 @@ def bench_e2e(args, log):
     if args.offload:  # decode through a partial cache: device-managed graphs, piecewise, eager; the breakdown
         return bench_offload(engine, args.offload, out, log, [p for p in args.policies.split(",") if p], args.orders,
                              [int(w) for w in args.widths.split(",") if w], args.aside, args.launch,
-                             args.budgets)
+                             [tuple(int(v) for v in c.split(":")) for c in args.budgets.split(",") if c])
     for b in (1, 4, 16):
         out[f"b{b}"] = decode_rate(engine, b)
     out["graphs"] = graphs_state(engine.graphs)
@@ -848,8 +848,9 @@ def main():
     ap.add_argument("--launch", action="store_true", help="e2e --offload --policies: then where a device-managed "
                     "b1 step's time outside its kernels goes (graph launches), with the step's streams as configured, "
                     "its side work in line, and one stream")
-    ap.add_argument("--budgets", action="store_true", help="e2e --offload --policies: then device-managed decode "
-                    "with the prefetch guessing 4-8 a row and copying 2-8 of them (sync loop and back to back)")
+    ap.add_argument("--budgets", default="", metavar="W:B,...", help="e2e --offload --policies: then device-managed "
+                    "decode with the prefetch guessing W a row and copying at most B of them, for each pair (sync loop "
+                    "and back to back)")
     ap.add_argument("--forms", default="", help="dense: device forms to run (default all)")
     ap.add_argument("--rows", default="1,4,16,4096", help="dense: values of M")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (set MOEFERRY_TRITON_INTERPRET=1)")
