@@ -9,6 +9,9 @@
 # Runs (default "seed offload skew"):
 #   seed      seed_scenario.py: the seed's flags verbatim, 8 prompts x 8192, ballast LEAVE_GIB (issue 12)
 #   offload   offload.py: --moe-backend offload --moe-cache-size CACHE_SIZE, both engines (issue 11)
+#   offload_bf16  offload.py, both engines, on a bf16 checkpoint of BF16_LAYERS (default 24) layers at BF16_CACHE_SIZE
+#             slots (default 1500: ~35% of 24 x 256, as 3600 of 10240 at full depth): a full-depth bf16 checkpoint (~68 GB)
+#             does not fit the lent machines' 64 GiB disk; removes the main checkpoint first
 #   hybrid    offload.py with moeferry --moe-backend hybrid (alone, same cache size and ballast; issue 11's hybrid question)
 #   offload_nopf  the same, moeferry alone, decode prefetch off (what the prefetch is worth)
 #   offload_ca  offload with moeferry's kernels compiled ahead (--compile-workers COMPILE_WORKERS, default 8), both
@@ -171,6 +174,12 @@ offload() {  # offload NAME MODEL [offload.py args...]
     "$@" ${OFFLOAD_ARGS:-}
 }
 
+offload_slots() {  # offload_slots SLOTS NAME MODEL [offload.py args...]: offload() with another --moe-cache-size
+  local slots=$1; shift
+  OFFLOAD_FLAGS="--moe-backend $MOE_BACKEND --moe-cache-size $slots --max-running-requests 4 --max-seq-len-override 32768" \
+    offload "$@"
+}
+
 peer() {  # peer NAME MODEL SHARED_FLAGS OURS_FLAGS FT_FLAGS [offload.py args...]: offload.py without ballast, per-engine flags
   local name=$1 model=$2 shared=$3 ours=$4 ft=$5; shift 5
   python3 benchmarks/offload.py --model "$model" --out "$WORK/$name" --flags "$shared" --ours-args "$ours" \
@@ -198,8 +207,8 @@ gputests() {  # the files that carry the gpu marker (the others import the API c
   return $rc
 }
 
-export -f left make_ckpt seed offload peer gputests  # step runs them under timeout, in a child bash
-export SKEW T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFFLOAD_FLAGS PEER_FLAGS SEED_ARGS OFFLOAD_ARGS
+export -f left make_ckpt seed offload offload_slots peer gputests  # step runs them under timeout, in a child bash
+export MOE_BACKEND SKEW T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFFLOAD_FLAGS PEER_FLAGS SEED_ARGS OFFLOAD_ARGS
 
 {
   echo "== env ($(date -u +%T))"
@@ -217,7 +226,7 @@ export SKEW T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFF
 print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__)' || exit 4
   fi
   needs_ckpt=0  # prep13 makes the checkpoint itself, alongside other work; some runs do not read it
-  for run in $RUNS; do case $run in prep|prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|prepbf16|prefill|loadcmp|bw|gputests|numa|moe|sampling|inputs|skew|prepskew|e2e_skew|e2e_skew_widths|e2e_skew_budget|lanes) ;;
+  for run in $RUNS; do case $run in prep|prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|prepbf16|offload_bf16|prefill|loadcmp|bw|gputests|numa|moe|sampling|inputs|skew|prepskew|e2e_skew|e2e_skew_widths|e2e_skew_budget|lanes) ;;
     *) needs_ckpt=1 ;; esac; done
   if [ "$needs_ckpt" = 1 ]; then
     step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; }
@@ -291,6 +300,10 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       offload_ca) step offload_ca 250 ${OFFLOAD_MAX_S:-400} offload offload_ca "$WORK/ckpt" \
                   --ours-args "--compile-workers ${COMPILE_WORKERS:-8}" ;;
       hybrid)   step hybrid 150 240 offload hybrid "$WORK/ckpt" --engines moeferry --ours-args "--moe-backend hybrid" ;;
+      offload_bf16) rm -rf "$WORK/ckpt"  # (the disk holds one big checkpoint)
+                step make_bf16 150 360 make_ckpt "$WORK/ckpt_bf16" 0 bf16 "${BF16_LAYERS:-24}" \
+                  && step offload_bf16 250 ${OFFLOAD_MAX_S:-400} offload_slots "${BF16_CACHE_SIZE:-1500}" offload_bf16 \
+                  "$WORK/ckpt_bf16" ;;
       offload_w8) step offload_w8 150 240 offload offload_w8 "$WORK/ckpt" --engines moeferry \
                   --ours-args "--moe-prefetch-width 8 --moe-prefetch-budget 8" ;;
       offload_w4) step offload_w4 150 240 offload offload_w4 "$WORK/ckpt" --engines moeferry \

@@ -602,7 +602,8 @@ def launch_gaps(engine, log, batch: int = 1, steps: int = 16) -> dict:
         decode_rate(engine, batch, steps=3, warmup=0)
         back_to_back(engine, batch, 3)
     ev = prof.events()
-    launches = sorted((e.time_range.start, e.time_range.elapsed_us()) for e in ev if e.name.startswith("cudaGraphLaunch"))
+    launches = sorted((e.time_range.start, e.time_range.elapsed_us()) for e in ev
+                      if e.name.startswith("cudaGraphLaunch"))
     kernels = sorted((e.time_range.start, e.time_range.end) for e in ev
                      if e.device_type.name == "CUDA" and "Memcpy" not in e.name and "Memset" not in e.name)
     rows = []
