@@ -10,7 +10,8 @@
 #   seed      seed_scenario.py: the seed's flags verbatim, 8 prompts x 8192, ballast LEAVE_GIB (issue 12)
 #   offload   offload.py: --moe-backend offload --moe-cache-size CACHE_SIZE, both engines (issue 11)
 #   offload_bf16  offload.py, both engines, on a bf16 checkpoint of BF16_LAYERS (default 24) layers at BF16_CACHE_SIZE
-#             slots (default 1500: ~35% of 24 x 256, as 3600 of 10240 at full depth): a full-depth bf16 checkpoint (~68 GB)
+#             slots (default 1200 of 24 x 256 experts of 6 MiB: 7 GiB, what 14.6 GiB free holds beside the bf16 dense weights, KV
+#             and prefill): a full-depth bf16 checkpoint (~68 GB)
 #             does not fit the lent machines' 64 GiB disk; removes the main checkpoint first
 #   hybrid    offload.py with moeferry --moe-backend hybrid (alone, same cache size and ballast; issue 11's hybrid question)
 #   offload_nopf  the same, moeferry alone, decode prefetch off (what the prefetch is worth)
@@ -302,7 +303,7 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       hybrid)   step hybrid 150 240 offload hybrid "$WORK/ckpt" --engines moeferry --ours-args "--moe-backend hybrid" ;;
       offload_bf16) rm -rf "$WORK/ckpt"  # (the disk holds one big checkpoint)
                 step make_bf16 150 360 make_ckpt "$WORK/ckpt_bf16" 0 bf16 "${BF16_LAYERS:-24}" \
-                  && step offload_bf16 250 ${OFFLOAD_MAX_S:-400} offload_slots "${BF16_CACHE_SIZE:-1500}" offload_bf16 \
+                  && step offload_bf16 250 ${OFFLOAD_MAX_S:-400} offload_slots "${BF16_CACHE_SIZE:-1200}" offload_bf16 \
                   "$WORK/ckpt_bf16" ;;
       offload_w8) step offload_w8 150 240 offload offload_w8 "$WORK/ckpt" --engines moeferry \
                   --ours-args "--moe-prefetch-width 8 --moe-prefetch-budget 8" ;;
