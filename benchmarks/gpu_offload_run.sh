@@ -177,8 +177,7 @@ offload() {  # offload NAME MODEL [offload.py args...]
 
 offload_slots() {  # offload_slots SLOTS NAME MODEL [offload.py args...]: offload() with another --moe-cache-size
   local slots=$1; shift
-  OFFLOAD_FLAGS="--moe-backend $MOE_BACKEND --moe-cache-size $slots --max-running-requests 4 --max-seq-len-override 32768" \
-    offload "$@"
+  OFFLOAD_FLAGS="${OFFLOAD_FLAGS/--moe-cache-size $CACHE_SIZE/--moe-cache-size $slots}" offload "$@"
 }
 
 peer() {  # peer NAME MODEL SHARED_FLAGS OURS_FLAGS FT_FLAGS [offload.py args...]: offload.py without ballast, per-engine flags
@@ -209,7 +208,7 @@ gputests() {  # the files that carry the gpu marker (the others import the API c
 }
 
 export -f left make_ckpt seed offload offload_slots peer gputests  # step runs them under timeout, in a child bash
-export MOE_BACKEND SKEW T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFFLOAD_FLAGS PEER_FLAGS SEED_ARGS OFFLOAD_ARGS
+export CACHE_SIZE SKEW T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT_DEVICE OFFLOAD_FLAGS PEER_FLAGS SEED_ARGS OFFLOAD_ARGS
 
 {
   echo "== env ($(date -u +%T))"

@@ -461,21 +461,29 @@ def offload_rates(engine, out: dict, tag: str, log, **steps) -> None:
         f"{out[f'{tag}_prefetch_hits']})  graphs {out[f'{tag}_graphs']}")
 
 
-def backend_variants(engine, log, names: tuple[str, ...], combos, tag, **steps) -> dict:
-    """Device-managed decode b1/b4 (`steps`: decode_rate's) with the offload backend's attributes
+def variant_rates(engine, log, row: str, **steps) -> dict:
+    """Device-managed decode b1/b4 and the cache's counters (`offload_rates`, `steps`: decode_rate's),
+    logged as `row`, keyed without it."""
+    counted = {}
+    offload_rates(engine, counted, f"device-managed, {row}", log, **steps)  # (logs the row)
+    return {k.removeprefix(f"device-managed, {row}_"): round(v, 4) if isinstance(v, float) else v
+            for k, v in counted.items()}
+
+
+def backend_variants(engine, log, names: tuple[str, ...], combos, tag, measure=None, **steps) -> dict:
+    """`measure(row)` (default: `variant_rates` with `steps`) with the offload backend's attributes
     `names` set to each combination of `combos` in turn, graphs recaptured for each, the
     attributes restored after; `tag(*combination)` names its row."""
     backend, rates = engine.experts, {}
+    measure = measure or (lambda row: variant_rates(engine, log, row, **steps))
     default = tuple(getattr(backend, n) for n in names)
     try:
         for combo in combos:
             for n, v in zip(names, combo):
                 setattr(backend, n, v)
             engine.graphs.invalidate()
-            row, counted = tag(*combo), {}
-            offload_rates(engine, counted, f"device-managed, {row}", log, **steps)  # (logs the row)
-            rates[row] = {k.removeprefix(f"device-managed, {row}_"): round(v, 4) if isinstance(v, float) else v
-                          for k, v in counted.items()}
+            row = tag(*combo)
+            rates[row] = measure(row)
     finally:
         for n, v in zip(names, default):
             setattr(backend, n, v)
@@ -562,24 +570,17 @@ def budget_variants(engine, log, combos=((4, 4), (8, 2), (8, 3), (6, 2), (8, 8))
     `budget` of them a row (the best ranked not cached): the sync loop's b1/b4 (`offload_rates`)
     and back-to-back replays' b1/b4 (`back_to_back`: the host's share taken out, as a server's
     overlapped steps do)."""
-    backend, res = engine.experts, {}
-    saved = backend.prefetch_width, backend.prefetch_budget
-    try:
-        for width, budget in combos:
-            backend.prefetch_width, backend.prefetch_budget = width, budget
-            engine.graphs.invalidate()
-            name, row = f"guess {width}, budget {budget}", {}
-            offload_rates(engine, row, name, log, steps=64, warmup=32)
-            for b in (1, 4):
-                back_to_back(engine, b, 8)
-                ms, _ = back_to_back(engine, b, 48)
-                row[f"back_to_back_b{b}"] = round(b * 1e3 / ms, 1)
-            log(f"    back to back: b1 {row['back_to_back_b1']} tok/s  b4 {row['back_to_back_b4']} tok/s")
-            res[name] = row
-    finally:
-        backend.prefetch_width, backend.prefetch_budget = saved
-        engine.graphs.invalidate()
-    return res
+    def measure(name: str) -> dict:
+        row = variant_rates(engine, log, name, steps=64, warmup=32)
+        for b in (1, 4):
+            back_to_back(engine, b, 8)
+            ms, _ = back_to_back(engine, b, 48)
+            row[f"back_to_back_b{b}"] = round(b * 1e3 / ms, 1)
+        log(f"    back to back: b1 {row['back_to_back_b1']} tok/s  b4 {row['back_to_back_b4']} tok/s")
+        return row
+
+    return backend_variants(engine, log, ("prefetch_width", "prefetch_budget"), combos,
+                            lambda width, budget: f"guess {width}, budget {budget}", measure)
 
 
 def launch_gaps(engine, log, batch: int = 1, steps: int = 16) -> dict:
@@ -624,19 +625,16 @@ def launch_gaps(engine, log, batch: int = 1, steps: int = 16) -> dict:
 def launch_variants(engine, log) -> dict:
     """`launch_gaps` at b1 with the step's streams as configured, with its side work in line, and with
     neither side work nor prefetch (one stream): whether the graph's branches cost its start."""
-    backend, res = engine.experts, {}
-    saved = backend.work_aside, backend.prefetch
-    try:
-        for name, aside, prefetch in (("default", saved[0], saved[1]), ("side work in line", False, saved[1]),
-                                      ("one stream", False, False)):
-            backend.work_aside, backend.prefetch = aside, prefetch
-            engine.graphs.invalidate()
-            log(f"  {name}:")
-            res[name] = attempt(log, launch_gaps, engine, log)
-    finally:
-        backend.work_aside, backend.prefetch = saved
-        engine.graphs.invalidate()
-    return res
+    backend = engine.experts
+    combos = ((backend.work_aside, backend.prefetch), (False, backend.prefetch), (False, False))
+
+    def measure(name: str) -> dict:
+        log(f"  {name}:")
+        return attempt(log, launch_gaps, engine, log)
+
+    return backend_variants(engine, log, ("work_aside", "prefetch"), combos,
+                            lambda aside, prefetch: "one stream" if not (aside or prefetch) else
+                            "side work " + ("on the side stream" if aside else "in line"), measure)
 
 
 def kernel_events(kernels) -> dict:

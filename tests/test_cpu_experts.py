@@ -18,7 +18,6 @@ import torch
 
 from moeferry.moe.slots import SlotBuffer
 from moeferry import native
-from moeferry.native import build
 from moeferry.ops.cpu import experts as cpu
 from tests.test_moe_kernels import _rel
 from tests.test_slot_reference import CASES, _buffer
@@ -36,7 +35,7 @@ def builds(tmp_path_factory) -> dict[str, cpu.CpuExperts]:
     out = {}
     for name, flags in BUILDS.items():
         path = tmp_path_factory.mktemp(name) / "experts.so"
-        out[name] = cpu.load(path, build(cpu.SOURCE, path, [flags], ["-lm"]))
+        out[name] = cpu.load(path, native.build(cpu.SOURCE, path, [flags], ["-lm"]))
     assert not out["portable"].simd and not out["portable"].openmp
     assert "avx2" not in out or (out["avx2"].simd and not out["avx2"].avx512)
     return out
