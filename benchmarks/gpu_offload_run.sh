@@ -13,6 +13,7 @@
 #             slots (default 1200 of 24 x 256 experts of 6 MiB: 7 GiB, what 14.6 GiB free holds beside the bf16 dense weights, KV
 #             and prefill): a full-depth bf16 checkpoint (~68 GB)
 #             does not fit the lent machines' 64 GiB disk; removes the main checkpoint first
+#   hybrid_bf16  offload_bf16's checkpoint and slots, moeferry alone with --moe-backend hybrid
 #   hybrid    offload.py with moeferry --moe-backend hybrid (alone, same cache size and ballast; issue 11's hybrid question)
 #   offload_nopf  the same, moeferry alone, decode prefetch off (what the prefetch is worth)
 #   offload_ca  offload with moeferry's kernels compiled ahead (--compile-workers COMPILE_WORKERS, default 8), both
@@ -160,6 +161,8 @@ make_ckpt() {  # make_ckpt DIR SKEW [QUANT (bf16: none) [LAYERS]]; a checkpoint 
 }
 
 bf16_12_ckpt() { step make_bf16_12 60 200 make_ckpt "$WORK/ckpt_bf16_12" 0 bf16 12; }
+bf16_ckpt() {  # offload_bf16's checkpoint, BF16_LAYERS deep; the main one is removed (the disk holds one big checkpoint)
+  rm -rf "$WORK/ckpt"; step make_bf16 60 360 make_ckpt "$WORK/ckpt_bf16" 0 bf16 "${BF16_LAYERS:-24}"; }
 
 seed() {  # seed NAME [seed_scenario.py args...]
   local name=$1; shift
@@ -226,7 +229,7 @@ export CACHE_SIZE SKEW T_START BUDGET_S WORK LEAVE_GIB FT_ARGS SIZE LAYERS QUANT
 print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__)' || exit 4
   fi
   needs_ckpt=0  # prep13 makes the checkpoint itself, alongside other work; some runs do not read it
-  for run in $RUNS; do case $run in prep|prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|prepbf16|offload_bf16|prefill|loadcmp|bw|gputests|numa|moe|sampling|inputs|skew|prepskew|e2e_skew|e2e_skew_widths|e2e_skew_budget|lanes) ;;
+  for run in $RUNS; do case $run in prep|prep13) needs_ckpt=0; break ;; bf16_12|e2e_bf16|prepbf16|offload_bf16|hybrid_bf16|prefill|loadcmp|bw|gputests|numa|moe|sampling|inputs|skew|prepskew|e2e_skew|e2e_skew_widths|e2e_skew_budget|lanes) ;;
     *) needs_ckpt=1 ;; esac; done
   if [ "$needs_ckpt" = 1 ]; then
     step make 60 300 make_ckpt "$WORK/ckpt" 0 || { echo "no checkpoint: stopping"; exit 5; }
@@ -300,10 +303,10 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       offload_ca) step offload_ca 250 ${OFFLOAD_MAX_S:-400} offload offload_ca "$WORK/ckpt" \
                   --ours-args "--compile-workers ${COMPILE_WORKERS:-8}" ;;
       hybrid)   step hybrid 150 240 offload hybrid "$WORK/ckpt" --engines moeferry --ours-args "--moe-backend hybrid" ;;
-      offload_bf16) rm -rf "$WORK/ckpt"  # (the disk holds one big checkpoint)
-                step make_bf16 150 360 make_ckpt "$WORK/ckpt_bf16" 0 bf16 "${BF16_LAYERS:-24}" \
-                  && step offload_bf16 250 ${OFFLOAD_MAX_S:-400} offload_slots "${BF16_CACHE_SIZE:-1200}" offload_bf16 \
-                  "$WORK/ckpt_bf16" ;;
+      offload_bf16) bf16_ckpt && step offload_bf16 250 ${OFFLOAD_MAX_S:-400} offload_slots "${BF16_CACHE_SIZE:-1200}" \
+                  offload_bf16 "$WORK/ckpt_bf16" ;;
+      hybrid_bf16) bf16_ckpt && step hybrid_bf16 120 240 offload_slots "${BF16_CACHE_SIZE:-1200}" hybrid_bf16 \
+                  "$WORK/ckpt_bf16" --engines moeferry --ours-args "--moe-backend hybrid" ;;
       offload_w8) step offload_w8 150 240 offload offload_w8 "$WORK/ckpt" --engines moeferry \
                   --ours-args "--moe-prefetch-width 8 --moe-prefetch-budget 8" ;;
       offload_w4) step offload_w4 150 240 offload offload_w4 "$WORK/ckpt" --engines moeferry \

@@ -160,14 +160,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="offload/hybrid/cpu on CUDA: copy the next staged experts of a prefill chunk only after the "
                    "current ones are computed (default: overlapped on a copy stream)")
     g.add_argument("--disable-moe-decode-prefetch", dest="moe_decode_prefetch", action="store_false",
-                   help="offload on CUDA: fetch a decode step's misses only when their layer routes (default: "
+                   help="offload/hybrid on CUDA: fetch a decode step's misses only when their layer routes (default: "
                    "layer l+1's router applied to layer l's input predicts its experts, and the predicted "
                    "misses are copied on a copy stream while layer l computes)")
     g.add_argument("--moe-prefetch-width", type=_positive_int, metavar="N",
-                   help="offload on CUDA: experts a token's decode prefetch guesses for the next layer, its N "
+                   help="offload/hybrid on CUDA: experts a token's decode prefetch guesses for the next layer, its N "
                    "likeliest (default: the model's top-k)")
     g.add_argument("--moe-prefetch-budget", type=_positive_int, metavar="N",
-                   help="offload on CUDA: most of a token's guessed experts the decode prefetch copies, the "
+                   help="offload/hybrid on CUDA: most of a token's guessed experts the decode prefetch copies, the "
                    "likeliest of those not cached (default: a quarter of the model's top-k; a wrong guess costs "
                    "link time, a missed one is fetched when its layer routes)")
     g.add_argument("--moe-cpu-threads", type=_positive_int, metavar="N",

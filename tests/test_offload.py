@@ -502,15 +502,18 @@ LANE_CUTS = [("qwen3_5_moe", "mixed_nvfp4", "cpu"), ("qwen3_moe", "int4_awq", "h
 @pytest.mark.parametrize("arch,preset,variant", LANE_CUTS)
 def test_cpu_lanes_at_the_cut_equal_resident(arch, preset, variant, ckpt, ref_logits, monkeypatch):
     """cpu and hybrid decode captured piecewise, two cuts a MoE layer: after the router the host
-    reads the choices and fetches the split's share; at the second cut (the cached experts'
-    graph queued before it) it computes the CPU lane and writes its output into the buffer the
-    next graph adds. Resident's logits alone and batched, and the eager step's hits and misses
-    (with hybrid-max1, an expert the single slot cannot take goes to the CPU instead of the
-    staging area, so only there the CPU's count differs). The lane ran at the second cut."""
+    reads the choices (hybrid: and the guess of the next layer's) and fetches the split's share
+    (hybrid: then prefetches); at the second cut (the cached experts' graph queued before it) it
+    computes the CPU lane and writes its output into the buffer the next graph adds. Resident's
+    logits alone and batched, and the eager step's hits, misses and prefetches (with hybrid-max1,
+    an expert the single slot cannot take goes to the CPU instead of the staging area, so only
+    there the CPU's count differs). The lane ran at the second cut."""
     runs = {}
     for cut in (False, True):
         llm = build(ckpt, arch, preset, variant)
         backend = llm.engine.experts
+        assert not backend.prefetch  # on only where copies overlap compute (CUDA)
+        backend.prefetch = backend.name == "hybrid"
         if backend.split is not None:  # the same split in both runs, not two boots' timings
             backend.split = MissSplit(fetch_s=1.0, cpu_s=1.0, max_fetch=backend.split.max_fetch)
         used = cut_decode_steps(llm, monkeypatch, RunAtOnce) if cut else []
@@ -526,7 +529,8 @@ def test_cpu_lanes_at_the_cut_equal_resident(arch, preset, variant, ckpt, ref_lo
         for g, w in zip(got, ref_logits(arch, preset, BATCH, CHUNKS)):
             assert rel_err(g, w) <= TOL
         stats = llm.engine.stats()["experts"]
-        runs[cut] = ({k: stats[k] for k in ("hits", "misses")}, stats["cpu_experts"], contents(llm))
+        runs[cut] = ({k: stats[k] for k in ("hits", "misses", "prefetched")}, stats["cpu_experts"], contents(llm))
+        assert (stats["prefetched"] > 0) == (variant == "hybrid")  # (hybrid-max1's one slot holds the step's own)
         check_all(llm)
         monkeypatch.undo()
         if cut:

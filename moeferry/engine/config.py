@@ -136,12 +136,12 @@ CACHE_POLICIES = ("lru", "lfu")
 # elsewhere). Accepted with auto; an auto that resolves to resident puts them back to their
 # defaults (`planning.choose_backend`, logged).
 OFFLOAD_SETTINGS = (
-    ("moe_decode_prefetch", True, ("offload",),
-     "--disable-moe-decode-prefetch applies to the offload backend (--moe-backend offload)"),
-    ("moe_prefetch_width", None, ("offload",),
-     "--moe-prefetch-width {value} applies to the offload backend (--moe-backend offload)"),
-    ("moe_prefetch_budget", None, ("offload",),
-     "--moe-prefetch-budget {value} applies to the offload backend (--moe-backend offload)"),
+    ("moe_decode_prefetch", True, ("offload", "hybrid"),
+     "--disable-moe-decode-prefetch applies to the offload and hybrid backends (their decode prefetch)"),
+    ("moe_prefetch_width", None, ("offload", "hybrid"),
+     "--moe-prefetch-width {value} applies to the offload and hybrid backends (their decode prefetch)"),
+    ("moe_prefetch_budget", None, ("offload", "hybrid"),
+     "--moe-prefetch-budget {value} applies to the offload and hybrid backends (their decode prefetch)"),
     ("moe_prefill_overlap", True, ("offload", "hybrid", "cpu"),
      "--disable-moe-prefill-overlap applies to the offload, hybrid and cpu backends (their prefill staging)"),
     ("moe_cache_policy", "lru", ("offload", "hybrid"),

@@ -196,8 +196,8 @@ class OffloadBackend:
         self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.work_aside = True
         self.own_programs: int | None = None  # device-managed: the own gather's grid cap (None: full)
-        # decode prefetch: only the offload lane, and only where copies can overlap compute
-        self.prefetch = cfg.moe_decode_prefetch and name == "offload" and device.type == "cuda"
+        # decode prefetch: the lanes that fetch (offload, hybrid), and only where copies can overlap compute
+        self.prefetch = cfg.moe_decode_prefetch and name in ("offload", "hybrid") and device.type == "cuda"
         self.prefetch_done: torch.cuda.Event | None = None  # the copies of the prefetch in flight
         if cfg.moe_cpu_threads:
             torch.set_num_threads(cfg.moe_cpu_threads)
@@ -539,7 +539,7 @@ class OffloadExperts:
             if self.b.capturing is None:
                 out = self._eager(x, ids, weights, ahead)
             elif self.cache is None or self.b.name != "offload":
-                out = self._cut_lanes(x, ids, weights)
+                out = self._cut_lanes(x, ids, weights, ahead)
             elif self.b.steps_on_device(x.shape[0]):
                 return self._on_device(x, ids, weights, ahead, beside)
             else:
@@ -609,31 +609,36 @@ class OffloadExperts:
         counters = self.cache.counters[self.layer] if self.cache is not None else self.b.streamed
         counters.bytes_fetched += experts * self.bank.bytes_per_slot
 
-    def _cut_lanes(self, x, ids, weights) -> torch.Tensor:
+    def _cut_lanes(self, x, ids, weights, ahead: bool) -> torch.Tensor:
         """A captured decode step of the cpu and hybrid backends, or of a layer without slots
         (`--moe-cpu-layers`), cut twice. At the first cut, after the router, the host reads the
-        choices and queues the fetches (`_lanes`); the next graph runs the cached experts; at
-        the second cut the host computes the CPU lane while that graph runs (a replay only
-        queues it) and copies the lane's output into `lane`, which the graph after adds."""
+        choices (and, `ahead`, the guess of the next layer's) and queues the fetches and the
+        prefetch (`_lanes`); the next graph runs the cached experts; at the second cut the host
+        computes the CPU lane while that graph runs (a replay only queues it) and copies the
+        lane's output into `lane`, which the graph after adds."""
         lane = torch.empty_like(x)
+        guess = self._guess(x, ids) if ahead and self.cache is not None else None
         pending: dict = {}  # "lane": the CPU lane's inputs between the two cuts (None: nothing for it)
-        self.b.capturing.cut(lambda rows: pending.update(lane=self._lanes(x, ids, weights, rows)))
+        self.b.capturing.cut(lambda rows: pending.update(lane=self._lanes(x, ids, weights, guess, rows)))
         out = self._run_cached(x, ids, weights) if self.cache is not None else torch.zeros_like(x)
         self.b.capturing.cut(lambda rows: self._run_lane(pending.pop("lane", None), lane))
         return out + lane
 
-    def _lanes(self, x, ids, weights, rows: int) -> tuple | None:
+    def _lanes(self, x, ids, weights, guess: torch.Tensor | None, rows: int) -> tuple | None:
         """Read the real rows (the first `rows`: one wait for their copies to the host, the
         layer's one sync), fetch what the hybrid split sends over the link (queued on the
-        stream), and return the CPU lane's inputs: the other misses, and any expert that found
-        no cache slot (a graph cannot stream it through the staging area). None: no CPU lane."""
+        stream), start the prefetch of the next layer's `guess`, and return the CPU lane's
+        inputs: the other misses, and any expert that found no cache slot (a graph cannot stream
+        it through the staging area). None: no CPU lane."""
         rows = min(rows, x.shape[0])
-        hx, hids, hw = self._landed(self._to_host(x[:rows], ids[:rows], weights[:rows]))
-        needed, _ = distinct_experts(hids)
+        real = (x[:rows], ids[:rows], weights[:rows]) + ((guess[:rows],) if guess is not None else ())
+        hx, hids, hw, *hguess = self._landed(self._to_host(*real))
+        needed, predicted = distinct_experts(hids, *hguess)
         on_cpu = needed
         if self.cache is not None:
+            self.b.settle()  # the previous layer's prefetch has landed (table and slots)
             fetch, on_cpu = self._divide(self._lookup(needed), hids)
-            on_cpu = on_cpu + self._fetch(fetch, needed, [], 0)
+            on_cpu = on_cpu + self._fetch(fetch, needed, predicted, rows)
         self.cpu_experts += len(on_cpu)
         return (hx, hids, hw, on_cpu) if on_cpu else None
 
@@ -783,13 +788,13 @@ class OffloadExperts:
             return stream.record_event()
 
     @staticmethod
-    def _to_host(x, ids, weights) -> tuple:
-        """(x, ids, weights) on the host, copied on the current stream; with an event to wait
-        for on CUDA, so that work queued after the copies runs on while the CPU computes."""
+    def _to_host(x, ids, weights, *more) -> tuple:
+        """(x, ids, weights, *more) on the host, copied on the current stream; with an event to
+        wait for on CUDA, so that work queued after the copies runs on while the CPU computes."""
         if x.device.type != "cuda":
-            return x.float(), ids, weights.float(), None
+            return x.float(), ids, weights.float(), *more, None
         host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                     for t in (x, ids, weights))
+                     for t in (x, ids, weights, *more))
         return (*host, torch.cuda.current_stream().record_event())
 
     @staticmethod
