@@ -10,6 +10,8 @@ comparison with the fp32 CPU path: on the H200 even the bf16 preset differed by 
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -47,7 +49,8 @@ def _decode(engine, prompts, steps):
 @pytest.mark.parametrize("preset,backend", [(p, "resident") for p in ALL]
                          + [("mixed_nvfp4", "offload"), ("mixed_nvfp4", "offload-partial"),
                             ("mixed_nvfp4", "offload-piecewise"), ("mixed_nvfp4", "offload-lfu"),
-                            ("mixed_nvfp4", "cpu"), ("mixed_nvfp4", "hybrid"), ("mixed_nvfp4", "offload-cpulayer")])
+                            ("mixed_nvfp4", "cpu"), ("mixed_nvfp4", "hybrid"), ("mixed_nvfp4", "hybrid-offload"),
+                            ("mixed_nvfp4", "offload-cpulayer")])
 def test_decode_graphs_in_use(preset, backend, tmp_path):
     """(offload: a cache of every expert, which reads nothing on the host, is captured whole;
     offload-partial: half the experts cached, managed on the device: captured whole, the misses
@@ -56,7 +59,9 @@ def test_decode_graphs_in_use(preset, backend, tmp_path):
     experts managed on the device by LFU, which needs three steps' experts; cpu and hybrid: 16
     slots, captured piecewise, two cuts a layer, the CPU lane computed between them while the
     cached experts run; hybrid fetching at most
-    one expert a layer, so that both lanes work; offload-cpulayer: offload-partial with MoE layer 1
+    one expert a layer, so that both lanes work, its lanes from batch 1; hybrid-offload: the same
+    with no batch splitting its misses (`lanes_from` inf): managed on the device as offload-partial;
+    offload-cpulayer: offload-partial with MoE layer 1
     on the CPU (`--moe-cpu-layers 1,`): managed on the device, cut twice, at that layer.)"""
     from moeferry.checkpoint.synthetic import make_model
     from moeferry.engine.config import EngineConfig
@@ -65,12 +70,16 @@ def test_decode_graphs_in_use(preset, backend, tmp_path):
                       quant=None if preset == "bf16" else preset)
     extra = {"offload": dict(moe_cache_rate=1.0), "offload-lfu": dict(moe_cache_size=24, moe_cache_policy="lfu"),
              "hybrid": dict(moe_cache_size=16, moe_hybrid_max_fetch=1),
+             "hybrid-offload": dict(moe_cache_size=16, moe_hybrid_max_fetch=1),
              "offload-cpulayer": dict(moe_cache_size=16, moe_cpu_layers="1,")}.get(
         backend, dict(moe_cache_size=16) if "-" in backend or backend == "cpu" else {})
     piecewise = backend in ("offload-piecewise", "cpu", "hybrid")
     engine = Engine.build(EngineConfig(str(path), "cuda", "bfloat16", moe_backend=backend.split("-")[0],
                                        num_tokens=256, num_state_slots=4, **extra))
-    if backend.startswith("offload-") or piecewise:
+    if backend.startswith("hybrid"):  # (the tiny model's lanes measured at boot would choose either)
+        engine.experts.lanes_from = 1 if backend == "hybrid" else math.inf
+        engine.graphs.invalidate()  # (captured at boot with the measured choice)
+    if backend.startswith(("offload-", "hybrid")) or piecewise:
         want = "piecewise" if backend in ("cpu", "hybrid") else "device"
         assert engine.experts.graph_mode(4) == want, engine.experts.graph_mode(4)
     if backend == "offload-piecewise":
@@ -91,7 +100,7 @@ def test_decode_graphs_in_use(preset, backend, tmp_path):
     cuts = {"offload-piecewise": engine.spec.num_layers, "cpu": 2 * engine.spec.num_layers,
             "hybrid": 2 * engine.spec.num_layers, "offload-cpulayer": 2}.get(backend, 0)  # (every tiny layer is MoE)
     assert pieces == {cuts + 1}, pieces
-    if backend.startswith("offload-") or piecewise:
+    if backend.startswith(("offload-", "hybrid")) or piecewise:
         s = engine.stats()["experts"]
         assert s["misses"] > 0 and s["hits"] > 0, s
         assert (s["cpu_experts"] > 0) == (backend in ("cpu", "hybrid", "offload-cpulayer")), s

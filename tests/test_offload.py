@@ -10,6 +10,7 @@ bookkeeping is a plain-Python LRU (or LFU) replaying the routing trace the execu
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from collections import defaultdict
 
@@ -22,7 +23,7 @@ from moeferry.checkpoint.reader import CheckpointReader
 from moeferry.model.loader import _layer_experts
 from moeferry.model.registry import resolve_spec
 from moeferry.model.weights import WeightLoader
-from moeferry.moe.bandwidth import MissSplit
+from moeferry.moe.bandwidth import MissSplit, expected_misses
 from moeferry.memory.allocator import allocator_settings, configure_allocator, pinned_register_settings
 from moeferry.moe.bank import HostRamError, build_bank, plan_loading
 from moeferry.moe.offload import OffloadExperts
@@ -514,6 +515,7 @@ def test_cpu_lanes_at_the_cut_equal_resident(arch, preset, variant, ckpt, ref_lo
         backend = llm.engine.experts
         assert not backend.prefetch  # on only where copies overlap compute (CUDA)
         backend.prefetch = backend.name == "hybrid"
+        backend.lanes_from = 1  # (hybrid: the CPU lane at every batch, whatever the tiny lanes measured)
         if backend.split is not None:  # the same split in both runs, not two boots' timings
             backend.split = MissSplit(fetch_s=1.0, cpu_s=1.0, max_fetch=backend.split.max_fetch)
         used = cut_decode_steps(llm, monkeypatch, RunAtOnce) if cut else []
@@ -632,6 +634,42 @@ def test_device_managed_decode_equals_resident(arch, preset, prefetch, policy, c
     assert s["bytes_fetched"] == (s["misses"] + s["prefetched"]) * backend.slot_bytes
     assert (s["prefetched"] > 0) == (prefetch != "none")
     assert (s["cpu_experts"] > 0) == bool(cpu_layers)
+
+
+def test_hybrid_below_its_lanes_decodes_as_offload(ckpt, ref_logits, monkeypatch):
+    """hybrid with `lanes_from` 2: a decode step of one row is managed on the device as offload's
+    (no cut, no CPU lane), a batched one is cut twice a layer with the split's CPU lane; both give
+    resident's logits, and the cache's state passes between device and host intact."""
+    llm = build(ckpt, "qwen3_moe", "bf16", "hybrid", moe_cache_size=24)
+    backend = llm.engine.experts
+    backend.prefetch, backend.lanes_from = True, 2
+    backend.split = MissSplit(fetch_s=1.0, cpu_s=1.0)  # both lanes every batched step
+    engine, plain, steps = llm.engine, llm.engine.run_batch, []
+
+    def run(chunks, feed=None):
+        if not all(len(c.tokens) == 1 for c in chunks):
+            return plain(chunks, feed)
+        backend.before_graph(len(chunks))
+        backend.capturing = cuts = RunAtOnce()
+        cpu_before = backend.stats()["cpu_experts"]
+        try:
+            return plain(chunks, feed)
+        finally:
+            backend.capturing = None
+            steps.append((len(chunks), cuts.cuts, backend.stats()["cpu_experts"] - cpu_before))
+
+    monkeypatch.setattr(engine, "run_batch", run)
+    got = llm.logits(PROMPT, chunk_size=CHUNKS)
+    assert rel_err(got, ref_logits("qwen3_moe", "bf16", [PROMPT], CHUNKS)[0]) <= TOL
+    for g, w in zip(llm.logits_batch(BATCH, [5, 3, 1]), ref_logits("qwen3_moe", "bf16", BATCH, [5, 3, 1])):
+        assert rel_err(g, w) <= TOL
+    alone = [(cuts, cpu) for rows, cuts, cpu in steps if rows == 1]
+    batched = [(cuts, cpu) for rows, cuts, cpu in steps if rows > 1]
+    assert alone and all(c == (0, 0) for c in alone), alone
+    assert batched and all(cuts == 2 * len(backend.executors) for cuts, _ in batched)
+    assert sum(cpu for _, cpu in batched) > 0
+    check_all(llm)  # (takes the state back from the device first)
+    assert llm.engine.stats()["experts"]["prefetched"] > 0
 
 
 def test_prefetch_budget_copies_the_best_guesses(ckpt, ref_logits, monkeypatch):
@@ -795,7 +833,8 @@ def test_graph_mode_needs_a_steps_working_set(ckpt, monkeypatch):
     """Graphs of a partial cache only on CUDA. The offload lane: managed on the device when the
     gather kernel works and every cache holds two steps' experts, else piecewise with every
     cache holding max_batch x top_k experts (a step's experts could not be left over to stream
-    inside a graph). cpu and hybrid: piecewise at any size (the CPU lane takes what finds no slot)."""
+    inside a graph). cpu: piecewise at any size (the CPU lane takes what finds no slot); hybrid
+    too from the batch its CPU lane starts at (`lanes_from`), as offload below it."""
     llm = build(ckpt, "qwen3_5_moe", "bf16", "offload-25%")  # 8 of 32 slots, top_k 2
     backend = llm.engine.experts
     assert backend.graph_mode(1) is None  # the CPU
@@ -806,8 +845,12 @@ def test_graph_mode_needs_a_steps_working_set(ckpt, monkeypatch):
     backend.device_managed = False
     assert backend.graph_mode(2) == "piecewise"
     for name in ("hybrid", "cpu"):
-        backend.name = name
+        backend.name, backend.lanes_from = name, 1
         assert backend.graph_mode(1) == backend.graph_mode(64) == "piecewise"
+    backend.device_managed, backend.lanes_from = True, 2  # hybrid: batch 1 fetches every miss
+    assert backend.graph_mode(1) == "device" and backend.graph_mode(2) == backend.graph_mode(64) == "piecewise"
+    backend.name, backend.lanes_from = "hybrid", math.inf  # a cache too small to manage on the device: piecewise
+    assert backend.graph_mode(2) == "device" and backend.graph_mode(3) == backend.graph_mode(64) == "piecewise"
     monkeypatch.setattr(backend, "device", torch.device("cpu"))
     assert backend.graph_mode(1) is None
 
@@ -967,6 +1010,29 @@ def test_miss_split_charges_further_tokens_their_own_cost():
     assert [split.cpu_cost(t) for t in (0, 1, 3)] == [2.0, 2.0, 3.0]
     assert MissSplit(fetch_s=1.0, cpu_s=2.0).cpu_cost(3) == 6.0  # unmeasured: each token costs a whole expert
     assert "CPU 2000000 us/expert + 500000 us a further token" in split.describe()
+
+
+def test_miss_split_lanes_from_weighs_the_saving_against_the_cuts():
+    """The split's saving a layer is the brute-force optimum's; the lanes start at the first batch
+    whose expected misses save more than the cuts cost: the H100 lanes measured for bf16 experts
+    (fetch 127 us, CPU 247 us + 38 us a further token) from batch 2 at 50 of 256 experts cached a
+    layer, NVFP4's (37 us, 72 us) only from a bigger batch; free cuts split from batch 1, costly
+    ones never."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(100):
+        m = int(torch.randint(0, 12, (1,), generator=gen))
+        f, c = (float(torch.randint(1, 60, (1,), generator=gen)) for _ in range(2))
+        split = MissSplit(f, c)
+        assert split.saving(m) == m * f - min(max(n * f, (m - n) * c) for n in range(m + 1))
+    misses, tokens = expected_misses(1, 8, 256, 50 / 256)
+    assert 6 < misses < 6.5 and 1 < tokens < 1.02
+    assert expected_misses(4, 8, 256, 1.0)[0] == 0 and expected_misses(1000, 8, 256, 0.0)[0] == pytest.approx(256)
+    bf16 = MissSplit(127e-6, 247e-6, cpu_token_s=38e-6)
+    at = functools.partial(expected_misses, top_k=8, experts=256, cached=50 / 256)
+    assert bf16.lanes_from(at) == 2
+    nvfp4 = MissSplit(37e-6, 72e-6, cpu_token_s=10e-6)
+    assert 4 < nvfp4.lanes_from(functools.partial(expected_misses, top_k=8, experts=256, cached=90 / 256)) < 1024
+    assert bf16.lanes_from(at, cut_s=0.0) == 1 and bf16.lanes_from(at, cut_s=1.0) == math.inf
 
 
 def test_miss_split_times_the_fetch_the_caches_make(monkeypatch):

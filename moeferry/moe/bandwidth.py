@@ -154,6 +154,22 @@ def time_cpu_expert(bank: SlotBuffer, tokens: int = 1, repeats: int = 3, experts
     return sorted(times[1:])[repeats // 2] / experts
 
 
+# What running a decode step's MoE layer through the CPU lane costs beyond the split itself: the
+# piecewise step's two cuts (the host waits for the router's choices, launches three graphs where
+# the device-managed step launches one) and the host-managed cache's waits for the prefetch.
+# Measured (H100, 24-layer bf16 checkpoint, 1200 slots, hybrid against offload in one run): b1
+# 27.6 ms a step piecewise against 21.45 device-managed, i.e. 256 us a layer more, after a split
+# expected to save ~200 us a layer (benchmarks/README.md, twenty-sixth session)
+CUT_S = 450e-6
+
+
+def expected_misses(batch: int, top_k: int, experts: int, cached: float) -> tuple[float, float]:
+    """(misses, tokens each) of one MoE layer's decode step of `batch` rows under uniform routing:
+    the distinct experts of batch * top_k picks among `experts`, of which a fraction `cached` hit."""
+    distinct = experts * (1 - (1 - 1 / experts) ** (batch * top_k))
+    return distinct * (1 - min(1.0, cached)), batch * top_k / distinct
+
+
 @dataclass(frozen=True)
 class MissSplit:
     """Fetch n of a step's M misses and compute the rest on the CPU, with n chosen so both
@@ -195,6 +211,22 @@ class MissSplit:
         if self.max_fetch is not None:
             best_n = min(best_n, self.max_fetch)
         return best_n
+
+    def saving(self, misses: int, tokens: float = 1.0) -> float:
+        """Seconds the split saves a layer against fetching all its `misses` (`tokens` each)."""
+        costs = [self.cpu_cost(round(tokens))] * misses
+        n = self.fetch_count(costs)
+        return misses * self.fetch_s - max(n * self.fetch_s, sum(costs[n:]))
+
+    def lanes_from(self, misses, cut_s: float = CUT_S, most: int = 1024) -> float:
+        """The smallest decode batch whose expected misses a layer (`misses(batch)`: (misses,
+        tokens each), `expected_misses`) the split saves more time on than its cuts cost (`cut_s`
+        a layer); smaller batches fetch every miss, as offload does. inf when none up to `most`."""
+        for batch in range(1, most + 1):
+            m, tokens = misses(batch)
+            if self.saving(round(m), tokens) > cut_s:
+                return batch
+        return math.inf
 
     def divide(self, misses: list[int], ids: torch.Tensor) -> tuple[list[int], list[int]]:
         """(experts to fetch, experts for the CPU)."""

@@ -14,7 +14,7 @@ The CPU lane is `SlotBuffer.run_host` (the C kernel of `moeferry.ops.cpu`). `--m
 
 Per layer and step: the router's expert ids come to the host (one sync: the cache is managed
 on the host), hits run from their slots in place, misses go to their lane, and the layer's MoE
-kernel waits only for its own copies. Decode prefetch (offload on CUDA): the next MoE layer's
+kernel waits only for its own copies. Decode prefetch (offload, hybrid on CUDA): the next MoE layer's
 router applied to this layer's input predicts its experts (read back in the same sync), and the
 predicted misses are copied on a copy stream while this layer computes; the next layer waits
 for those copies before it touches the cache. On a CPU-only machine the "device" is the CPU too:
@@ -29,9 +29,11 @@ predicted experts are resolved the same way and gathered on the copy stream whil
 computes; the whole step is one graph and the host only replays it. Otherwise the step is
 captured piecewise: while `capturing` is set (`moeferry.engine.cuda_graph`), each layer cuts
 the step after its router, and its host part (read the ids, fetch the misses, start the
-prefetch) runs between two graphs at replay. cpu, hybrid and the slotless layers are captured
+prefetch) runs between two graphs at replay. cpu and the slotless layers are captured
 piecewise at any cache size, cut twice a layer: the host computes the CPU lane at the second
-cut, while the graph between the two (queued, not waited for) runs the cached experts.
+cut, while the graph between the two (queued, not waited for) runs the cached experts. hybrid
+is too from the decode batch its split is expected to pay at (`lanes_from`, from the lanes
+measured at boot and `bandwidth.CUT_S`); smaller batches fetch every miss, as offload does.
 """
 from __future__ import annotations
 
@@ -198,6 +200,8 @@ class OffloadBackend:
         self.own_programs: int | None = None  # device-managed: the own gather's grid cap (None: full)
         # decode prefetch: the lanes that fetch (offload, hybrid), and only where copies can overlap compute
         self.prefetch = cfg.moe_decode_prefetch and name in ("offload", "hybrid") and device.type == "cuda"
+        # the smallest decode batch whose misses may take the CPU lane (hybrid: measured in finish())
+        self.lanes_from: float = math.inf if name == "offload" else 1
         self.prefetch_done: torch.cuda.Event | None = None  # the copies of the prefetch in flight
         if cfg.moe_cpu_threads:
             torch.set_num_threads(cfg.moe_cpu_threads)
@@ -246,13 +250,13 @@ class OffloadBackend:
             return "whole"
         if self.device.type != "cuda":
             return None
-        if self.name != "offload":
+        if max_batch >= self.lanes_from:
             return "piecewise"
         if not self.caches:
             return None
         if self.steps_on_device(max_batch):
             return "device"
-        return "piecewise" if self._holds(max_batch, lambda c: 1) else None
+        return "piecewise" if self.name != "offload" or self._holds(max_batch, lambda c: 1) else None
 
     def steps_on_device(self, rows: int) -> bool:
         """Whether decode steps of `rows` sequences in a graph manage the cache on the device:
@@ -261,7 +265,7 @@ class OffloadBackend:
         never victims then, nor, while its prefetch places the next layer's, this layer's),
         three for LFU (its victims may be any slot outside the two calls it keeps: `cache_resolve`)."""
         kernel = self.gathers_ready or self.device.type == "cpu"
-        return (self.device_managed and self.name == "offload" and kernel and bool(self.caches)
+        return (self.device_managed and rows < self.lanes_from and kernel and bool(self.caches)
                 and self._holds(rows, lambda c: c.policy.graph_steps))
 
     def _holds(self, rows: int, steps: Callable[[ExpertCache], int]) -> bool:
@@ -391,7 +395,27 @@ class OffloadBackend:
         if self.name == "hybrid":
             from moeferry.moe.bandwidth import MissSplit
             self.split = MissSplit.measure(self, self.cfg.moe_hybrid_max_fetch)
-            log.info("hybrid lanes: %s", self.split.describe())
+            self.lanes_from = self.split.lanes_from(self._expected_misses)
+            log.info("hybrid lanes: %s; %s", self.split.describe(), self._lanes_said())
+
+    def _expected_misses(self, batch: int) -> tuple[float, float]:
+        """A MoE layer's expected (misses, tokens each) in a decode step of `batch` rows, its
+        cache's share of slots hit (uniform routing: the decode prefetch's hits come on top)."""
+        from moeferry.moe.bandwidth import expected_misses
+        caches = self.distinct_caches
+        if not caches:
+            return 0.0, 1.0
+        cache, experts = caches[0], self.spec.num_experts
+        return expected_misses(batch, self.spec.top_k, experts, cache.num_slots / len(cache.layers) / experts)
+
+    def _lanes_said(self) -> str:
+        if self.lanes_from == 1:
+            return "every decode batch splits its misses"
+        if math.isinf(self.lanes_from):
+            return ("no decode batch up to 1024 is expected to save more than the CPU lane's cuts cost: "
+                    "every miss is fetched, as offload does")
+        return (f"decode batches below {self.lanes_from} fetch every miss, as offload does (the split's "
+                "expected saving there is below what the CPU lane's cuts cost)")
 
     def _choose_transfer(self) -> None:
         """Decode misses move by the one-launch gather kernel or by copies: measured, the faster kept."""
@@ -538,10 +562,12 @@ class OffloadExperts:
             ahead = self.b.prefetch and self.next is not None and x.shape[0] <= STAGING_SLOTS
             if self.b.capturing is None:
                 out = self._eager(x, ids, weights, ahead)
-            elif self.cache is None or self.b.name != "offload":
+            elif self.cache is None or x.shape[0] >= self.b.lanes_from:
                 out = self._cut_lanes(x, ids, weights, ahead)
             elif self.b.steps_on_device(x.shape[0]):
                 return self._on_device(x, ids, weights, ahead, beside)
+            elif self.b.name != "offload":  # (a cache too small for the device to manage: the CPU lane takes the rest)
+                out = self._cut_lanes(x, ids, weights, ahead)
             else:
                 out = self._captured(x, ids, weights, ahead)
         return _with_shared(out, beside() if beside is not None else None)
