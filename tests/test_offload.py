@@ -933,6 +933,24 @@ LONG = _prompt(90, 8)
 LONG_CHUNKS = [40, 45, 1]  # prefill chunks past a staging half (32), then decode-sized steps
 
 
+def test_hybrid_prefill_chunks_fetch_every_miss(ckpt, ref_logits, monkeypatch):
+    """hybrid's prefill-sized chunks (past a staging half) fetch or stream all their misses (the
+    CPU lane's time for an expert's many tokens is not what its few-token timing predicts); its
+    decode steps split theirs, here all to the CPU (the link priced out)."""
+    llm = build(ckpt, "qwen3_moe", "bf16", "hybrid")
+    backend = llm.engine.experts
+    backend.split = MissSplit(fetch_s=1e9, cpu_s=1.0)
+    rows = []
+    plain = SlotBuffer.run_host
+    monkeypatch.setattr(SlotBuffer, "run_host", lambda self, x, *a, **kw: rows.append(x.shape[0]) or plain(self, x, *a, **kw))
+    got = llm.logits(LONG, chunk_size=LONG_CHUNKS)
+    assert rel_err(got, ref_logits("qwen3_moe", "bf16", [LONG], LONG_CHUNKS)[0]) <= TOL
+    assert rows and max(rows) == 1  # the decode steps' lone token only
+    s = llm.engine.stats()["experts"]
+    assert s["cpu_experts"] > 0 and s["bytes_fetched"] > 0
+    check_all(llm)
+
+
 @pytest.mark.parametrize("arch,preset,variant,spec", [("qwen3_moe", "bf16", "offload-25%", "1,3"),
                                                       ("qwen3_5_moe", "mixed_nvfp4", "offload-25%", "0.5"),
                                                       ("qwen3_moe", "int4_awq", "cpu", "2")])
