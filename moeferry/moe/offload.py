@@ -6,8 +6,9 @@ serve a miss.
               never flushes the decode cache
     cpu       compute the miss on the CPU from its bank (the cache holds what the boot fill put there;
               a prefill chunk's misses stream through the staging area)
-    hybrid    per step, fetch some misses and compute the rest on the CPU, split so both lanes
-              finish together (bandwidths measured at boot, `moeferry.moe.bandwidth`)
+    hybrid    per decode step, fetch some misses and compute the rest on the CPU, split so both lanes
+              finish together (bandwidths measured at boot, `moeferry.moe.bandwidth`); prefill
+              chunks fetch or stream every miss, as offload's
 
 The CPU lane is `SlotBuffer.run_host` (the C kernel of `moeferry.ops.cpu`). `--moe-cpu-layers`
 (offload, cpu) gives layers no device slots: they decode on the CPU and stream their prefill.
