@@ -85,7 +85,9 @@ def test_huge_prompt_is_refused_before_tokenizing_and_the_api_stays_responsive(s
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert "at least" in r.json()["error"]["message"]
     assert took < 5.0, f"refusing took {took:.1f} s (it tokenized?)"
-    assert probe.worst < 1.0
+    # /health waits at most for the body's JSON parse and validation, which FastAPI runs on the event
+    # loop (~0.3-1.1 s of a loaded 2-core CI machine: 1.11 s seen once), never for a tokenization
+    assert probe.worst < 2.5, f"/health took {probe.worst:.2f} s while the body was refused"
     assert mem.peak - before < 600, f"API memory grew {mem.peak - before:.0f} MiB for a 20 MB body"
     wait_for(lambda: rss_mib(server.proc.pid) - before < 150, 10.0)  # and it was given back
 
