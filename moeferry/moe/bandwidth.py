@@ -158,8 +158,8 @@ def time_cpu_expert(bank: SlotBuffer, tokens: int = 1, repeats: int = 3, experts
 # piecewise step's two cuts (the host waits for the router's choices, launches three graphs where
 # the device-managed step launches one) and the host-managed cache's waits for the prefetch.
 # Measured (H100, 24-layer bf16 checkpoint, 1200 slots, hybrid against offload in one run): b1
-# 27.6 ms a step piecewise against 21.45 device-managed, i.e. 256 us a layer more, after a split
-# expected to save ~200 us a layer (benchmarks/README.md, twenty-sixth session)
+# 27.6 ms a step piecewise against 21.45 device-managed, 256 us a layer more although the split was
+# expected to save ~200 us a layer: ~450 us a layer (benchmarks/README.md, twenty-sixth session)
 CUT_S = 450e-6
 
 

@@ -563,11 +563,9 @@ class OffloadExperts:
             ahead = self.b.prefetch and self.next is not None and x.shape[0] <= STAGING_SLOTS
             if self.b.capturing is None:
                 out = self._eager(x, ids, weights, ahead)
-            elif self.cache is None or x.shape[0] >= self.b.lanes_from:
-                out = self._cut_lanes(x, ids, weights, ahead)
-            elif self.b.steps_on_device(x.shape[0]):
+            elif self.cache is not None and self.b.steps_on_device(x.shape[0]):  # (below hybrid's `lanes_from`)
                 return self._on_device(x, ids, weights, ahead, beside)
-            elif self.b.name != "offload":  # (a cache too small for the device to manage: the CPU lane takes the rest)
+            elif self.cache is None or self.b.name != "offload":
                 out = self._cut_lanes(x, ids, weights, ahead)
             else:
                 out = self._captured(x, ids, weights, ahead)
