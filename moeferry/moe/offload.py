@@ -413,8 +413,8 @@ class OffloadBackend:
         if self.lanes_from == 1:
             return "every decode batch splits its misses"
         if math.isinf(self.lanes_from):
-            return ("no decode batch up to 1024 is expected to save more than the CPU lane's cuts cost: "
-                    "every miss is fetched, as offload does")
+            return ("no decode batch is expected to save more than the CPU lane's cuts cost: every miss is "
+                    "fetched, as offload does")
         return (f"decode batches below {self.lanes_from} fetch every miss, as offload does (the split's "
                 "expected saving there is below what the CPU lane's cuts cost)")
 
@@ -598,10 +598,7 @@ class OffloadExperts:
             return self._run_cached(x, ids, weights)
         if self.b.name == "cpu" and prefill:  # the cache keeps what the boot placed; the misses stream
             return self._run_cached(x, ids, weights) + self._streamed(x, ids, weights, misses)
-        # hybrid's prefill chunks fetch (stream) every miss: the CPU lane's time for an expert's many tokens
-        # is not what its one- and four-token timing predicts (measured: prefill 8192 tokens 1.28 s split,
-        # 0.75 s fetched, bf16 experts on an H100 host)
-        fetch, on_cpu = self._divide(misses, ids) if not prefill or self.b.name != "hybrid" else (misses, [])
+        fetch, on_cpu = self._divide(misses, ids, prefill)
         inputs = self._to_host(x, ids, weights) if on_cpu else None  # before the GPU work is queued
         # a prefill-sized chunk (more tokens than a staging half) missing more experts than a half holds
         streaming = self.staging is not None and len(fetch) > STAGING_SLOTS and x.shape[0] > STAGING_SLOTS
@@ -620,12 +617,15 @@ class OffloadExperts:
             out = out + self._on_cpu(x, ids, weights, on_cpu, inputs)
         return out
 
-    def _divide(self, misses: list[int], ids: torch.Tensor) -> tuple[list[int], list[int]]:
+    def _divide(self, misses: list[int], ids: torch.Tensor, prefill: bool = False) -> tuple[list[int], list[int]]:
         """(fetched over the link, computed on the CPU): offload fetches every miss, cpu computes
-        them, hybrid splits them (`MissSplit`)."""
-        if self.b.name == "hybrid" and misses:
+        them, hybrid splits a decode step's (`MissSplit`) and fetches a prefill chunk's: the CPU
+        lane's time for an expert's many tokens is not what its one- and four-token timing
+        predicts (measured: prefill 8192 tokens 1.28 s split, 0.75 s fetched, bf16 experts on an
+        H100 host)."""
+        if self.b.name == "hybrid" and misses and not prefill:
             return self.b.split.divide(misses, ids)
-        return (misses, []) if self.b.name == "offload" else ([], misses)
+        return ([], misses) if self.b.name == "cpu" else (misses, [])
 
     def _streamed(self, x, ids, weights, experts: list[int]) -> torch.Tensor:
         """`experts` through the staging area (none of them is placed in the cache)."""
