@@ -205,14 +205,30 @@ class Supervisor:
             return
         w.send(Shutdown())
         w.close()
-        w.process.join(timeout)
-        if w.process.is_alive():
+        # only one thread may wait for the process: of two waiting, one reaps it and the other is told
+        # it has no such child, and sees it alive until the first records the exit. So the monitor
+        # (which returns once the worker exits or falls quiet) ends first, then this thread waits.
+        deadline = time.monotonic() + timeout
+        self._join_monitor(timeout)
+        if not self._monitor_running():
+            w.process.join(max(0.0, deadline - time.monotonic()))
+        if self._monitor_running() or w.process.is_alive():
             log.warning("worker %s did not stop in %.0f s; killing it", w.pid, timeout)
             w.process.kill()
+            self._join_monitor(KILLED_S)
             w.process.join(KILLED_S)
         self._fail_all(WorkerDied("the server is shutting down; retry the request", "server_shutting_down"))
 
     # ------------------------------------------------------------ monitor thread
+
+    def _monitor_running(self) -> bool:
+        """Whether the monitor thread runs (False when asked from that thread)."""
+        t = self._thread
+        return t is not None and t is not threading.current_thread() and t.is_alive()
+
+    def _join_monitor(self, timeout: float) -> None:
+        if self._monitor_running():
+            self._thread.join(timeout)
 
     def _unavailable_message(self) -> str:
         if self.state == LOADING:
