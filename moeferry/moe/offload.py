@@ -410,13 +410,19 @@ class OffloadBackend:
         return expected_misses(batch, self.spec.top_k, experts, cache.num_slots / len(cache.layers) / experts)
 
     def _lanes_said(self) -> str:
+        """Which decode steps split their misses. The rule is the decode graphs' (a CPU lane cuts
+        a graph at every MoE layer); a step run eagerly reads its choices on the host anyway and
+        splits at any batch."""
+        if self.device.type != "cuda":
+            return "every decode step splits its misses (no graphs here)"
         if self.lanes_from == 1:
-            return "every decode batch splits its misses"
+            return "every decode graph splits its misses"
         if math.isinf(self.lanes_from):
-            return ("no decode batch is expected to save more than the CPU lane's cuts cost: every miss is "
-                    "fetched, as offload does")
-        return (f"decode batches below {self.lanes_from} fetch every miss, as offload does (the split's "
-                "expected saving there is below what the CPU lane's cuts cost)")
+            return ("no decode graph's batch is expected to save more than the CPU lane's cuts cost: graphs "
+                    "fetch every miss, as offload does; eager steps split")
+        return (f"decode graphs of fewer than {self.lanes_from} sequences fetch every miss, as offload does "
+                "(the split's expected saving there is below what the CPU lane's cuts cost); larger ones and "
+                "eager steps split")
 
     def _choose_transfer(self) -> None:
         """Decode misses move by the one-launch gather kernel or by copies: measured, the faster kept."""
