@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import shutil
 import sys
 from collections import defaultdict
 
@@ -1225,7 +1227,7 @@ def test_mapped_loading_is_byte_identical(ckpt, preset):
         view, read = reader.view(name), reader.get(name)
         assert view.dtype == read.dtype and view.shape == read.shape, name
         assert torch.equal(view.reshape(-1).view(torch.uint8), read.reshape(-1).view(torch.uint8)), name
-    placement, staging = Placement(threads=8), HostStaging(pin=False)  # a GPU host's 8 memmove threads
+    placement, staging = Placement(threads=8), HostStaging(pin=False)  # a GPU host's 8 copying threads
     layers = [i for i in range(spec.num_layers) if spec.is_moe_layer(i)]
     for layer in layers:
         p = f"model.layers.{layer}.mlp."
@@ -1276,6 +1278,33 @@ def test_placement_template_falls_back_on_a_different_layer(ckpt, monkeypatch):
     ref = _per_expert_slots(w, spec, second)
     _same_bytes(build_bank(_layer_experts(w, spec, second), pin=False, placement=placement), ref, "fallback")
     assert (placement.templated, placement.plain) == (0, 2)
+
+
+@pytest.mark.parametrize("use_c", [True, False])
+def test_copy_spans_copies_each_range_and_nothing_else(use_c):
+    """`memory.spans.copy_spans` (the C helper, and the Python threads without a compiler): every
+    (destination, source, bytes) range copied, empty and odd-sized ones and one above a piece
+    (cut and shared) among them; the bytes between the ranges untouched."""
+    from moeferry.memory import spans
+
+    if use_c and shutil.which(os.environ.get("CC", "cc")) is not None:
+        assert spans.copier() is not None, "the C helper did not build"
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randint(0, 256, (spans.PIECE + (2 << 20),), dtype=torch.uint8, generator=gen)
+    dst = torch.zeros_like(src)
+    sizes = [0, 1, 7, 4096, 65537, 300_000, spans.PIECE + 12345]
+    moves, at = [], 0
+    for n in sizes:  # destinations in order with gaps of 3 bytes, sources from the end backwards
+        moves.append((dst.data_ptr() + at, src.data_ptr() + src.numel() - at - n, n))
+        at += n + 3
+    want = torch.zeros_like(dst)
+    for (d, s, n) in moves:
+        a, b = d - dst.data_ptr(), s - src.data_ptr()
+        want[a:a + n] = src[b:b + n]
+    spans.copy_spans(moves, threads=3, use_c=use_c)
+    assert torch.equal(dst, want)
+    cut = spans.pieces([(100, 200, 10), (1000, 5000, 25)], piece=8)
+    assert cut == [(100, 200, 8), (108, 208, 2), (1000, 5000, 8), (1008, 5008, 8), (1016, 5016, 8), (1024, 5024, 1)]
 
 
 # -- 10. elastic shrink ----------------------------------------------------------------------------------

@@ -10,21 +10,21 @@ copies are kept as a template in layer-relative tensor names. The next layers of
 then skip the per-expert views and packing: the template is instantiated from the checkpoint's
 index (each tensor checked for the template layer's shape and dtype and to lie inside its file;
 any difference, and the layer is placed the plain way): dictionary lookups and address
-arithmetic, and the byte copies run as `memmove`s split over a few threads (one torch copy per
-part instead forks torch's thread pool ~2300 times a layer). Byte-identical to the plain path
-(tests); formats whose parts are computed (int4 AWQ's repacking) always take it.
+arithmetic, and the byte copies run in one call of a small C helper over a few threads
+(`memory.spans`; one torch copy per part instead forks torch's thread pool ~2300 times a
+layer). Byte-identical to the plain path (tests); formats whose parts are computed (int4 AWQ's
+repacking) always take it.
 """
 from __future__ import annotations
 
 import bisect
-import ctypes
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from moeferry.memory.spans import copy_spans
 from moeferry.moe.layer_experts import ExpertWeights, LayerExperts
 
 if TYPE_CHECKING:
@@ -161,25 +161,10 @@ class LayerCopies:
     broadcasts: Pairs
 
     def run(self, threads: int) -> None:
-        """The moves split by bytes over `threads` threads (`memmove` runs without the GIL; no
-        torch thread pool per part), then the broadcasts."""
-        chunks, share, done = [[]], sum(m[2] for m in self.moves) / max(1, threads), 0
-        for move in self.moves:
-            if done >= share * len(chunks) and len(chunks) < threads:
-                chunks.append([])
-            chunks[-1].append(move)
-            done += move[2]
-        if len(chunks) > 1:
-            with ThreadPoolExecutor(len(chunks)) as pool:
-                list(pool.map(_move_all, chunks))
-        else:
-            _move_all(chunks[0])
+        """The moves on `threads` threads in one call (`memory.spans`: no Python between them,
+        no torch thread pool per part), then the broadcasts."""
+        copy_spans(self.moves, threads)
         copy_pairs(self.broadcasts)
-
-
-def _move_all(moves: list[tuple[int, int, int]]) -> None:
-    for dst, src, n in moves:
-        ctypes.memmove(dst, src, n)
 
 
 def _part(dst: torch.Tensor, src: torch.Tensor, bases, index: _SourceIndex, prefix: str) -> _Part | None:
