@@ -181,6 +181,39 @@ def steady_rows(model: str, compare: str, device: torch.device, layers: int, thr
             f"\nsteady-state resident placement: quantized at {rate['quantized'] / rate['bf16']:.2f}x bf16's rate per byte"]
 
 
+def copy_rows(model: str, threads: int, repeats: int = 15) -> list[str]:
+    """A templated layer's byte copies into a reused host buffer (steady state, no allocation):
+    one C call (`memory.spans`, the loader's path) against `ctypes.memmove` over Python threads
+    (the path without a compiler, the loader's before), and one copy of as many contiguous bytes
+    (the bound); interleaved, the best of `repeats` each."""
+    from moeferry.memory.spans import copy_spans
+
+    reader, spec, w, moe = open_layers(model, 2)
+    first, second = (_layer_experts(w, spec, f"model.layers.{i}.mlp.") for i in moe)
+    buf = SlotBuffer.allocate(first.format, first.num_experts, first.experts[0], "cpu")
+    placement = Placement(threads)
+    placement.fill(buf, first)  # the plain path: it keeps the template
+    template = next(iter(placement._templates.values()))
+    copies = template.instantiate(reader, second.source.prefix, buf) if template is not None else None
+    if copies is None:
+        return [f"{model}: no copy template for this format (every layer takes the plain path)"]
+    n = sum(m[2] for m in copies.moves)
+    src, dst = torch.ones(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    cases = {"one C call (memory.spans)": lambda: copy_spans(copies.moves, threads),
+             "memmove over Python threads": lambda: copy_spans(copies.moves, threads, use_c=False),
+             "one contiguous copy (bound)": lambda: dst.copy_(src)}
+    best = dict.fromkeys(cases, float("inf"))
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            t = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t)
+    bound = best["one contiguous copy (bound)"]
+    return [f"templated copies of one layer: {len(copies.moves)} copies, {n / 1e6:.0f} MB, {threads} threads", "",
+            "| path | ms | GB/s | bound / path |", "|---|---|---|---|",
+            *[f"| {name} | {t * 1e3:.1f} | {n / t / 1e9:.2f} | {bound / t:.2f} |" for name, t in best.items()]]
+
+
 def time_load_model(model: str, device: torch.device, backend: str, threads: int) -> float:
     from moeferry.engine.config import EngineConfig
     from moeferry.model.loader import load_model
@@ -236,6 +269,8 @@ def main() -> None:
     ap.add_argument("--load-model", action="store_true", help="also time a whole load_model per backend")
     ap.add_argument("--compare", help="a bf16 checkpoint of the same geometry: its resident placement per layer in "
                     "steady state and (with --load-model) its whole resident load (the per-byte rates to match)")
+    ap.add_argument("--copies", action="store_true", help="also time a templated layer's byte copies into a "
+                    "reused host buffer: one C call against memmoves over Python threads and one contiguous copy")
     ap.add_argument("--out", type=Path, help="also write the tables to DIR/load_speed.md")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # load_model's phase times
@@ -249,6 +284,8 @@ def main() -> None:
         lines += [f"| {name} | {t:.3f} | {n / t / 1e9:.2f} | {20e9 / (n / t):.1f} |" for name, t, n in rows]
     if args.load_model:
         lines += [""] + load_model_rows(args.model, args.compare, device, args.threads)
+    if args.copies:
+        lines += [""] + copy_rows(args.model, args.threads)
     if args.compare:
         lines += [""] + steady_rows(args.model, args.compare, device, max(args.layers, 3), args.threads)
     print("\n".join(lines))
