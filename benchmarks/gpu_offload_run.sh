@@ -37,7 +37,8 @@
 #   prepskew  in parallel: the skewed checkpoint (skew's) and gputests
 #   prepbf16  in parallel: the bf16_12 checkpoint and gputests
 #   loadcmp   load_speed.py on 4-layer mixed_nvfp4 and bf16 checkpoints: per-layer expert paths, whole
-#             load_model per backend, and quantized loading per byte against bf16's (issue 13 item 5)
+#             load_model per backend, the templated copies (C call / Python threads / bound), and
+#             quantized loading per byte against bf16's (issue 13 item 5)
 #   prefill   prefill_kernels.py: attention (paged Triton against SDPA flash) and the Gated DeltaNet
 #             prefill's kernel variants at 2048 / 8192 tokens (issue 13: the bf16_12 prefill)
 #   prep      in parallel: the main checkpoint and gputests
@@ -259,7 +260,7 @@ print("wheels ok: fastapi", fastapi.__version__, "freetoken", freetoken.__file__
       loadcmp)  step make_load4 60 200 make_ckpt "$WORK/ckpt_load4" 0 mixed_nvfp4 4 \
                   && step make_load4_bf16 60 200 make_ckpt "$WORK/ckpt_load4_bf16" 0 bf16 4 \
                   && step loadcmp 60 240 python3 benchmarks/load_speed.py --model "$WORK/ckpt_load4" --device cuda \
-                  --layers 4 --load-model --compare "$WORK/ckpt_load4_bf16" --out "$WORK/loadcmp" ;;
+                  --layers 4 --load-model --copies --compare "$WORK/ckpt_load4_bf16" --out "$WORK/loadcmp" ;;
       prefill)  step prefill 90 240 python3 benchmarks/prefill_kernels.py --out "$WORK/prefill" ;;
       prepskew) step prepskew 200 300 bash -c 'gputests & make_ckpt "$WORK/ckpt_skew" "$SKEW"; rc=$?; wait; exit $rc' \
                   || { echo "no skewed checkpoint: stopping"; break; } ;;
