@@ -73,7 +73,7 @@ def test_kernel_matches_reference(builds, build, case):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dense_experts_in_every_dtype(builds, build, dtype):
     gen = torch.Generator().manual_seed(5)
-    e, h, i = 7, 44, 20  # rows of 44 and 20: SIMD blocks and a scalar tail
+    e, h, i = 7, 60, 20  # rows of 60 (a 32-wide block, a 16-wide one, a scalar tail) and 20
     buf = SlotBuffer.from_dense((torch.randn(e, 2 * i, h, generator=gen) / 4).to(dtype),
                                 (torch.randn(e, h, i, generator=gen) / 4).to(dtype))
     _check(builds[build], buf, gen)

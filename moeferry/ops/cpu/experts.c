@@ -5,7 +5,7 @@
  * once instead: a row is decoded into a small fp32 buffer (L1-resident) and multiplied with each
  * of the expert's tokens (up to four at a time), or, for an expert with a lone token (most of a
  * decode step's), multiplied straight from the codes (`dot_row`: each scale group's products
- * summed, then scaled). Rows are split among OpenMP threads in two passes (gate/up, then down)
+ * summed, then scaled; bf16 and fp16 values converted in registers). Rows are split among OpenMP threads in two passes (gate/up, then down)
  * for all of a call's experts. moeferry/ops/cpu/experts.py builds it with
  * the system C compiler on first use and calls it through ctypes (which releases the GIL).
  * Slot layouts: moeferry/ops/triton/moe_formats.py. fp32 arithmetic throughout; the decoded
@@ -266,6 +266,45 @@ static void dense_span(const uint8_t *w, int dtype, int k0, int k1, float *out) 
         out[k] = dtype == T_BF16 ? bf16_bits_to_float(h[k]) : half_bits_to_float(h[k]);
 }
 
+/* dot(bf16 or fp16 row, x) for one token, each value converted in a register (no decoded row). */
+static float dense_dot(const uint16_t *h, int dtype, const float *x, int k) {
+    int i = 0;
+    float sum = 0.0f;
+#ifdef MF_AVX512
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    if (dtype == T_BF16) {
+        for (; i + 32 <= k; i += 32) {
+            __m512i v0 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(h + i)));
+            __m512i v1 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(h + i + 16)));
+            a0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v0, 16)), _mm512_loadu_ps(x + i), a0);
+            a1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v1, 16)), _mm512_loadu_ps(x + i + 16), a1);
+        }
+    } else {
+        for (; i + 32 <= k; i += 32) {
+            a0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))), _mm512_loadu_ps(x + i), a0);
+            a1 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i + 16))),
+                                 _mm512_loadu_ps(x + i + 16), a1);
+        }
+    }
+    sum += _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#endif
+#ifdef MF_AVX2
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+    for (; i + 16 <= k; i += 16) {
+        __m128i v0 = _mm_loadu_si128((const __m128i *)(h + i)), v1 = _mm_loadu_si128((const __m128i *)(h + i + 8));
+        __m256 f0 = dtype == T_F16 ? _mm256_cvtph_ps(v0)
+                                   : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v0), 16));
+        __m256 f1 = dtype == T_F16 ? _mm256_cvtph_ps(v1)
+                                   : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v1), 16));
+        b0 = _mm256_fmadd_ps(f0, _mm256_loadu_ps(x + i), b0);
+        b1 = _mm256_fmadd_ps(f1, _mm256_loadu_ps(x + i + 8), b1);
+    }
+    sum += hsum8(_mm256_add_ps(b0, b1));
+#endif
+    for (; i < k; i++) sum += (dtype == T_BF16 ? bf16_bits_to_float(h[i]) : half_bits_to_float(h[i])) * x[i];
+    return sum;
+}
+
 /* Row n of slot `slot`, decoded to fp32: a pointer into the bank for fp32 weights, else `buf`. */
 static const float *row(const matrix_t *m, int slot, int n, float *buf) {
     int k = m->k;
@@ -390,7 +429,8 @@ static float int4_group_dot(const uint8_t *w, float z, const float *x, int k0, i
 }
 
 /* dot(row n of slot `slot`, x) for one token. The quantized forms skip the decoded row: each
- * scale group's products are summed unscaled and the group's scale multiplies the sum. */
+ * scale group's products are summed unscaled and the group's scale multiplies the sum; bf16 and
+ * fp16 rows are converted in registers. */
 static float dot_row(const matrix_t *m, int slot, int n, const float *x, float *buf) {
     int k = m->k;
     if (m->form == FORM_FP4) {
@@ -423,6 +463,8 @@ static float dot_row(const matrix_t *m, int slot, int n, const float *x, float *
             sum += e4m3_dot(w, x, k0, k0 + m->group < k ? k0 + m->group : k) * (s[g] * E4M3_UNIT);
         return sum;
     }
+    if (m->form == FORM_DENSE && m->dtype != T_F32)
+        return dense_dot((const uint16_t *)(m->w + slot * m->w_slot + (int64_t)n * k * 2), m->dtype, x, k);
     return dot(row(m, slot, n, buf), x, k);
 }
 
