@@ -380,6 +380,15 @@ static void dots(const float *w, const float *const *xs, int count, int k, float
     for (int j = 0; j < TOKEN_BLOCK; j++) x[j] = xs[j < count ? j : 0];
     int i = 0;
     float sum[TOKEN_BLOCK] = {0};
+#ifdef MF_AVX512
+    __m512 z[TOKEN_BLOCK];
+    for (int j = 0; j < TOKEN_BLOCK; j++) z[j] = _mm512_setzero_ps();
+    for (; i + 16 <= k; i += 16) {
+        __m512 w0 = _mm512_loadu_ps(w + i);
+        for (int j = 0; j < TOKEN_BLOCK; j++) z[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[j] + i), z[j]);
+    }
+    for (int j = 0; j < TOKEN_BLOCK; j++) sum[j] += _mm512_reduce_add_ps(z[j]);
+#endif
 #ifdef MF_AVX2
     __m256 a[TOKEN_BLOCK][2];
     for (int j = 0; j < TOKEN_BLOCK; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();
