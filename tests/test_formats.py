@@ -432,9 +432,11 @@ def test_modelopt_mixed_precision_per_layer_choices_and_excludes():
 
 
 def test_rule_index_finds_the_scans_first_match():
-    """QuantScheme.layer_for through RuleIndex (dicts for runs of exact / prefix rules) against
-    the plain first-match scan, over random rule lists drawn from the names looked up (every
-    kind, the same name twice, nested prefixes, runs split by other kinds, both spellings)."""
+    """QuantScheme.layer_for through RuleIndex (dicts for runs of exact / prefix rules, one
+    regular expression for a run of globs) against the plain first-match scan, over random rule
+    lists drawn from the names looked up (every kind, the same name twice, nested prefixes, runs
+    split by other kinds, both spellings; globs with one or several stars, a `?`, or none: a module
+    name, which matches itself and what lies inside it)."""
     import random
 
     from moeferry.checkpoint.formats.detect import LayerQuant, QuantScheme, Rule, name_aliases
@@ -447,10 +449,14 @@ def test_rule_index_finds_the_scans_first_match():
         dots = [i for i, c in enumerate(n) if c == "."]
         if kind == "prefix":
             return n[:rng.choice(dots)] if dots else n
-        return {"glob": "*" + n.rsplit(".", 1)[-1], "never": "", "ct": "re:.*experts"}.get(kind, n)
+        if kind == "glob":
+            leaf = n.rsplit(".", 1)[-1]
+            return rng.choice(["*" + leaf, "*layers*" + leaf, n[:rng.choice(dots)] if dots else n,
+                               n[:-1] + "?", "model.*.mlp.*"])
+        return {"never": "", "ct": "re:.*experts"}.get(kind, n)
 
-    for trial in range(300):
-        kinds = rng.choices(["exact", "prefix", "glob", "never", "ct"], weights=[4, 4, 1, 1, 1], k=rng.randint(0, 12))
+    for trial in range(600):
+        kinds = rng.choices(["exact", "prefix", "glob", "never", "ct"], weights=[4, 4, 3, 1, 1], k=rng.randint(0, 12))
         rules = [Rule(k, pattern(k), LayerQuant(f"f{i}")) for i, k in enumerate(kinds)]
         scheme = QuantScheme("modelopt", tuple(rules))
         for n in pool + ["model.language_model.layers.0.mlp.experts.7.gate_proj"]:

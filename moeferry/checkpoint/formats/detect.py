@@ -117,22 +117,61 @@ class Rule:
 _INDEXED = ("exact", "prefix")
 
 
+def _prefixes(name: str) -> list[str]:
+    """`name` up to each of its dots (`a.b.c` -> `a`, `a.b`): the modules it lies inside."""
+    out, i = [], name.find(".")
+    while i != -1:
+        out.append(name[:i])
+        i = name.find(".", i + 1)
+    return out
+
+
+class _GlobRun:
+    """Consecutive `glob` rules as one regular expression (an alternative each, in order): a
+    name's first matching rule is the alternative that matches it, in one `re.match`."""
+
+    def __init__(self, rules: list[Rule]):
+        self.rules = rules
+        self.regex = re.compile("|".join(  # `_glob_match`: the glob, the name itself, or a module inside it
+            f"(?P<r{i}>{fnmatch.translate(r.pattern)}|{re.escape(r.pattern)}(?s:\\..*)?\\Z)"
+            for i, r in enumerate(rules)))
+
+    def first(self, names: tuple[str, ...]) -> Rule | None:
+        found = None
+        for n in names:
+            m = self.regex.match(n)
+            if m is not None:
+                i = next(i for i in range(len(self.rules)) if m.group(f"r{i}") is not None)
+                found = i if found is None else min(found, i)
+        return None if found is None else self.rules[found]
+
+
 class RuleIndex:
-    """Rules in their order, each run of `exact` or `prefix` rules held in a dict: the first
-    match is the same as a scan's, found in a few lookups. A full-depth ModelOpt config makes
-    ~580 rules; scanning them for each of a layer's 768 expert tensors cost up to 0.9 s a layer."""
+    """Rules in their order, each run of `exact` or `prefix` rules held in a dict and each run
+    of `glob` rules in one regular expression: the first match is the same as a scan's, found in
+    a few lookups. A full-depth ModelOpt config makes ~580 rules; scanning them for each of a
+    layer's 768 expert tensors cost up to 0.9 s a layer."""
 
     def __init__(self, rules: tuple[Rule, ...]):
-        self.segments: list[Rule | tuple[str, dict[str, tuple[int, Rule]]]] = []
+        self.segments: list[Rule | _GlobRun | tuple[str, dict[str, tuple[int, Rule]]]] = []
+        globs: list[Rule] = []
         for i, rule in enumerate(rules):
+            if rule.kind == "glob":
+                globs.append(rule)
+                continue
+            if globs:
+                self.segments.append(_GlobRun(globs))
+                globs = []
+            last = self.segments[-1] if self.segments else None
             if rule.kind not in _INDEXED:
                 self.segments.append(rule)
                 continue
-            last = self.segments[-1] if self.segments else None
             if not (isinstance(last, tuple) and last[0] == rule.kind):
                 last = (rule.kind, {})
                 self.segments.append(last)
             last[1].setdefault(rule.pattern, (i, rule))  # an earlier rule for the same name wins
+        if globs:
+            self.segments.append(_GlobRun(globs))
 
     def first(self, names: tuple[str, ...]) -> Rule | None:
         for seg in self.segments:
@@ -140,8 +179,13 @@ class RuleIndex:
                 if any(seg.matches(n) for n in names):
                     return seg
                 continue
+            if isinstance(seg, _GlobRun):
+                found = seg.first(names)
+                if found is not None:
+                    return found
+                continue
             kind, table = seg
-            keys = names if kind == "exact" else [n[:i] for n in names for i, c in enumerate(n) if c == "."]
+            keys = names if kind == "exact" else [k for n in names for k in _prefixes(n)]
             hits = [table[k] for k in keys if k in table]
             if hits:
                 return min(hits, key=lambda h: h[0])[1]
