@@ -5,9 +5,10 @@
  * once instead: a row is decoded into a small fp32 buffer (L1-resident) and multiplied with each
  * of the expert's tokens (up to four at a time), or, for an expert with a lone token (most of a
  * decode step's), multiplied straight from the codes (`dot_row`: each scale group's products
- * summed, then scaled; bf16 and fp16 values converted in registers). Rows are split among OpenMP threads in two passes (gate/up, then down)
- * for all of a call's experts. moeferry/ops/cpu/experts.py builds it with
- * the system C compiler on first use and calls it through ctypes (which releases the GIL).
+ * summed, then scaled; bf16 and fp16 values converted in registers). Rows are split among
+ * OpenMP threads in two passes (gate/up, then down) for all of a call's experts.
+ * moeferry/ops/cpu/experts.py builds it with the system C compiler on first use and calls it
+ * through ctypes (which releases the GIL).
  * Slot layouts: moeferry/ops/triton/moe_formats.py. fp32 arithmetic throughout; the decoded
  * weights equal the PyTorch reference's (`<form>_dequant`) bit for bit (but for E4M3's NaN codes,
  * which no weight holds: they decode as 480); only the order of the dot products' sums differs
