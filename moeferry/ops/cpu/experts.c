@@ -446,6 +446,21 @@ static float e4m3_dot(const uint8_t *w, const float *x, int k0, int k1) {
 static float int4_group_dot(const uint8_t *w, float z, const float *x, int k0, int k1) {
     int k = k0;
     float sum = 0.0f;
+#ifdef MF_AVX512
+    if (k % 2 == 0 && k + 32 <= k1) {  /* u - z looked up by code: a 16-entry table for the group */
+        const __m512 table = _mm512_sub_ps(_mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f,
+                                                          12.f, 13.f, 14.f, 15.f), _mm512_set1_ps(z));
+        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+        for (; k + 32 <= k1; k += 32) {
+            __m256i c = codes32(w + k / 2);
+            s0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(c)), table),
+                                 _mm512_loadu_ps(x + k), s0);
+            s1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(c, 1)), table),
+                                 _mm512_loadu_ps(x + k + 16), s1);
+        }
+        sum += _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+    }
+#endif
 #ifdef MF_AVX2
     __m256 acc = _mm256_setzero_ps(), vz = _mm256_set1_ps(z);
     for (; k + 16 <= k1 && k % 2 == 0; k += 16) {
@@ -454,7 +469,7 @@ static float int4_group_dot(const uint8_t *w, float z, const float *x, int k0, i
         acc = _mm256_fmadd_ps(_mm256_sub_ps(u16x8(a), vz), _mm256_loadu_ps(x + k), acc);
         acc = _mm256_fmadd_ps(_mm256_sub_ps(u16x8(b), vz), _mm256_loadu_ps(x + k + 8), acc);
     }
-    sum = hsum8(acc);
+    sum += hsum8(acc);
 #endif
     for (; k < k1; k++) sum += ((float)(k % 2 ? w[k / 2] >> 4 : w[k / 2] & 15u) - z) * x[k];
     return sum;
