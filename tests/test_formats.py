@@ -227,6 +227,25 @@ def test_awq_nibble_bytes_match_the_nibble_by_nibble_form():
     assert torch.equal(awq_nibble_bytes(words), pack_nibbles(unpack_int32(words, AWQ_ORDER).t()))
 
 
+def test_awq_repack_in_c_gives_the_same_bytes(monkeypatch):
+    """The loader's AWQ repack (`awq_device_bytes`: the C form where a compiler built it) gives
+    `awq_nibble_bytes`' bytes: tiles of 16 words and 64 input pairs, whole and partial, a
+    single row pair, and without the C form (PyTorch)."""
+    import os
+    import shutil
+
+    from moeferry.checkpoint.formats import int4
+    if shutil.which(os.environ.get("CC", "cc")) is not None:
+        assert int4._repacker() is not None, "the C repack did not build"
+    gen = torch.Generator().manual_seed(4)
+    for rows, words in ((2048, 96), (130, 33), (2, 1), (256, 16)):
+        q = torch.randint(-2**31, 2**31, (rows, words), generator=gen, dtype=torch.int64).to(torch.int32)
+        assert torch.equal(int4.awq_device_bytes(q), int4.awq_nibble_bytes(q)), (rows, words)
+        assert torch.equal(int4.awq_device_bytes(q.t().contiguous().t()), int4.awq_nibble_bytes(q)), "strided"
+    monkeypatch.setattr(int4, "_repacker", lambda: None)
+    assert torch.equal(int4.awq_device_bytes(q), int4.awq_nibble_bytes(q))
+
+
 def test_int4_ct_device_bytes_are_the_stored_words_bytes():
     """int4_ct's packed form takes the stored words' bytes as they are; the same bytes as
     packing the unpacked nibbles, for in_features a multiple of 8 and not (padded words)."""
