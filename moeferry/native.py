@@ -8,6 +8,7 @@ cannot be written) under a name that hashes the source, the flag sets and the CP
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -73,3 +74,13 @@ def library(source: Path, flag_sets, libs, load):
             if "compiler" in str(e):
                 break
     raise OSError("; ".join(errors))
+
+
+def library_or_none(source: Path, flag_sets, load, log: logging.Logger, what: str):
+    """`library(source, flag_sets, [], load)`, or None where it cannot be built: the log says
+    once (info) that `what` runs without it, and why."""
+    try:
+        return library(source, flag_sets, [], load)
+    except OSError as e:
+        log.info("%s (%s could not be built: %s)", what, source.name, e)
+        return None

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from moeferry.native import library
+from moeferry.native import library_or_none
 
 log = logging.getLogger("moeferry.memory")
 
@@ -57,13 +57,8 @@ def pieces(moves: list[Move], piece: int = PIECE) -> list[Move]:
 @functools.cache
 def copier() -> SpanCopier | None:
     """The built helper, or None (no C compiler: the log says so once)."""
-    try:
-        found = library(SOURCE, FLAG_SETS, [], lambda path, flags: SpanCopier(ctypes.CDLL(str(path)), path))
-    except OSError as e:
-        log.info("host span copies: Python threads (the C helper could not be built: %s)", e)
-        return None
-    log.debug("host span copies: C helper %s (%s)", found.path, "OpenMP" if found.openmp else "one thread")
-    return found
+    return library_or_none(SOURCE, FLAG_SETS, lambda path, flags: SpanCopier(ctypes.CDLL(str(path)), path), log,
+                           "host span copies: memmoves over Python threads")
 
 
 def copy_spans(moves: list[Move], threads: int, use_c: bool = True) -> None:

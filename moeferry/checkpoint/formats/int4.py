@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from moeferry.native import library
+from moeferry.native import library_or_none
 
 from .base import PackedWeight, QuantFormat, QuantParams, cdiv
 from .fp4 import unpack_nibbles
@@ -94,11 +94,7 @@ def _repacker() -> ctypes.CDLL | None:
         lib.awq_repack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         lib.awq_repack.restype = None
         return lib
-    try:
-        return library(_REPACK_SOURCE, (["-O3", "-march=native"], ["-O3"]), [], load)
-    except OSError as e:
-        log.info("int4_awq repacking: PyTorch (its C form could not be built: %s)", e)
-        return None
+    return library_or_none(_REPACK_SOURCE, (["-O3", "-march=native"], ["-O3"]), load, log, "int4_awq repacking: PyTorch")
 
 
 def awq_device_bytes(qweight: torch.Tensor) -> torch.Tensor:
