@@ -18,12 +18,3 @@ void copy_spans(int64_t n, const int64_t *moves, int threads) {
     for (int64_t i = 0; i < n; i++)
         memcpy((void *)(intptr_t)moves[3 * i], (const void *)(intptr_t)moves[3 * i + 1], (size_t)moves[3 * i + 2]);
 }
-
-/* Bit 1: built with OpenMP (the copies run on several threads). */
-int copy_spans_features(void) {
-#ifdef _OPENMP
-    return 2;
-#else
-    return 0;
-#endif
-}

@@ -32,11 +32,10 @@ Move = tuple[int, int, int]  # (destination address, source address, bytes)
 class SpanCopier:
     """The loaded C helper."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path):
-        self.lib, self.path = lib, path
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
         lib.copy_spans.restype = None
         lib.copy_spans.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-        self.openmp = bool(lib.copy_spans_features() & 2)
 
     def copy(self, moves: list[Move], threads: int) -> None:
         rows = torch.tensor(moves, dtype=torch.int64)
@@ -57,7 +56,7 @@ def pieces(moves: list[Move], piece: int = PIECE) -> list[Move]:
 @functools.cache
 def copier() -> SpanCopier | None:
     """The built helper, or None (no C compiler: the log says so once)."""
-    return library_or_none(SOURCE, FLAG_SETS, lambda path, flags: SpanCopier(ctypes.CDLL(str(path)), path), log,
+    return library_or_none(SOURCE, FLAG_SETS, lambda path, flags: SpanCopier(ctypes.CDLL(str(path))), log,
                            "host span copies: memmoves over Python threads")
 
 
