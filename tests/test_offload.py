@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 from collections import defaultdict
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -478,24 +479,36 @@ def test_cut_step_equals_eager(arch, preset, ckpt, ref_logits):
     assert_same_contents(runs[True][2], runs[False][2])
 
 
-def cut_decode_steps(llm, monkeypatch, capture) -> list:
-    """Run every all-decode step through `capture` (a RunAtOnce-like stand-in for a piecewise
-    graph's cuts), as a decode graph would; prefill chunks stay eager. Returns the captures used."""
-    engine, backend, used = llm.engine, llm.engine.experts, []
+class CutStep(NamedTuple):
+    rows: int
+    capture: object     # the step's stand-in capture (its `cuts`)
+    cpu_experts: int    # experts the step's CPU lane computed
+
+
+def cut_decode_steps(llm, monkeypatch, capture) -> list[CutStep]:
+    """Run every all-decode step as a decode graph would: the cache's state handed over first
+    where the step manages it on the device (`before_graph`), then the step through `capture` (a
+    RunAtOnce-like stand-in for a piecewise graph's cuts); prefill chunks stay eager. Returns
+    each step run so."""
+    engine, backend, steps = llm.engine, llm.engine.experts, []
     plain = engine.run_batch
+
+    def cpu_experts() -> int:
+        return sum(ex.cpu_experts for ex in backend.executors.values())
 
     def run(chunks, feed=None):
         if not all(len(c.tokens) == 1 for c in chunks):
             return plain(chunks, feed)
-        backend.capturing = capture()
-        used.append(backend.capturing)
+        backend.before_graph(len(chunks))
+        backend.capturing, before = capture(), cpu_experts()
         try:
             return plain(chunks, feed)
         finally:
+            steps.append(CutStep(len(chunks), backend.capturing, cpu_experts() - before))
             backend.capturing = None
 
     monkeypatch.setattr(engine, "run_batch", run)
-    return used
+    return steps
 
 
 LANE_CUTS = [("qwen3_5_moe", "mixed_nvfp4", "cpu"), ("qwen3_moe", "int4_awq", "hybrid"),
@@ -538,7 +551,7 @@ def test_cpu_lanes_at_the_cut_equal_resident(arch, preset, variant, ckpt, ref_lo
         check_all(llm)
         monkeypatch.undo()
         if cut:
-            assert used and all(c.cuts == 2 * len(backend.executors) for c in used)  # two per MoE layer and step
+            assert used and all(u.capture.cuts == 2 * len(backend.executors) for u in used)  # two per MoE layer and step
             assert "_run_lane" in callers  # (prefill chunks compute theirs eagerly, in `_on_cpu`)
     assert runs[True][0] == runs[False][0] and runs[True][1] > 0
     assert_same_contents(runs[True][2], runs[False][2])
@@ -646,27 +659,13 @@ def test_hybrid_below_its_lanes_decodes_as_offload(ckpt, ref_logits, monkeypatch
     backend = llm.engine.experts
     backend.prefetch, backend.lanes_from = True, 2
     backend.split = MissSplit(fetch_s=1.0, cpu_s=1.0)  # both lanes every batched step
-    engine, plain, steps = llm.engine, llm.engine.run_batch, []
-
-    def run(chunks, feed=None):
-        if not all(len(c.tokens) == 1 for c in chunks):
-            return plain(chunks, feed)
-        backend.before_graph(len(chunks))
-        backend.capturing = cuts = RunAtOnce()
-        cpu_before = backend.stats()["cpu_experts"]
-        try:
-            return plain(chunks, feed)
-        finally:
-            backend.capturing = None
-            steps.append((len(chunks), cuts.cuts, backend.stats()["cpu_experts"] - cpu_before))
-
-    monkeypatch.setattr(engine, "run_batch", run)
+    steps = cut_decode_steps(llm, monkeypatch, RunAtOnce)
     got = llm.logits(PROMPT, chunk_size=CHUNKS)
     assert rel_err(got, ref_logits("qwen3_moe", "bf16", [PROMPT], CHUNKS)[0]) <= TOL
     for g, w in zip(llm.logits_batch(BATCH, [5, 3, 1]), ref_logits("qwen3_moe", "bf16", BATCH, [5, 3, 1])):
         assert rel_err(g, w) <= TOL
-    alone = [(cuts, cpu) for rows, cuts, cpu in steps if rows == 1]
-    batched = [(cuts, cpu) for rows, cuts, cpu in steps if rows > 1]
+    alone = [(s.capture.cuts, s.cpu_experts) for s in steps if s.rows == 1]
+    batched = [(s.capture.cuts, s.cpu_experts) for s in steps if s.rows > 1]
     assert alone and all(c == (0, 0) for c in alone), alone
     assert batched and all(cuts == 2 * len(backend.executors) for cuts, _ in batched)
     assert sum(cpu for _, cpu in batched) > 0
