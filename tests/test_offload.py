@@ -1052,6 +1052,14 @@ def test_miss_split_lanes_from_weighs_the_saving_against_the_cuts():
     nvfp4 = MissSplit(37e-6, 72e-6, cpu_token_s=10e-6)
     assert 4 < nvfp4.lanes_from(functools.partial(expected_misses, top_k=8, experts=256, cached=90 / 256)) < 1024
     assert bf16.lanes_from(at, cut_s=0.0) == 1 and bf16.lanes_from(at, cut_s=1.0) == math.inf
+    # an H100 host whose gather kernel moved a 6 MiB expert in 203 us, copies in 124 us, the CPU in 90:
+    # priced at the copies, the split's saving at batch 1 is below the cuts' cost; priced as the graph
+    # that does not split fetches (the gather kernel), well above it (measured there: b1 52.6 tok/s split,
+    # 31.0 unsplit)
+    host = dict(fetch_s=124e-6, cpu_s=90e-6, cpu_token_s=16e-6)
+    at = functools.partial(expected_misses, top_k=8, experts=256, cached=1200 / 24 / 256)
+    assert MissSplit(**host).lanes_from(at) == 2 and MissSplit(**host, graph_fetch_s=203e-6).lanes_from(at) == 1
+    assert MissSplit(**host, graph_fetch_s=124e-6).saving(6) == MissSplit(**host).saving(6)
 
 
 def test_miss_split_times_the_fetch_the_caches_make(monkeypatch):
@@ -1062,9 +1070,13 @@ def test_miss_split_times_the_fetch_the_caches_make(monkeypatch):
     seen = []
     monkeypatch.setattr(bandwidth, "time_cpu_expert", lambda bank, tokens: 1e-3 * tokens)
     monkeypatch.setattr(bandwidth, "time_fetch", lambda bank, device, gather=None: seen.append(gather) or 2e-3)
-    backend = SimpleNamespace(banks={0: "bank"}, device=torch.device("cpu"), gather=(4096, 8, True))
+    backend = SimpleNamespace(banks={0: "bank"}, device=torch.device("cpu"), gather=(4096, 8, True),
+                              gather_kernel_s=3e-3, device_managed=True)
     split = MissSplit.measure(backend, None)
     assert seen == [(4096, 8, True)] and split.fetch_s == 2e-3 and split.cpu_s == 1e-3
+    assert split.graph_fetch_s == 3e-3  # what the device-managed graphs' gather costs, for `lanes_from`
+    backend.device_managed = False  # (graphs that do not split then fetch as the split does)
+    assert MissSplit.measure(backend, None).graph_fetch_s is None
     batches = bandwidth.spread(20, 8, 3)
     assert [len(b) for b in batches] == [8, 8, 8] and all(len(set(b.tolist())) == 8 for b in batches)
     assert len(set(batches[0].tolist()) | set(batches[1].tolist())) == 16  # the next batch reads others

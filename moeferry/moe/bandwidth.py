@@ -159,7 +159,9 @@ def time_cpu_expert(bank: SlotBuffer, tokens: int = 1, repeats: int = 3, experts
 # the device-managed step launches one) and the host-managed cache's waits for the prefetch.
 # Measured (H100, 24-layer bf16 checkpoint, 1200 slots, hybrid against offload in one run): b1
 # 27.6 ms a step piecewise against 21.45 device-managed, 256 us a layer more although the split was
-# expected to save ~200 us a layer: ~450 us a layer (benchmarks/README.md, twenty-sixth session)
+# expected to save ~200 us a layer: ~450 us a layer (benchmarks/README.md, twenty-sixth session).
+# Another H100 host (twenty-eighth session, gather kernel 203 us an expert): b1 19.0 ms a step split
+# against 32.2 unsplit, 550 us a layer saved where `saving` expects 920 (CPU 74 us): ~370 us a layer.
 CUT_S = 450e-6
 
 
@@ -179,14 +181,21 @@ class MissSplit:
     cpu_s: float         # one expert for one token on the CPU
     max_fetch: int | None = None
     cpu_token_s: float | None = None  # each further token of an expert on the CPU (None: cpu_s)
+    # one expert as a decode graph that does not split fetches it: the gather kernel's device time
+    # where the device manages the cache (on some hosts it reads pinned memory at ~30 GB/s where
+    # copies run at ~50); None: fetch_s
+    graph_fetch_s: float | None = None
 
     @classmethod
     def measure(cls, backend, max_fetch: int | None) -> "MissSplit":
         """The lanes as the backend runs them: a fetch the way its caches fetch (the gather kernel
-        where the boot chose it, `backend.gather`, else one copy per tensor)."""
+        where the boot chose it, `backend.gather`, else one copy per tensor); and a fetch the way
+        device-managed decode graphs make it (`backend.gather_kernel_s`, timed by the boot)."""
         bank = next(iter(backend.banks.values()))
         one, four = time_cpu_expert(bank, 1), time_cpu_expert(bank, 4)
-        return cls(time_fetch(bank, backend.device, gather=backend.gather), one, max_fetch, max(0.0, (four - one) / 3))
+        graph = backend.gather_kernel_s if backend.device_managed else None
+        return cls(time_fetch(bank, backend.device, gather=backend.gather), one, max_fetch,
+                   max(0.0, (four - one) / 3), graph)
 
     @property
     def further_token_s(self) -> float:
@@ -213,10 +222,12 @@ class MissSplit:
         return best_n
 
     def saving(self, misses: int, tokens: float = 1.0) -> float:
-        """Seconds the split saves a layer against fetching all its `misses` (`tokens` each)."""
+        """Seconds the split saves a layer against fetching all its `misses` (`tokens` each) as
+        a graph that does not split does (`graph_fetch_s`)."""
         costs = [self.cpu_cost(round(tokens))] * misses
         n = self.fetch_count(costs)
-        return misses * self.fetch_s - max(n * self.fetch_s, sum(costs[n:]))
+        alone = self.fetch_s if self.graph_fetch_s is None else self.graph_fetch_s
+        return misses * alone - max(n * self.fetch_s, sum(costs[n:]))
 
     def lanes_from(self, misses, cut_s: float = CUT_S, most: int = 1024) -> float:
         """The smallest decode batch whose expected misses a layer (`misses(batch)`: (misses,
@@ -240,4 +251,6 @@ class MissSplit:
         cap = f", at most {self.max_fetch} fetches per layer" if self.max_fetch is not None else ""
         return (f"fetch {self.fetch_s * 1e6:.0f} us/expert, CPU {self.cpu_s * 1e6:.0f} us/expert "
                 f"+ {self.further_token_s * 1e6:.0f} us a further token "
-                f"(a fetch costs {ratio:.2f} CPU experts){cap}")
+                f"(a fetch costs {ratio:.2f} CPU experts){cap}"
+                + (f"; a graph that does not split fetches one in {self.graph_fetch_s * 1e6:.0f} us (gather kernel)"
+                   if self.graph_fetch_s is not None else ""))

@@ -163,6 +163,7 @@ class OffloadBackend:
         self.split = None                             # hybrid: MissSplit, measured in finish()
         self.gather: tuple | None = None              # host-managed misses by the gather kernel in this config (when faster)
         self.gather_kernel: tuple | None = None       # the gather kernel's config if it works here (device-managed steps)
+        self.gather_kernel_s: float | None = None     # its device seconds an expert on a full grid (boot-timed)
         self.gathers_ready = False                    # every (bank, cache) pair has its gather made (`_bind`)
         self.device_managed = True                    # graphs manage a partial cache on the device where they can
         self.prefetch_join: Landing | None = None     # a device-managed prefetch in flight, joined by the next layer
@@ -427,8 +428,9 @@ class OffloadBackend:
     def _choose_transfer(self) -> None:
         """Decode misses move by the one-launch gather kernel or by copies: measured, the faster kept."""
         from moeferry.moe.bandwidth import choose_gather
-        self.gather_kernel, faster, what, _ = choose_gather(next(iter(self.banks.values())), self.device,
-                                                            self.prefetch_programs)
+        self.gather_kernel, faster, what, device_s = choose_gather(next(iter(self.banks.values())), self.device,
+                                                                   self.prefetch_programs)
+        self.gather_kernel_s = device_s[0] if device_s else None
         self.gather = self.gather_kernel if faster else None
         self.transfer_chosen = True
         log.info("expert fetches: %s", what)
