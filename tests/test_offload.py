@@ -547,7 +547,8 @@ def test_cpu_lanes_at_the_cut_equal_resident(arch, preset, variant, ckpt, ref_lo
             assert rel_err(g, w) <= TOL
         stats = llm.engine.stats()["experts"]
         runs[cut] = ({k: stats[k] for k in ("hits", "misses", "prefetched")}, stats["cpu_experts"], contents(llm))
-        assert (stats["prefetched"] > 0) == (variant == "hybrid")  # (hybrid-max1's one slot holds the step's own)
+        assert (stats["prefetched"] > 0) == variant.startswith("hybrid")  # (hybrid-max1: its one slot is free
+        # where the split, counting the prefetch's copies on the link's side, sends a step's own misses to the CPU)
         check_all(llm)
         monkeypatch.undo()
         if cut:
@@ -991,9 +992,9 @@ def test_cpu_layer_spec_errors_before_loading(ckpt):
 
 
 # -- 7. hybrid: the split ------------------------------------------------------------------------
-def _brute_fetch_count(fetch_s: float, costs: list[float], cap: int | None) -> int:
-    """The smallest n minimising max(n * fetch_s, cost of the misses left to the CPU)."""
-    times = [(max(n * fetch_s, sum(costs[n:])), n) for n in range(len(costs) + 1)]
+def _brute_fetch_count(fetch_s: float, costs: list[float], cap: int | None, queued: int = 0) -> int:
+    """The smallest n minimising max((queued + n) * fetch_s, cost of the misses left to the CPU)."""
+    times = [(max((queued + n) * fetch_s, sum(costs[n:])), n) for n in range(len(costs) + 1)]
     best = min(times)[1]
     return best if cap is None else min(best, cap)
 
@@ -1006,7 +1007,9 @@ def test_miss_split_fetch_count_is_the_brute_force_optimum():
         fetch_s = float(torch.randint(1, 60, (1,), generator=gen))  # integers: exact float sums
         cap = None if trial % 3 else int(torch.randint(0, 5, (1,), generator=gen))
         split = MissSplit(fetch_s, 1.0, cap)
+        queued = int(torch.randint(0, 4, (1,), generator=gen))  # prefetch copies the link carries too
         assert split.fetch_count(costs) == _brute_fetch_count(fetch_s, costs, cap), (fetch_s, costs, cap)
+        assert split.fetch_count(costs, queued) == _brute_fetch_count(fetch_s, costs, cap, queued), queued
     # the extremes: free fetches take everything, free CPU takes nothing
     assert MissSplit(1e-9, 1.0).fetch_count([1.0] * 5) == 5
     assert MissSplit(1e9, 1.0).fetch_count([1.0] * 5) == 0
@@ -1082,13 +1085,47 @@ def test_miss_split_times_the_fetch_the_caches_make(monkeypatch):
     assert len(set(batches[0].tolist()) | set(batches[1].tolist())) == 16  # the next batch reads others
 
 
+def test_hybrid_split_counts_the_prefetch_on_the_link(ckpt, ref_logits, monkeypatch):
+    """hybrid's split puts the decode prefetch's copies that follow a layer's fetches on the
+    link's side (the next layer waits for them): each split is told how many the prefetch
+    will copy, and those are the copies it then makes (unless this layer's own fetches evicted
+    a guess: rare here); outputs stay resident's."""
+    from moeferry.moe.expert_cache import ExpertCache
+    told, copied = [], []  # a split's count, and the copies of the prefetch that followed it
+    plain_divide, plain_prefetch = MissSplit.divide, ExpertCache.prefetch
+
+    def divide(self, misses, ids, queued=0):
+        copied.extend([0] * (len(told) - len(copied)))  # (no prefetch call: nothing was left to copy)
+        told.append(queued)
+        return plain_divide(self, misses, ids, queued)
+
+    def prefetch(self, *args, **kw):
+        placed = plain_prefetch(self, *args, **kw)
+        if len(copied) < len(told):  # (a step that split nothing: no count told)
+            copied.append(len(placed))
+        return placed
+
+    monkeypatch.setattr(MissSplit, "divide", divide)
+    monkeypatch.setattr(ExpertCache, "prefetch", prefetch)
+    llm = build(ckpt, "qwen3_moe", "bf16", "hybrid", moe_cache_size=12)
+    backend = llm.engine.experts
+    backend.prefetch, backend.split = True, MissSplit(fetch_s=1.0, cpu_s=1.0)
+    got = llm.logits_batch(BATCH, [5, 1])
+    for g, w in zip(got, ref_logits("qwen3_moe", "bf16", BATCH, [5, 1])):
+        assert rel_err(g, w) <= TOL
+    copied.extend([0] * (len(told) - len(copied)))
+    pairs = list(zip(told, copied))
+    assert any(q > 0 for q in told)
+    assert sum(q == c for q, c in pairs) >= 0.8 * len(pairs), pairs
+
+
 def test_hybrid_max_fetch_caps_fetches(ckpt, ref_logits, monkeypatch):
     arch = "qwen3_moe"
     fetched = []  # (misses, fetches) of every hybrid layer step
     orig = MissSplit.divide
 
-    def divide(self, misses, ids):
-        fetch, on_cpu = orig(self, misses, ids)
+    def divide(self, misses, ids, queued=0):
+        fetch, on_cpu = orig(self, misses, ids, queued)
         fetched.append((len(misses), len(fetch)))
         return fetch, on_cpu
 

@@ -206,13 +206,15 @@ class MissSplit:
         """Seconds for one expert of `tokens` tokens on the CPU (the weights are read once)."""
         return self.cpu_s + max(0, tokens - 1) * self.further_token_s
 
-    def fetch_count(self, cpu_costs: list[float]) -> int:
-        """How many of the misses (CPU cost of each, most expensive first) to fetch."""
+    def fetch_count(self, cpu_costs: list[float], queued: int = 0) -> int:
+        """How many of the misses (CPU cost of each, most expensive first) to fetch, the link
+        also carrying `queued` other experts before the next layer can use it (the decode
+        prefetch's copies, which the next layer waits for)."""
         m = len(cpu_costs)
-        best_n, best_t = m, m * self.fetch_s
+        best_n, best_t = m, math.inf  # (of equal times, the fewest fetches)
         rest = sum(cpu_costs)
         for n in range(m + 1):
-            t = max(n * self.fetch_s, rest)
+            t = max((queued + n) * self.fetch_s, rest)
             if t < best_t:
                 best_n, best_t = n, t
             if n < m:
@@ -239,11 +241,11 @@ class MissSplit:
                 return batch
         return math.inf
 
-    def divide(self, misses: list[int], ids: torch.Tensor) -> tuple[list[int], list[int]]:
-        """(experts to fetch, experts for the CPU)."""
+    def divide(self, misses: list[int], ids: torch.Tensor, queued: int = 0) -> tuple[list[int], list[int]]:
+        """(experts to fetch, experts for the CPU); `queued`: see `fetch_count`."""
         counts = torch.bincount(ids.reshape(-1).cpu(), minlength=max(misses) + 1)
         order = sorted(misses, key=lambda e: -int(counts[e]))
-        n = self.fetch_count([self.cpu_cost(int(counts[e])) for e in order])
+        n = self.fetch_count([self.cpu_cost(int(counts[e])) for e in order], queued)
         return order[:n], order[n:]
 
     def describe(self) -> str:

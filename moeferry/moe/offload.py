@@ -606,7 +606,7 @@ class OffloadExperts:
             return self._run_cached(x, ids, weights)
         if self.b.name == "cpu" and prefill:  # the cache keeps what the boot placed; the misses stream
             return self._run_cached(x, ids, weights) + self._streamed(x, ids, weights, misses)
-        fetch, on_cpu = self._divide(misses, ids, prefill)
+        fetch, on_cpu = self._divide(misses, ids, prefill, predicted, rows)
         inputs = self._to_host(x, ids, weights) if on_cpu else None  # before the GPU work is queued
         # a prefill-sized chunk (more tokens than a staging half) missing more experts than a half holds
         streaming = self.staging is not None and len(fetch) > STAGING_SLOTS and x.shape[0] > STAGING_SLOTS
@@ -625,15 +625,26 @@ class OffloadExperts:
             out = out + self._on_cpu(x, ids, weights, on_cpu, inputs)
         return out
 
-    def _divide(self, misses: list[int], ids: torch.Tensor, prefill: bool = False) -> tuple[list[int], list[int]]:
+    def _divide(self, misses: list[int], ids: torch.Tensor, prefill: bool = False, predicted: list[int] = (),
+                rows: int = 0) -> tuple[list[int], list[int]]:
         """(fetched over the link, computed on the CPU): offload fetches every miss, cpu computes
-        them, hybrid splits a decode step's (`MissSplit`) and fetches a prefill chunk's: the CPU
-        lane's time for an expert's many tokens is not what its one- and four-token timing
-        predicts (measured: prefill 8192 tokens 1.28 s split, 0.75 s fetched, bf16 experts on an
-        H100 host)."""
+        them, hybrid splits a decode step's (`MissSplit`, the link also carrying the prefetch
+        copies of the next layer's `predicted` experts for `rows` rows that follow) and fetches a
+        prefill chunk's: the CPU lane's time for an expert's many tokens is not what its one- and
+        four-token timing predicts (measured: prefill 8192 tokens 1.28 s split, 0.75 s fetched,
+        bf16 experts on an H100 host)."""
         if self.b.name == "hybrid" and misses and not prefill:
-            return self.b.split.divide(misses, ids)
+            return self.b.split.divide(misses, ids, self._prefetch_count(predicted, rows))
         return ([], misses) if self.b.name == "cpu" else (misses, [])
+
+    def _prefetch_count(self, predicted: list[int], rows: int) -> int:
+        """How many of the next layer's `predicted` experts the prefetch after this layer's
+        fetches will copy (`_prefetch`): the next layer's host part waits for them (`settle`),
+        so the split counts them on the link's side."""
+        nxt = self.next
+        if not predicted or nxt is None or nxt.cache is None:
+            return 0
+        return min(self.b.prefetch_budget * rows, len(nxt.cache.cached(nxt.layer, predicted)[1]))
 
     def _streamed(self, x, ids, weights, experts: list[int]) -> torch.Tensor:
         """`experts` through the staging area (none of them is placed in the cache)."""
@@ -673,7 +684,7 @@ class OffloadExperts:
         on_cpu = needed
         if self.cache is not None:
             self.b.settle()  # the previous layer's prefetch has landed (table and slots)
-            fetch, on_cpu = self._divide(self._lookup(needed), hids)
+            fetch, on_cpu = self._divide(self._lookup(needed), hids, predicted=predicted, rows=rows)
             on_cpu = on_cpu + self._fetch(fetch, needed, predicted, rows)
         self.cpu_experts += len(on_cpu)
         return (hx, hids, hw, on_cpu) if on_cpu else None
