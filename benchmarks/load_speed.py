@@ -18,7 +18,8 @@ are read once first):
                     layers, its placement's template from the second): every layer staged on the host
 Banks are pinned with `--device cuda` (as the offload backends build them); resident slots go
 to `--device` (on the CPU the resident backend keeps the packed experts: no copy at all, so its
-row times only the read). `--load-model` also times a whole `load_model` per backend (1 and
+row times only the read). `--load-model` also times a whole `load_model` per backend (with the cycle
+collector paused, as `Engine.build` runs it; 1 and
 --threads threads), and with `--compare BF16_DIR` a bf16 checkpoint's resident load: the per-byte
 ratio. `--compare` also times the resident placement alone per layer in steady state for both
 checkpoints (no dense weights, no first-layer costs): the per-byte ratio of the experts' path.
@@ -37,6 +38,7 @@ from moeferry.checkpoint.reader import CheckpointReader
 from moeferry.model.loader import _layer_experts
 from moeferry.model.registry import resolve_spec
 from moeferry.model.weights import WeightLoader
+from moeferry.memory import collector
 from moeferry.memory.allocator import configure_allocator
 from moeferry.moe.bank import build_bank
 from moeferry.moe.placement import Placement
@@ -224,8 +226,9 @@ def time_load_model(model: str, device: torch.device, backend: str, threads: int
     cfg = EngineConfig(model_dir=model, device=str(device), dtype="bfloat16", moe_backend=backend,
                        expert_load="parallel" if threads > 1 else "serial")
     dtype = torch.bfloat16
-    t, _ = timed(lambda: load_model(reader, spec, dtype, device, make_backend(cfg, spec, device, dtype),
-                                    progress=False), device)
+    with collector.paused():  # as `Engine.build` loads
+        t, _ = timed(lambda: load_model(reader, spec, dtype, device, make_backend(cfg, spec, device, dtype),
+                                        progress=False), device)
     return t
 
 

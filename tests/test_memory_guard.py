@@ -178,3 +178,37 @@ def test_boot_self_test_shares_the_pool_by_whole_pages(model):
               max_running_requests=6)
     assert llm.engine.plan is not None and llm.engine.guard.steps == 2
     llm.engine.cache.check()
+
+
+def test_the_engine_builds_with_the_cycle_collector_paused(model, monkeypatch):
+    """No automatic full collection in the middle of loading (memory/collector.py): the build
+    runs with the collector off, explicit collections still work, and the setting comes back
+    after, also when the build fails."""
+    import gc
+
+    import moeferry.engine.engine as engine_mod
+    from moeferry.memory import collector
+    seen = []
+    plain = engine_mod.load_model
+
+    def load_model(*args, **kw):
+        seen.append(gc.isenabled())
+        gc.collect()  # (the probe's and the guard's explicit collections run while paused)
+        if len(seen) > 1:
+            raise RuntimeError("a build that fails part-way")
+        return plain(*args, **kw)
+
+    monkeypatch.setattr(engine_mod, "load_model", load_model)
+    assert gc.isenabled()
+    LLM(model, dtype="float32", max_extend_tokens=8)
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(RuntimeError, match="part-way"):
+        LLM(model, dtype="float32", max_extend_tokens=8)
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        with collector.paused():
+            pass
+        assert not gc.isenabled()  # (a caller's own setting is kept)
+    finally:
+        gc.enable()

@@ -34,6 +34,7 @@ from moeferry.engine.config import EngineConfig, EngineSizes, context_limit, der
 from moeferry.engine.cuda_graph import DecodeGraphs, default_sizes
 from moeferry.engine.planning import (choose_backend, describe_plan, free_memory, make_engine_plan, needs_plan,
                                       self_test, settle_after_warm_up)
+from moeferry.memory import collector
 from moeferry.memory.allocator import configure_allocator
 from moeferry.memory.numa import prefer_gpu_node
 from moeferry.memory.guard import OomGuard
@@ -186,6 +187,11 @@ class Engine:
     def build(cls, cfg: EngineConfig, reader: CheckpointReader | None = None,
               progress: Progress | None = None) -> "Engine":
         """Build an engine from `cfg` (`reader`: an already opened checkpoint, e.g. in memory)."""
+        with collector.paused():  # (full collections mid-build: ~0.4-0.6 s of a 40-layer build)
+            return cls._build(cfg, reader, progress)
+
+    @classmethod
+    def _build(cls, cfg: EngineConfig, reader: CheckpointReader | None, progress: Progress | None) -> "Engine":
         report = progress or (lambda phase, fraction: None)
         t0 = time.perf_counter()
         device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype, cfg.device)
