@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import replace
 
@@ -39,6 +40,7 @@ def used_memory(device: torch.device, free_at_start: int) -> int:
     """What this process holds since `free_at_start` and keeps: the placed weights, plus (CUDA)
     memory outside the allocator that appeared since (kernel modules, library workspaces)."""
     if device.type == "cuda":
+        gc.collect()  # (the build runs with the collector paused: no cyclic garbage counted as held)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         allocated = torch.cuda.memory_allocated(device)
@@ -127,6 +129,7 @@ def settle_after_warm_up(engine, free_at_start: int) -> None:
     give any excess back from the expert cache before the self-test, which then proves the plan."""
     if engine.plan is None or engine.device.type != "cuda":
         return
+    gc.collect()  # (as in `used_memory`)
     torch.cuda.synchronize(engine.device)
     torch.cuda.empty_cache()
     plan = engine.plan
