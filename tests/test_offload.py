@@ -1300,7 +1300,6 @@ def test_placement_template_falls_back_on_a_different_layer(ckpt, monkeypatch):
     """A layer whose tensors differ from the template layer's (shape or dtype) or run past their
     file, or a buffer too small for the copies, is not placed from the template: `instantiate`
     refuses it and the layer takes the plain path (same bytes)."""
-    import dataclasses
     from moeferry.moe import placement as placement_mod
 
     reader = CheckpointReader(ckpt("qwen3_5_moe", "mixed_nvfp4"))
@@ -1313,10 +1312,10 @@ def test_placement_template_falls_back_on_a_different_layer(ckpt, monkeypatch):
     assert template is not None and template.instantiate(reader, second, bank) is not None
     name = second + "experts.1.down_proj.weight_scale"
     info = reader.tensors[name]
-    monkeypatch.setitem(reader.tensors, name, dataclasses.replace(info, dtype="F32"))
+    monkeypatch.setitem(reader.tensors, name, info._replace(dtype="F32"))
     assert template.instantiate(reader, second, bank) is None
     past_end = reader.mapped_file(info.file).numel() + 1  # a truncated file: no raw copy may read past it
-    monkeypatch.setitem(reader.tensors, name, dataclasses.replace(info, start=past_end - 4, end=past_end))
+    monkeypatch.setitem(reader.tensors, name, info._replace(start=past_end - 4, end=past_end))
     assert template.instantiate(reader, second, bank) is None
     monkeypatch.undo()
     layer = _layer_experts(w, spec, second)

@@ -9,8 +9,8 @@ import json
 import mmap
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -61,8 +61,7 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
-@dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(NamedTuple):  # (a tuple: a full-depth checkpoint indexes ~93k of them at every boot)
     file: Path
     raw_name: str
     shape: tuple[int, ...]
