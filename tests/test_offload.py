@@ -1055,10 +1055,10 @@ def test_miss_split_lanes_from_weighs_the_saving_against_the_cuts():
     nvfp4 = MissSplit(37e-6, 72e-6, cpu_token_s=10e-6)
     assert 4 < nvfp4.lanes_from(functools.partial(expected_misses, top_k=8, experts=256, cached=90 / 256)) < 1024
     assert bf16.lanes_from(at, cut_s=0.0) == 1 and bf16.lanes_from(at, cut_s=1.0) == math.inf
-    # an H100 host whose gather kernel moved a 6 MiB expert in 203 us, copies in 124 us, the CPU in 90:
-    # priced at the copies, the split's saving at batch 1 is below the cuts' cost; priced as the graph
-    # that does not split fetches (the gather kernel), well above it (measured there: b1 52.6 tok/s split,
-    # 31.0 unsplit)
+    # an H100 host's link (the gather kernel moved a 6 MiB expert in 203 us, copies in 124 us; there b1
+    # decoded 52.6 tok/s split, 31.0 unsplit) with another's CPU lane (90 us an expert): priced at the
+    # copies, the split's saving at batch 1 is below the cuts' cost; priced as the graph that does not
+    # split fetches (the gather kernel), well above it
     host = dict(fetch_s=124e-6, cpu_s=90e-6, cpu_token_s=16e-6)
     at = functools.partial(expected_misses, top_k=8, experts=256, cached=1200 / 24 / 256)
     assert MissSplit(**host).lanes_from(at) == 2 and MissSplit(**host, graph_fetch_s=203e-6).lanes_from(at) == 1
