@@ -1354,6 +1354,27 @@ def test_copy_spans_copies_each_range_and_nothing_else(use_c):
     assert cut == [(100, 200, 8), (108, 208, 2), (1000, 5000, 8), (1008, 5008, 8), (1016, 5016, 8), (1024, 5024, 1)]
 
 
+@pytest.mark.parametrize("use_c", [True, False])
+def test_fill_spans_repeats_each_element_and_touches_nothing_else(use_c):
+    """`memory.spans.fill_spans` (the C helper, and doubling memmoves without it): each
+    (destination, source, element bytes, count) fill writes its element `count` times from its
+    destination on (4-byte elements, the scales' case, and 1, 2, 3 and 8-byte ones; counts of
+    0, 1 and odd ones); the bytes between the fills untouched."""
+    from moeferry.memory import spans
+
+    if use_c and shutil.which(os.environ.get("CC", "cc")) is not None:
+        assert spans.copier() is not None, "the C helper did not build"
+    src = torch.randint(1, 256, (64,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    dst = torch.zeros(1 << 16, dtype=torch.uint8)
+    fills, want, at = [], torch.zeros_like(dst), 5
+    for i, (size, count) in enumerate([(4, 1024), (4, 0), (1, 17), (2, 333), (3, 1001), (8, 1), (4, 7)]):
+        fills.append((dst.data_ptr() + at, src.data_ptr() + i * 8, size, count))
+        want[at:at + size * count] = src[i * 8:i * 8 + size].repeat(count)
+        at += size * count + 3
+    spans.fill_spans(fills, threads=3, use_c=use_c)
+    assert torch.equal(dst, want)
+
+
 # -- 10. elastic shrink ----------------------------------------------------------------------------------
 def test_shrink_keeps_the_most_recently_used(ckpt, ref_logits, trace):
     arch = "qwen3_moe"

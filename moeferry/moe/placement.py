@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from moeferry.memory.spans import copy_spans
+from moeferry.memory.spans import Fill, Move, copy_spans, fill_spans
 from moeferry.moe.layer_experts import ExpertWeights, LayerExperts
 
 if TYPE_CHECKING:
@@ -56,10 +56,6 @@ def _slot_tensors(buf: "SlotBuffer") -> list[torch.Tensor]:
     return [t for _, t in buf.named_tensors()]
 
 
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
 @dataclass(frozen=True)
 class _Part:
     dst: int          # index into the buffer's slot tensors
@@ -68,7 +64,6 @@ class _Part:
     src_off: int      # byte offset in that tensor
     nbytes: int       # bytes copied (broadcast: the one element's size)
     count: int        # 0: a plain byte copy; else the element repeated `count` times
-    dtype: torch.dtype
 
 
 class _SourceIndex:
@@ -116,8 +111,8 @@ class _Template:
         infos = index.reader.tensors
         return cls(parts, {p.src: (infos[prefix + p.src].shape, infos[prefix + p.src].dtype) for p in parts})
 
-    def _sources(self, reader: "CheckpointReader", prefix: str) -> dict[str, tuple[torch.Tensor, int]] | None:
-        """Each template tensor of the layer at `prefix`: (its mapped file, its start in it);
+    def _sources(self, reader: "CheckpointReader", prefix: str) -> dict[str, tuple[int, int]] | None:
+        """Each template tensor of the layer at `prefix`: (its mapped file's address, its start in it);
         None when one is missing, differs in shape or dtype from the template layer's, or runs
         past the end of its file (a truncated checkpoint: the plain path names it)."""
         found = {}
@@ -128,7 +123,7 @@ class _Template:
             data = reader.mapped_file(info.file)
             if info.end > data.numel():
                 return None
-            found[name] = (data, info.start)
+            found[name] = (data.data_ptr(), info.start)
         return found
 
     def instantiate(self, reader: "CheckpointReader", prefix: str, buf: "SlotBuffer") -> "LayerCopies | None":
@@ -139,32 +134,30 @@ class _Template:
                                 for t, end in zip(tensors, self.extents)):
             return None
         bases = [t.data_ptr() for t in tensors]
-        moves, dsts, srcs = [], [], []
+        moves, fills = [], []
         for p in self.parts:
-            data, start = found[p.src]
-            a = start + p.src_off
-            if not p.count:
-                moves.append((bases[p.dst] + p.dst_off, data.data_ptr() + a, p.nbytes))
-            elif a % p.nbytes:  # an element the mapped bytes cannot be viewed as (the plain path copies it)
-                return None
+            address, start = found[p.src]
+            dst, src = bases[p.dst] + p.dst_off, address + start + p.src_off
+            if p.count:
+                fills.append((dst, src, p.nbytes, p.count))
             else:
-                dsts.append(_byte_view(tensors[p.dst])[p.dst_off:p.dst_off + p.nbytes * p.count].view(p.dtype))
-                srcs.append(data[a:a + p.nbytes].view(p.dtype).expand(p.count))
-        return LayerCopies(moves, (dsts, srcs))
+                moves.append((dst, src, p.nbytes))
+        return LayerCopies(moves, fills)
 
 
 @dataclass
 class LayerCopies:
-    """A templated layer's copies: byte moves (destination, source, bytes: addresses inside the
-    buffer's tensors and the mapped files, checked by `instantiate`) and broadcasts (copy_ pairs)."""
-    moves: list[tuple[int, int, int]]
-    broadcasts: Pairs
+    """A templated layer's copies: byte moves (destination, source, bytes) and element fills
+    (destination, source, element bytes, count), addresses inside the buffer's tensors and the
+    mapped files, checked by `instantiate`."""
+    moves: list[Move]
+    fills: list[Fill]
 
     def run(self, threads: int) -> None:
-        """The moves on `threads` threads in one call (`memory.spans`: no Python between them,
-        no torch thread pool per part), then the broadcasts."""
+        """The moves, then the fills, each on `threads` threads in one call (`memory.spans`: no
+        Python between them, no torch thread pool per part)."""
         copy_spans(self.moves, threads)
-        copy_pairs(self.broadcasts)
+        fill_spans(self.fills, threads)
 
 
 def _part(dst: torch.Tensor, src: torch.Tensor, bases, index: _SourceIndex, prefix: str) -> _Part | None:
@@ -186,7 +179,7 @@ def _part(dst: torch.Tensor, src: torch.Tensor, bases, index: _SourceIndex, pref
     found = index.locate(src.data_ptr(), nbytes)
     if found is None or not found[0].startswith(prefix):
         return None
-    return _Part(where[0], where[1], found[0][len(prefix):], found[1], nbytes, count, dst.dtype)
+    return _Part(where[0], where[1], found[0][len(prefix):], found[1], nbytes, count)
 
 
 class Placement:
