@@ -283,13 +283,17 @@ class ExpertCache:
         seen.index_fill_(0, ids.reshape(-1), 1)
         self.device_counts[r, 0] += seen.sum()
 
+    def to_prefetch(self, layer: int, experts: list[int], budget: int | None = None) -> list[int]:
+        """The predicted `experts` of `layer` a prefetch copies: those not cached, at most
+        `budget` of them, the first in `experts`' order."""
+        _, misses = self.cached(layer, experts)
+        return misses if budget is None else misses[:budget]
+
     def prefetch(self, layer: int, experts: list[int], bank: SlotBuffer, protect: set[Key],
                  budget: int | None = None) -> list[int]:
-        """Fetch the predicted `experts` of `layer` that are not cached (at most `budget`, the
-        first in `experts`' order), evicting nothing in `protect` (keys the step in flight uses)
-        or predicted; returns the experts placed."""
-        _, misses = self.cached(layer, experts)
-        misses = misses if budget is None else misses[:budget]
+        """Fetch `to_prefetch`'s experts, evicting nothing in `protect` (keys the step in flight
+        uses) or predicted; returns the experts placed."""
+        misses = self.to_prefetch(layer, experts, budget)
         placed = self.fetch(layer, misses, bank, keep=set(experts), protect=protect, prefetched=True)
         self.counters[layer].prefetched += len(placed)
         self.prefetched.update((layer, e) for e in placed)

@@ -644,7 +644,7 @@ class OffloadExperts:
         nxt = self.next
         if not predicted or nxt is None or nxt.cache is None:
             return 0
-        return min(self.b.prefetch_budget * rows, len(nxt.cache.cached(nxt.layer, predicted)[1]))
+        return len(nxt.cache.to_prefetch(nxt.layer, predicted, self.b.prefetch_budget * rows))
 
     def _streamed(self, x, ids, weights, experts: list[int]) -> torch.Tensor:
         """`experts` through the staging area (none of them is placed in the cache)."""
@@ -766,7 +766,7 @@ class OffloadExperts:
         step uses is evicted. The next layer waits for them (`settle`) before it reads or
         changes the cache."""
         nxt, stream = self.next, self.b.copy_stream
-        if nxt.cache is None or not nxt.cache.cached(nxt.layer, predicted)[1]:
+        if nxt.cache is None or not nxt.cache.to_prefetch(nxt.layer, predicted, budget):
             return  # (nothing to copy: no stream work at all)
         keep = {(self.layer, e) for e in needed}
         if stream is None:  # no copy stream: in line (tests run the bookkeeping on the CPU)
