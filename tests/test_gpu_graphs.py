@@ -52,7 +52,8 @@ def _decode(engine, prompts, steps, before_steps=lambda: None):
 @pytest.mark.parametrize("preset,backend", [(p, "resident") for p in ALL]
                          + [("mixed_nvfp4", "offload"), ("mixed_nvfp4", "offload-partial"),
                             ("mixed_nvfp4", "offload-piecewise"), ("mixed_nvfp4", "offload-lfu"),
-                            ("mixed_nvfp4", "cpu"), ("mixed_nvfp4", "hybrid"), ("mixed_nvfp4", "hybrid-offload"),
+                            ("mixed_nvfp4", "cpu"), ("mixed_nvfp4", "hybrid"), ("mixed_nvfp4", "hybrid-cut"),
+                            ("mixed_nvfp4", "hybrid-offload"),
                             ("mixed_nvfp4", "offload-cpulayer")])
 def test_decode_graphs_in_use(preset, backend, tmp_path):
     """(offload: a cache of every expert, which reads nothing on the host, is captured whole;
@@ -60,10 +61,13 @@ def test_decode_graphs_in_use(preset, backend, tmp_path):
     looked up and fetched inside the graph; offload-piecewise: the same cache managed on the
     host, captured piecewise, the misses fetched between the graphs; offload-lfu: 24 of the 32
     experts managed on the device by LFU, which needs three steps' experts; cpu and hybrid: 16
-    slots, captured piecewise, two cuts a layer, the CPU lane computed between them while the
-    cached experts run; hybrid fetching at most
-    one expert a layer, so that both lanes work, its lanes from batch 1; hybrid-offload: the same
-    with no batch splitting its misses (`lanes_from` inf): managed on the device as offload-partial;
+    slots; cpu captured piecewise, two cuts a layer, the CPU lane computed between them while the
+    cached experts run; hybrid: managed on the device, captured whole, every miss on the CPU lane
+    in the graph (`cpu_lane`: the host thread computes what the graph posts, no cut) as in the
+    eager steps (so that both compute the same experts in fp32); hybrid-cut: without that lane,
+    fetching at most one expert a layer, so that both lanes work, its lanes from batch 1: captured
+    piecewise as cpu; hybrid-offload: no lane and no batch splitting its misses (`lanes_from` inf):
+    managed on the device as offload-partial;
     offload-cpulayer: offload-partial with MoE layer 1
     on the CPU (`--moe-cpu-layers 1,`): managed on the device, cut twice, at that layer.)"""
     from moeferry.checkpoint.synthetic import make_model
@@ -72,21 +76,28 @@ def test_decode_graphs_in_use(preset, backend, tmp_path):
     path = make_model(tmp_path / preset, arch="qwen3_5_moe", size="tiny", seed=1, dtype="bfloat16",
                       quant=None if preset == "bf16" else preset)
     extra = {"offload": dict(moe_cache_rate=1.0), "offload-lfu": dict(moe_cache_size=24, moe_cache_policy="lfu"),
-             "hybrid": dict(moe_cache_size=16, moe_hybrid_max_fetch=1),
+             "hybrid": dict(moe_cache_size=16), "hybrid-cut": dict(moe_cache_size=16, moe_hybrid_max_fetch=1),
              "hybrid-offload": dict(moe_cache_size=16, moe_hybrid_max_fetch=1),
              "offload-cpulayer": dict(moe_cache_size=16, moe_cpu_layers="1,")}.get(
         backend, dict(moe_cache_size=16) if "-" in backend or backend == "cpu" else {})
-    piecewise = backend in ("offload-piecewise", "cpu", "hybrid")
+    piecewise = backend in ("offload-piecewise", "cpu", "hybrid-cut")
     engine = Engine.build(EngineConfig(str(path), "cuda", "bfloat16", moe_backend=backend.split("-")[0],
                                        num_tokens=256, num_state_slots=4, **extra))
     if backend.startswith("hybrid"):  # (the tiny model's lanes measured at boot would choose either)
-        engine.experts.lanes_from = 1 if backend == "hybrid" else math.inf
+        assert engine.experts.lane is not None  # opened at boot
+        if backend == "hybrid":  # every miss on the CPU, in the graph's lane and in the eager steps alike
+            engine.experts.split = dataclasses.replace(engine.experts.split, max_fetch=0)
+            engine.experts.open_lane()  # (its table from the new split)
+        else:
+            engine.experts.lane.close()
+            engine.experts.lane = None
+        engine.experts.lanes_from = 1 if backend == "hybrid-cut" else math.inf
         if backend == "hybrid-offload":  # eager steps fetch every miss too: then the eager logits below compute
             # every expert on the device, as the graph does (split, bf16 and fp32 experts drift apart over 8 steps)
             engine.experts.split = dataclasses.replace(engine.experts.split, fetch_s=0.0, max_fetch=None)
         engine.graphs.invalidate()  # (captured at boot with the measured choice)
     if backend.startswith(("offload-", "hybrid")) or piecewise:
-        want = "piecewise" if backend in ("cpu", "hybrid") else "device"
+        want = "piecewise" if backend in ("cpu", "hybrid-cut") else "device"
         assert engine.experts.graph_mode(4) == want, engine.experts.graph_mode(4)
     if backend == "offload-piecewise":
         engine.experts.device_managed = False
@@ -110,13 +121,13 @@ def test_decode_graphs_in_use(preset, backend, tmp_path):
     assert engine.graphs.graphs, f"{preset}: no decode graph captured"
     pieces = {len(step.graphs) for step, _ in engine.graphs.graphs.values()}
     cuts = {"offload-piecewise": engine.spec.num_layers, "cpu": 2 * engine.spec.num_layers,
-            "hybrid": 2 * engine.spec.num_layers, "offload-cpulayer": 2}.get(backend, 0)  # (every tiny layer is MoE)
+            "hybrid-cut": 2 * engine.spec.num_layers, "offload-cpulayer": 2}.get(backend, 0)  # (every tiny layer is MoE)
     assert pieces == {cuts + 1}, pieces
     if backend.startswith(("offload-", "hybrid")) or piecewise:
         s = engine.stats()["experts"]
         assert s["misses"] > 0 and s["hits"] > 0, s
         in_steps = s["cpu_experts"] - marks[0]  # the decode graphs' own
-        assert (in_steps > 0) == (backend in ("cpu", "hybrid", "offload-cpulayer")), (in_steps, s)
+        assert (in_steps > 0) == (backend in ("cpu", "hybrid", "hybrid-cut", "offload-cpulayer")), (in_steps, s)
     graphs, engine.graphs = engine.graphs, None
     eager = decode()
     engine.graphs = graphs

@@ -674,6 +674,37 @@ def test_hybrid_below_its_lanes_decodes_as_offload(ckpt, ref_logits, monkeypatch
     assert llm.engine.stats()["experts"]["prefetched"] > 0
 
 
+@pytest.mark.parametrize("arch,preset", [("qwen3_moe", "bf16"), ("qwen3_5_moe", "mixed_nvfp4")])
+def test_hybrid_lane_in_the_graph_equals_resident(arch, preset, ckpt, ref_logits, monkeypatch):
+    """hybrid with its CPU lane inside the decode graph (`cpu_lane`): steps of up to the lane's
+    rows split their misses as the device does (here the host: `split_reference`), post the
+    lane's share to the C thread, resolve and gather the rest, and add the thread's output; no
+    cut. Resident's logits alone and batched (steps of three rows, past the lane's two, split on
+    the host); the lane's experts count as misses and as CPU experts but not as bytes fetched;
+    the state stays whole."""
+    llm = build(ckpt, arch, preset, "hybrid", moe_cache_size=24)
+    backend = llm.engine.experts
+    backend.prefetch, backend.lanes_from = True, math.inf  # past the lane's rows: eager steps
+    backend.split = MissSplit(fetch_s=1.0, cpu_s=1.0)  # about half of a step's misses on each lane
+    backend.open_lane(rows=2)
+    try:
+        steps = decode_on_device(llm, monkeypatch)
+        got = llm.logits(PROMPT, chunk_size=CHUNKS)
+        assert rel_err(got, ref_logits(arch, preset, [PROMPT], CHUNKS)[0]) <= TOL
+        for g, w in zip(llm.logits_batch(BATCH, [5, 3, 1]), ref_logits(arch, preset, BATCH, [5, 3, 1])):
+            assert rel_err(g, w) <= TOL
+        assert set(steps) == {1, 2}, steps  # alone and batched on the device, three rows not
+        check_all(llm)  # (takes the state back from the device first)
+        s = llm.engine.stats()["experts"]
+        lane = sum(c.counters[layer].on_lane for c in caches(llm) for layer in c.layers)
+        assert 0 < lane <= s["cpu_experts"] and s["cpu_experts"] == lane + sum(
+            ex.cpu_experts for ex in backend.executors.values())
+        assert s["bytes_fetched"] == (s["misses"] - s["cpu_experts"] + s["prefetched"]) * backend.slot_bytes
+        assert sum(v["cpu_experts"] for v in s["layers"].values()) == s["cpu_experts"]
+    finally:
+        backend.lane.close()
+
+
 def test_prefetch_budget_copies_the_best_guesses(ckpt, ref_logits, monkeypatch):
     """A device-managed prefetch guessing the whole top-k with a budget of one miss a row: each
     placement copies at most one expert a row, the best ranked of those not cached (over the rows,
@@ -1015,6 +1046,17 @@ def test_miss_split_fetch_count_is_the_brute_force_optimum():
     assert MissSplit(1e9, 1.0).fetch_count([1.0] * 5) == 0
 
 
+def test_miss_split_fetch_table_is_the_count_for_each_number_of_misses():
+    """The device's split table: entry m is `fetch_count` of m misses of the given tokens each
+    (the brute-force optimum), the link carrying the queued copies too."""
+    split = MissSplit(fetch_s=2.0, cpu_s=1.0, cpu_token_s=1.0)
+    for tokens, queued in ((1, 0), (1, 1), (2.4, 0), (3, 2)):
+        want = [_brute_fetch_count(2.0, [float(round(tokens))] * m, None, queued) for m in range(9)]
+        assert split.fetch_table(8, tokens, queued) == want
+    assert MissSplit(fetch_s=1.0, cpu_s=1.0).fetch_table(4) == [0, 0, 1, 1, 2]  # ties: the fewer fetches
+    assert MissSplit(fetch_s=1.0, cpu_s=1.0, max_fetch=1).fetch_table(4) == [0, 0, 1, 1, 1]
+
+
 def test_miss_split_divide_fetches_the_busiest_experts():
     split = MissSplit(fetch_s=2.0, cpu_s=1.0)
     ids = torch.tensor([[1, 4], [4, 6], [4, 1], [6, 4], [3, 4]])  # 4: 5 tokens, 1: 2, 6: 2, 3: 1
@@ -1067,16 +1109,22 @@ def test_miss_split_lanes_from_weighs_the_saving_against_the_cuts():
 
 def test_miss_split_times_the_fetch_the_caches_make(monkeypatch):
     """The hybrid split's fetch time is measured the way its caches fetch (`backend.gather`: the
-    gather kernel where the boot chose it), over experts spread across the bank."""
+    gather kernel where the boot chose it), over experts spread across the bank; the CPU lane
+    with the threads it will run with."""
     from types import SimpleNamespace
     from moeferry.moe import bandwidth
     seen = []
-    monkeypatch.setattr(bandwidth, "time_cpu_expert", lambda bank, tokens: 1e-3 * tokens)
+    seen_threads = []
+    monkeypatch.setattr(bandwidth, "time_cpu_expert", lambda bank, tokens, threads=None: seen_threads.append(threads)
+                        or 1e-3 * tokens)
     monkeypatch.setattr(bandwidth, "time_fetch", lambda bank, device, gather=None: seen.append(gather) or 2e-3)
     backend = SimpleNamespace(banks={0: "bank"}, device=torch.device("cpu"), gather=(4096, 8, True),
                               gather_kernel_s=3e-3, device_managed=True)
     split = MissSplit.measure(backend, None)
     assert seen == [(4096, 8, True)] and split.fetch_s == 2e-3 and split.cpu_s == 1e-3
+    assert seen_threads == [None, None]  # PyTorch's threads unless the lane's are given
+    MissSplit.measure(backend, None, threads=3)
+    assert seen_threads[2:] == [3, 3]
     assert split.graph_fetch_s == 3e-3  # what the device-managed graphs' gather costs, for `lanes_from`
     backend.device_managed = False  # (graphs that do not split then fetch as the split does)
     assert MissSplit.measure(backend, None).graph_fetch_s is None

@@ -167,6 +167,29 @@ def test_route_topk_compiles(monkeypatch):
     assert "cubin" in _compile_launch(fn, args, kw).asm
 
 
+@pytest.mark.parametrize("rows", [1, 8])
+def test_lane_signal_compiles(rows, monkeypatch):
+    """The CPU lane's split and collect kernels (system-wide fences in inline PTX, a spin on a
+    host word) compile for sm_90 at Qwen3.6's shapes (top-8 of 256, H 2048, bf16), as
+    `cpu_lane` launches them."""
+    from moeferry.moe.cpu_lane import WORDS, Box
+    from moeferry.ops.triton import lane_signal
+    launches = []
+    for name in ("_split_kernel", "_collect_kernel"):
+        monkeypatch.setattr(lane_signal, name, _Recorder(getattr(lane_signal, name), launches))
+    h, k, pairs = 2048, 8, rows * 8
+    box = Box(torch.zeros(pairs, dtype=torch.int64), torch.zeros(pairs), torch.zeros(rows * h), torch.zeros(rows * h),
+              *(torch.zeros(n, dtype=torch.int32) for n in (WORDS, WORDS, 1, 1, 1)))
+    x = torch.randn(rows, h).bfloat16()
+    lane_signal.split(torch.randint(0, 256, (rows, k)), torch.rand(rows, k).bfloat16(), x,
+                      torch.zeros(256, dtype=torch.int32), torch.zeros(pairs + 1, dtype=torch.int32), box,
+                      torch.zeros(1, dtype=torch.int64))
+    lane_signal.collect(x, box)
+    assert len(launches) == 2
+    for fn, args, kw in launches:
+        assert "cubin" in _compile_launch(fn, args, kw).asm
+
+
 def test_compile_watch_counts_real_compiles_and_restores_the_listener(tmp_path, monkeypatch):
     """`CompileWatch` (the boot log's compile time) hears `triton.compile` through its
     compilation listener while watching: a real sm_90 compile counts as compiled, the same

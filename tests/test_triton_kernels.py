@@ -434,7 +434,7 @@ def _gather_indexed_once(device, g, widths, vec, config, programs=None):
 def case_cache_resolve(device, seed=13):
     """The device cache's lookup + eviction kernel against its CPU reference, LRU and LFU, call
     after call on the same state (steps and prefetches, some with a budget of misses, repeated
-    ids, a cache filling from empty, two table rows): the slots chosen, table, owners, stamps, flags, priorities, uses,
+    ids, ids of -1 to skip, a cache filling from empty, two table rows): the slots chosen, table, owners, stamps, flags, priorities, uses,
     clock, age and counters."""
     from moeferry.moe.device_policy import DevicePolicy, resolve_reference
     from moeferry.ops.triton.cache_resolve import resolve
@@ -448,6 +448,8 @@ def case_cache_resolve(device, seed=13):
         for step in range(40):
             n = int(torch.randint(1, 7, (1,), generator=g))  # at most slots // 3 distinct ids
             ids = torch.randint(0, 9 if step % 3 else experts, (n,), generator=g)
+            if step % 5 == 4:  # pairs left alone (hybrid's CPU lane): never looked up, counted or copied
+                ids[torch.rand(n, generator=g) < 0.4] = -1
             row, prefetch = step % rows, step % 4 == 3
             budget = (step // 4) % 3 if prefetch and step % 8 == 7 else None  # a prefetch placing at most 0-2
             (ref, ref_table), (dev_state, table) = states
@@ -461,6 +463,75 @@ def case_cache_resolve(device, seed=13):
         (ref, ref_table), _ = states
         assert int(ref.counts[:, 1].sum()) > slots and int(ref.counts[:, 0].sum()) > 0  # it evicted, and hit
         assert (int(ref.state[1]) > 0) == lfu  # LFU's age rose with its victims
+    return 0.0
+
+
+def case_lane_signal(device, seed=14):
+    """The CPU lane's two kernels (`lane_signal`). split: the ids to resolve, the lane's count,
+    the box (ids, weights, x in fp32) and its posted words, the sequence and the cache's tally,
+    against `split_reference`, step after step (batches of 1-4 rows, repeated experts, tables
+    hitting some); nothing is posted when the lane gets no expert. collect: once the served word
+    holds the sequence, out += the box's output rounded to out's dtype (fp32 exactly, bf16 within
+    its rounding); nothing posted, out untouched; a word that never comes, the fault word set
+    after the polls and out untouched."""
+    from moeferry.moe.cpu_lane import WORDS, Box, split_reference
+    from moeferry.ops.triton.lane_signal import collect, split
+    g = _gen(seed)
+    rows_max, top_k, experts, hidden = 4, 4, 16, 24
+    pairs = rows_max * top_k
+
+    def host(*shape, dtype=torch.float32, fill=-7):  # (poisoned: what is not written stays)
+        return torch.full(shape, fill, dtype=dtype, pin_memory=device != "cpu")
+
+    box = Box(host(pairs, dtype=torch.int64), host(pairs), host(rows_max * hidden), host(rows_max * hidden),
+              host(WORDS, dtype=torch.int32, fill=0), host(WORDS, dtype=torch.int32, fill=0),
+              torch.zeros(1, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32, device=device),
+              host(1, dtype=torch.int32, fill=0))
+    tally = torch.zeros(1, dtype=torch.int64, device=device)
+    seq = posted_lanes = 0
+    for step in range(12):
+        rows = 1 + step % rows_max
+        ids = torch.randint(0, experts if step % 2 else 6, (rows, top_k), generator=g)
+        weights = torch.rand(rows, top_k, generator=g).to(torch.bfloat16)
+        x = torch.randn(rows, hidden, generator=g).to(torch.bfloat16)
+        table = torch.where(torch.rand(experts, generator=g) < 0.4, torch.arange(experts, dtype=torch.int32), -1)
+        fetch_of = torch.tensor([min(m, step % 3) for m in range(pairs + 1)], dtype=torch.int32)
+        want, lane = split_reference(ids, table, fetch_of.tolist())
+        got = split(ids.to(device), weights.to(device), x.to(device), table.to(device), fetch_of.to(device), box, tally)
+        assert torch.equal(got.cpu(), want), f"step {step}: {got.cpu().tolist()} != {want.tolist()}"
+        assert int(box.lane[0]) == lane
+        n = rows * top_k
+        if lane:
+            seq, posted_lanes = seq + 1, posted_lanes + lane
+            assert box.posted[:2].tolist() == [seq, rows]
+            assert torch.equal(box.ids[:n], torch.where(want < 0, ids.reshape(-1), -1))
+            assert torch.equal(box.weights[:n], weights.reshape(-1).float())
+            assert torch.equal(box.x[:rows * hidden], x.reshape(-1).float())
+            dtype = (torch.float32, torch.bfloat16)[step % 2]
+            out = torch.randn(rows, hidden, generator=g).to(dtype)
+            box.out[:rows * hidden] = torch.randn(rows * hidden, generator=g)
+            box.served[:2] = torch.tensor([seq, 0], dtype=torch.int32)
+            expect = out + box.out[:rows * hidden].view(rows, hidden).to(dtype)
+            out_dev = out.to(device)
+            collect(out_dev, box)
+            if dtype == torch.float32:
+                assert torch.equal(out_dev.cpu(), expect)
+            else:  # (the interpreter's rounding to bf16 is not always the nearest)
+                _check(out_dev.cpu(), expect, 8e-3, "collect bf16")
+        else:
+            assert int(box.posted[0]) == seq  # nothing posted
+            out = torch.randn(rows, hidden, generator=g).to(device)
+            before = out.clone()
+            collect(out, box, limit=1)
+            assert torch.equal(out, before)
+        assert int(box.seq[0]) == seq and int(tally[0]) == posted_lanes and int(box.fault[0]) == 0
+    assert seq >= 3 and posted_lanes > seq  # posted several times, some with more than one expert
+    box.lane.fill_(1)  # a post the host never serves
+    box.seq.fill_(seq + 1)
+    out = torch.randn(2, hidden, generator=g).to(device)
+    before = out.clone()
+    collect(out, box, limit=64)
+    assert torch.equal(out, before) and int(box.fault[0]) == 1
     return 0.0
 
 

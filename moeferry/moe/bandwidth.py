@@ -137,10 +137,12 @@ def _gather_problem(bank: SlotBuffer, device: torch.device, config: tuple) -> st
     return None
 
 
-def time_cpu_expert(bank: SlotBuffer, tokens: int = 1, repeats: int = 3, experts: int = 8) -> float:
+def time_cpu_expert(bank: SlotBuffer, tokens: int = 1, repeats: int = 3, experts: int = 8,
+                    threads: int | None = None) -> float:
     """Seconds per expert to compute `experts` experts, each for `tokens` tokens, on the CPU from
-    the bank in one call of the host lane (`SlotBuffer.run_host`), as a step does. Each call
-    takes the next experts of the bank, so that their weights come from memory as a miss's do."""
+    the bank in one call of the host lane (`SlotBuffer.run_host`, `threads` threads: PyTorch's by
+    default), as a step does. Each call takes the next experts of the bank, so that their weights
+    come from memory as a miss's do."""
     experts = min(experts, bank.num_slots)
     x = torch.randn(tokens, bank.hidden)
     w = torch.full((tokens, experts), 1.0 / experts)
@@ -149,7 +151,7 @@ def time_cpu_expert(bank: SlotBuffer, tokens: int = 1, repeats: int = 3, experts
         chosen = [(call * experts + j) % bank.num_slots for j in range(experts)]
         ids = torch.tensor(chosen).expand(tokens, experts)
         t = time.perf_counter()
-        bank.run_host(x, ids, w, chosen, torch.get_num_threads())
+        bank.run_host(x, ids, w, chosen, threads or torch.get_num_threads())
         times.append(time.perf_counter() - t)
     return sorted(times[1:])[repeats // 2] / experts
 
@@ -187,12 +189,13 @@ class MissSplit:
     graph_fetch_s: float | None = None
 
     @classmethod
-    def measure(cls, backend, max_fetch: int | None) -> "MissSplit":
+    def measure(cls, backend, max_fetch: int | None, threads: int | None = None) -> "MissSplit":
         """The lanes as the backend runs them: a fetch the way its caches fetch (the gather kernel
         where the boot chose it, `backend.gather`, else one copy per tensor); and a fetch the way
-        device-managed decode graphs make it (`backend.gather_kernel_s`, timed by the boot)."""
+        device-managed decode graphs make it (`backend.gather_kernel_s`, timed by the boot); the
+        CPU lane with `threads` threads (PyTorch's by default)."""
         bank = next(iter(backend.banks.values()))
-        one, four = time_cpu_expert(bank, 1), time_cpu_expert(bank, 4)
+        one, four = time_cpu_expert(bank, 1, threads=threads), time_cpu_expert(bank, 4, threads=threads)
         graph = backend.gather_kernel_s if backend.device_managed else None
         return cls(time_fetch(bank, backend.device, gather=backend.gather), one, max_fetch,
                    max(0.0, (four - one) / 3), graph)
@@ -222,6 +225,12 @@ class MissSplit:
         if self.max_fetch is not None:
             best_n = min(best_n, self.max_fetch)
         return best_n
+
+    def fetch_table(self, most: int, tokens: float = 1.0, queued: int = 0) -> list[int]:
+        """`fetch_count` for each count of misses from 0 to `most`, each miss of `tokens` tokens:
+        the table a decode graph's split reads on the device (`moeferry.moe.cpu_lane`)."""
+        cost = self.cpu_cost(round(tokens))
+        return [self.fetch_count([cost] * m, queued) for m in range(most + 1)]
 
     def saving(self, misses: int, tokens: float = 1.0) -> float:
         """Seconds the split saves a layer against fetching all its `misses` (`tokens` each) as

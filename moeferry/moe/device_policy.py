@@ -31,8 +31,8 @@ class Entry(NamedTuple):
 
 class DevicePolicy:
     def __init__(self, num_slots: int, counts: torch.Tensor, lfu: bool):
-        """`counts` [rows, 4] int64 on the device (hits, misses, prefetch hits, prefetched): the
-        cache's device-side counters, which `resolve` adds to; `lfu`: LFU with dynamic aging,
+        """`counts` [rows, 5] int64 on the device (`expert_cache.DEVICE_COUNTS`): the cache's
+        device-side counters, which `resolve` adds to; `lfu`: LFU with dynamic aging,
         else LRU."""
         device = counts.device
         self.counts, self.lfu = counts, lfu
@@ -97,7 +97,7 @@ def resolve_reference(dev: DevicePolicy, table: torch.Tensor, row: int, ids: tor
     dev.state[0] = clock
     seen, hits, misses = set(), [], []
     for i, e in enumerate(ids):
-        if e not in seen:
+        if e >= 0 and e not in seen:
             seen.add(e)
             s = int(flat[row * experts + e])
             (hits if s >= 0 else misses).append((i, s))

@@ -26,7 +26,9 @@ from moeferry.moe.device_policy import DevicePolicy, Entry
 from moeferry.moe.slots import SlotBuffer, SlotTable
 
 Key = tuple[int, int]  # (layer, expert)
-DEVICE_COUNTS = ("hits", "misses", "prefetch_hits", "prefetched")  # the columns of `device_counts`
+# the columns of `device_counts`: "misses" are those copied into slots, "on_lane" those a hybrid
+# decode graph computed on the CPU lane instead (`moeferry.moe.cpu_lane`: misses too, not copied)
+DEVICE_COUNTS = ("hits", "misses", "prefetch_hits", "prefetched", "on_lane")
 
 
 class LRUPolicy:
@@ -149,10 +151,11 @@ POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy}
 
 
 class LayerCounters:
-    __slots__ = ("hits", "misses", "bytes_fetched", "prefetched", "prefetch_hits")
+    __slots__ = ("hits", "misses", "bytes_fetched", "prefetched", "prefetch_hits", "on_lane")
 
     def __init__(self):
         self.hits = self.misses = self.bytes_fetched = self.prefetched = self.prefetch_hits = 0
+        self.on_lane = 0  # misses computed on the CPU lane of a hybrid decode graph (served as the layer's CPU experts)
 
     def add(self, other: "LayerCounters") -> None:
         for name in self.__slots__:
@@ -184,7 +187,7 @@ class ExpertCache:
         self.prefetched: set[Key] = set()  # fetched ahead of their layer's step, not yet used by it
         # counters of steps that never leave the device (a cache holding every expert:
         # `count_on_device`; `DevicePolicy` steps): per layer, DEVICE_COUNTS in order
-        self.device_counts = torch.zeros(len(self.layers), 4, dtype=torch.int64, device=device)
+        self.device_counts = torch.zeros(len(self.layers), len(DEVICE_COUNTS), dtype=torch.int64, device=device)
         self.on_device_state: DevicePolicy | None = None
         self.device_owned = False  # the device's policy state is the current one (the host's is stale)
         self._seen = torch.zeros(len(self.layers), num_experts, dtype=torch.int32, device=device)
@@ -413,6 +416,7 @@ class ExpertCache:
             c, counts = self.counters[layer], dict(zip(DEVICE_COUNTS, row))
             for name, n in counts.items():
                 setattr(c, name, getattr(c, name) + n)
+            c.misses += counts["on_lane"]
             c.bytes_fetched += (counts["misses"] + counts["prefetched"]) * per_slot  # each one was copied
         self.device_counts.zero_()
         total = LayerCounters()

@@ -45,6 +45,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from moeferry.moe.bank import build_bank, pinnable, plan_loading
+from moeferry.moe.cpu_lane import CpuLane
 from moeferry.moe.cpu_layers import resolve as resolve_cpu_layers
 from moeferry.moe.expert_cache import ExpertCache, LayerCounters
 from moeferry.moe.layer_experts import LayerExperts
@@ -59,6 +60,7 @@ from moeferry.transfer import staged, to_device
 log = logging.getLogger("moeferry.moe")
 
 STAGING_SLOTS = 32  # slots per staging half (prefill streams a layer's misses in chunks of this)
+LANE_ROWS = 8  # hybrid decode graphs of up to this many sequences split on the device (`cpu_lane`)
 
 
 def choices(ids: torch.Tensor, guess: torch.Tensor | None) -> torch.Tensor:
@@ -204,6 +206,10 @@ class OffloadBackend:
         self.prefetch = cfg.moe_decode_prefetch and name in ("offload", "hybrid") and device.type == "cuda"
         # the smallest decode batch whose misses may take the CPU lane (hybrid: measured in finish())
         self.lanes_from: float = math.inf if name == "offload" else 1
+        # hybrid on CUDA: the CPU lane of decode graphs that stay whole (`open_lane`), and its table
+        # of fetches per miss count for each batch up to its rows ([rows + 1, rows * top_k + 1])
+        self.lane: CpuLane | None = None
+        self.lane_fetches: torch.Tensor | None = None
         self.prefetch_done: torch.cuda.Event | None = None  # the copies of the prefetch in flight
         if cfg.moe_cpu_threads:
             torch.set_num_threads(cfg.moe_cpu_threads)
@@ -252,23 +258,51 @@ class OffloadBackend:
             return "whole"
         if self.device.type != "cuda":
             return None
+        if self.steps_on_device(max_batch):
+            return "device"
         if max_batch >= self.lanes_from:
             return "piecewise"
         if not self.caches:
             return None
-        if self.steps_on_device(max_batch):
-            return "device"
         return "piecewise" if self.name != "offload" or self._holds(max_batch, lambda c: 1) else None
 
     def steps_on_device(self, rows: int) -> bool:
         """Whether decode steps of `rows` sequences in a graph manage the cache on the device:
-        the offload lane, the gather kernel working here (or the CPU, in tests), and every cache
+        the offload lane (hybrid: below its `lanes_from`, or with its CPU lane in the graph:
+        `lane_takes`), the gather kernel working here (or the CPU, in tests), and every cache
         holding its policy's `graph_steps` decode steps' experts: two for LRU (a step's own are
         never victims then, nor, while its prefetch places the next layer's, this layer's),
         three for LFU (its victims may be any slot outside the two calls it keeps: `cache_resolve`)."""
         kernel = self.gathers_ready or self.device.type == "cpu"
-        return (self.device_managed and rows < self.lanes_from and kernel and bool(self.caches)
-                and self._holds(rows, lambda c: c.policy.graph_steps))
+        return (self.device_managed and (rows < self.lanes_from or self.lane_takes(rows)) and kernel
+                and bool(self.caches) and self._holds(rows, lambda c: c.policy.graph_steps))
+
+    def lane_takes(self, rows: int) -> bool:
+        """Whether a device-managed decode step of `rows` sequences splits its misses with the
+        CPU lane in the graph (`moeferry.moe.cpu_lane`)."""
+        return self.lane is not None and rows <= self.lane.rows
+
+    def open_lane(self, rows: int = LANE_ROWS) -> None:
+        """hybrid: start the CPU lane of decode graphs of up to `rows` sequences (once) and make its
+        table of fetches for this cache: for each batch, the split's choice for every count of
+        misses, each miss of the batch's expected tokens, the link also carrying the decode
+        prefetch's expected copies (the next layer waits for them)."""
+        if self.lane is None:
+            banks = {layer: self.banks[layer] for layer in sorted(self.caches)}
+            self.lane = CpuLane(banks, rows, self.spec.top_k, self.device, self.lane_threads())
+            log.info("CPU lane in the decode graphs: a host thread serves %d layers' boxes of up to %d rows "
+                     "with %d OpenMP threads", len(banks), rows, self.lane.threads)
+        table = torch.zeros(self.lane.rows + 1, self.lane.rows * self.spec.top_k + 1, dtype=torch.int32)
+        for batch in range(1, self.lane.rows + 1):
+            misses, tokens = self._expected_misses(batch)
+            queued = self.prefetch_budget * batch * (1 - self._cached_share()) if self.prefetch else 0.0
+            table[batch] = torch.tensor(self.split.fetch_table(table.shape[1] - 1, tokens, round(queued)))
+        self.lane_fetches = table.to(self.device)
+
+    def lane_threads(self) -> int:
+        """The CPU lane's OpenMP threads: --moe-cpu-threads, else all but one of PyTorch's (the
+        main thread waits on the device meanwhile, spinning)."""
+        return self.cfg.moe_cpu_threads or max(1, torch.get_num_threads() - 1)
 
     def _holds(self, rows: int, steps: Callable[[ExpertCache], int]) -> bool:
         """Every cache has slots for `steps(cache)` decode steps' experts of `rows` sequences."""
@@ -279,6 +313,8 @@ class OffloadBackend:
         """Before a decode graph of `rows` sequences runs (or is captured): hand each cache's
         state to the device if the graph manages it there."""
         self.prefetch_join = None  # (an event of an earlier, failed capture is never waited for)
+        if self.lane is not None:
+            self.lane.check()
         if not self.complete and self.steps_on_device(rows):
             self.settle()
             for c in self.distinct_caches:
@@ -396,19 +432,25 @@ class OffloadBackend:
             cpu_kernel()  # built (or found) at boot, not in a request; its log line says what computes the lane
         if self.name == "hybrid":
             from moeferry.moe.bandwidth import MissSplit
-            self.split = MissSplit.measure(self, self.cfg.moe_hybrid_max_fetch)
+            cuda = self.device.type == "cuda"
+            self.split = MissSplit.measure(self, self.cfg.moe_hybrid_max_fetch, self.lane_threads() if cuda else None)
             self.lanes_from = self.split.lanes_from(self._expected_misses)
+            if cuda and self.caches and cpu_kernel() is not None:
+                self.open_lane()
             log.info("hybrid lanes: %s; %s", self.split.describe(), self._lanes_said())
 
     def _expected_misses(self, batch: int) -> tuple[float, float]:
         """A MoE layer's expected (misses, tokens each) in a decode step of `batch` rows, its
         cache's share of slots hit (uniform routing: the decode prefetch's hits come on top)."""
         from moeferry.moe.bandwidth import expected_misses
+        return expected_misses(batch, self.spec.top_k, self.spec.num_experts, self._cached_share())
+
+    def _cached_share(self) -> float:
+        """The share of a layer's experts its cache has slots for (the first cache's)."""
         caches = self.distinct_caches
         if not caches:
-            return 0.0, 1.0
-        cache, experts = caches[0], self.spec.num_experts
-        return expected_misses(batch, self.spec.top_k, experts, cache.num_slots / len(cache.layers) / experts)
+            return 1.0
+        return caches[0].num_slots / len(caches[0].layers) / self.spec.num_experts
 
     def _lanes_said(self) -> str:
         """Which decode steps split their misses. The rule is the decode graphs' (a CPU lane cuts
@@ -416,6 +458,11 @@ class OffloadBackend:
         splits at any batch."""
         if self.device.type != "cuda":
             return "every decode step splits its misses (no graphs here)"
+        if self.lane is not None:
+            return (f"decode graphs of up to {self.lane.rows} sequences split their misses on the device, the CPU "
+                    f"lane's thread computing its share while the graph runs; larger ones "
+                    + ("split at the CPU lane's cuts" if self.lanes_from <= self.lane.rows + 1 else
+                       f"from {self.lanes_from} sequences at the CPU lane's cuts, below that fetch every miss"))
         if self.lanes_from == 1:
             return "every decode graph splits its misses"
         if math.isinf(self.lanes_from):
@@ -514,14 +561,15 @@ class OffloadBackend:
         return {"backend": self.name, "policy": policy, "slots": self.expert_slots,
                 "slots_used": sum(c.slots_used for c in caches),
                 "device_bytes": self.device_bytes, "host_bytes": self.host_bytes, **total.as_dict(),
-                "cpu_experts": sum(ex.cpu_experts for ex in self.executors.values()),
+                "cpu_experts": sum(ex.cpu_experts for ex in self.executors.values()) + total.on_lane,
                 "layers": self._layer_stats(caches)}
 
     def _layer_stats(self, caches: list[ExpertCache]) -> dict:
         """Per layer: its cache counters (layers with slots) and the experts it computed on the CPU."""
         layers = {k: v for c in caches for k, v in c.layer_stats().items()}
         for layer, ex in sorted(self.executors.items()):
-            layers.setdefault(str(layer), {})["cpu_experts"] = ex.cpu_experts
+            lane = ex.cache.counters[layer].on_lane if ex.cache is not None else 0
+            layers.setdefault(str(layer), {})["cpu_experts"] = ex.cpu_experts + lane
         return layers
 
 
@@ -716,7 +764,11 @@ class OffloadExperts:
         if not self.b.join_late:
             _join(landed)
             landed = None
-        flat = ids.reshape(-1)
+        flat, lane = ids.reshape(-1), self.b.lane if self.b.lane_takes(x.shape[0]) else None
+        if lane is not None:  # hybrid: the misses split on the device, the lane's share posted to the host thread
+            row = self.cache.row_of[self.layer]
+            flat = lane.post(self.layer, x, ids, weights, self.cache.row(self.layer), self.b.lane_fetches[x.shape[0]],
+                             self.cache.device_counts[row, 4:])
         own = self.cache.resolve(self.layer, flat)
         ahead = ahead and self.next.cache is not None
         with self.b.side_work() as side:  # forked after this layer's placement (the cache state's order)
@@ -729,7 +781,10 @@ class OffloadExperts:
             self.b.gather_ahead(self.next, placed, side)
         side.join()
         _join(landed)
-        return _with_shared(self._run_cached(x, ids, weights), shared)
+        out = self._run_cached(x, ids, weights)
+        if lane is not None:
+            lane.collect(self.layer, out)
+        return _with_shared(out, shared)
 
     def _lookup(self, needed: list[int]) -> list[int]:
         """The misses among the step's experts (hits counted and touched)."""

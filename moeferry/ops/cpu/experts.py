@@ -72,6 +72,12 @@ class CpuExperts:
         simd = "AVX-512 + AVX2/F16C" if self.avx512 else "AVX2/F16C" if self.simd else "portable loops"
         return f"C kernel ({simd}, {'OpenMP' if self.openmp else 'one thread'})"
 
+    def views(self, bank) -> tuple[_Matrix, _Matrix]:
+        """The C views of a host bank's gate_up and down matrices (made once per bank)."""
+        if bank not in self._views:
+            self._views[bank] = (_matrix(bank.gate_up), _matrix(bank.down))
+        return self._views[bank]
+
     def run(self, bank, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table_row: torch.Tensor,
             threads: int) -> torch.Tensor:
         """fp32 [T, H]: `run_reference`'s contract on the host. The pairs of ids / weights [T, k]
@@ -81,9 +87,7 @@ class CpuExperts:
         ids, weights = ids.long().contiguous(), weights.float().contiguous()
         table_row = table_row.to(torch.int32).contiguous()
         out = torch.zeros(x.shape, dtype=torch.float32)
-        if bank not in self._views:
-            self._views[bank] = (_matrix(bank.gate_up), _matrix(bank.down))
-        gu, dn = self._views[bank]
+        gu, dn = self.views(bank)
         rc = self.lib.moe_cpu_experts(ctypes.byref(gu), ctypes.byref(dn), x.data_ptr(), x.shape[0], ids.shape[-1],
                                       ids.data_ptr(), weights.data_ptr(), table_row.data_ptr(), table_row.numel(),
                                       out.data_ptr(), threads)

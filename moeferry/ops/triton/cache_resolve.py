@@ -3,7 +3,8 @@ one single-program kernel: a decode step's cache work without the host (so that 
 can live in one CUDA graph).
 
 Contract (`moeferry.moe.device_policy.resolve_reference` is the CPU reference, tested equal):
-the step's expert ids `ids` [n] of table row `row`; every distinct id is looked up in the flat
+the step's expert ids `ids` [n] of table row `row` (-1: a pair to leave alone, e.g. on hybrid's CPU
+lane: never looked up, counted or copied); every distinct id is looked up in the flat
 table (`row * num_experts + id` -> slot, -1 absent). The clock `state[0]` ticks once per call;
 hits get it as their stamp. Misses (distinct ids without a slot) take victims one at a time; a
 victim's old owner leaves the table, the miss enters it, the slot gets the clock and the miss's
@@ -44,7 +45,7 @@ def _resolve_kernel(ids_ptr, n, table_ptr, owner_ptr, stamp_ptr, flag_ptr, prio_
     valid = offs < n
     ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int64)
     earlier = (ids[:, None] == ids[None, :]) & (offs[None, :] < offs[:, None]) & valid[None, :]
-    first = valid & (tl.max(earlier.to(tl.int32), axis=1) == 0)
+    first = valid & (ids >= 0) & (tl.max(earlier.to(tl.int32), axis=1) == 0)
     keys = key_base + ids
     slot = tl.load(table_ptr + keys, mask=first, other=-1).to(tl.int64)
     hit = first & (slot >= 0)
@@ -115,7 +116,7 @@ def resolve(ids: torch.Tensor, table: torch.Tensor, s, row: int, prefetch: bool,
     """Launch the kernel for `ids` (any integer dtype) of table row `row` over the device state
     `s` (`moeferry.moe.device_policy.DevicePolicy`: owner [slots] int32, key row*experts+id, -1
     free; stamps [slots] int64; flags [slots] int8; prio [slots] int64; uses [slots] int32;
-    state [2] int64, clock and age; counts [rows, 4] int64); `table` [rows, experts] int32.
+    state [2] int64, clock and age; counts [rows, 5] int64); `table` [rows, experts] int32.
     `budget`: a prefetch's most misses placed (None: all). Returns dst [n] int32."""
     flat = ids.reshape(-1)
     n, slots = flat.numel(), s.owner.numel()
