@@ -165,6 +165,9 @@ def time_cpu_expert(bank: SlotBuffer, tokens: int = 1, repeats: int = 3, experts
 # Another H100 host (twenty-eighth session, gather kernel 203 us an expert): b1 19.0 ms a step split
 # against 32.2 unsplit, 550 us a layer saved where `saving` expects 920 (CPU 74 us): ~370 us a layer.
 CUT_S = 450e-6
+# What the CPU lane inside a decode graph costs a layer beyond the split itself (`moeferry.moe.cpu_lane`):
+# its split and collect kernels and the host thread's round trip over the link's words, a few us each.
+LANE_S = 20e-6
 
 
 def expected_misses(batch: int, top_k: int, experts: int, cached: float) -> tuple[float, float]:

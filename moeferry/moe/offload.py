@@ -210,6 +210,7 @@ class OffloadBackend:
         # of fetches per miss count for each batch up to its rows ([rows + 1, rows * top_k + 1])
         self.lane: CpuLane | None = None
         self.lane_fetches: torch.Tensor | None = None
+        self.lane_batches: frozenset[int] = frozenset()  # the decode batches the lane takes
         self.prefetch_done: torch.cuda.Event | None = None  # the copies of the prefetch in flight
         if cfg.moe_cpu_threads:
             torch.set_num_threads(cfg.moe_cpu_threads)
@@ -279,8 +280,9 @@ class OffloadBackend:
 
     def lane_takes(self, rows: int) -> bool:
         """Whether a device-managed decode step of `rows` sequences splits its misses with the
-        CPU lane in the graph (`moeferry.moe.cpu_lane`)."""
-        return self.lane is not None and rows <= self.lane.rows
+        CPU lane in the graph (`moeferry.moe.cpu_lane`): the batches whose expected misses the
+        split saves more time on than the lane costs a layer (`open_lane`)."""
+        return rows in self.lane_batches
 
     def open_lane(self, rows: int = LANE_ROWS) -> None:
         """hybrid: start the CPU lane of decode graphs of up to `rows` sequences (once) and make its
@@ -292,12 +294,17 @@ class OffloadBackend:
             self.lane = CpuLane(banks, rows, self.spec.top_k, self.device, self.lane_threads())
             log.info("CPU lane in the decode graphs: a host thread serves %d layers' boxes of up to %d rows "
                      "with %d OpenMP threads", len(banks), rows, self.lane.threads)
+        from moeferry.moe.bandwidth import LANE_S
         table = torch.zeros(self.lane.rows + 1, self.lane.rows * self.spec.top_k + 1, dtype=torch.int32)
+        batches = set()
         for batch in range(1, self.lane.rows + 1):
             misses, tokens = self._expected_misses(batch)
             queued = self.prefetch_budget * batch * (1 - self._cached_share()) if self.prefetch else 0.0
             table[batch] = torch.tensor(self.split.fetch_table(table.shape[1] - 1, tokens, round(queued)))
+            if self.split.saving(round(misses), tokens) > LANE_S:
+                batches.add(batch)
         self.lane_fetches = table.to(self.device)
+        self.lane_batches = frozenset(batches)
 
     def lane_threads(self) -> int:
         """The CPU lane's OpenMP threads: --moe-cpu-threads, else all but one of PyTorch's (the
@@ -453,24 +460,23 @@ class OffloadBackend:
         return caches[0].num_slots / len(caches[0].layers) / self.spec.num_experts
 
     def _lanes_said(self) -> str:
-        """Which decode steps split their misses. The rule is the decode graphs' (a CPU lane cuts
-        a graph at every MoE layer); a step run eagerly reads its choices on the host anyway and
+        """Which decode steps split their misses: the graphs of the batches the CPU lane takes on
+        the device (`lane_batches`); the other graphs by `lanes_from` (a CPU lane at the cuts cuts a
+        graph at every MoE layer); a step run eagerly reads its choices on the host anyway and
         splits at any batch."""
         if self.device.type != "cuda":
             return "every decode step splits its misses (no graphs here)"
-        if self.lane is not None:
-            return (f"decode graphs of up to {self.lane.rows} sequences split their misses on the device, the CPU "
-                    f"lane's thread computing its share while the graph runs; larger ones "
-                    + ("split at the CPU lane's cuts" if self.lanes_from <= self.lane.rows + 1 else
-                       f"from {self.lanes_from} sequences at the CPU lane's cuts, below that fetch every miss"))
+        lane = (f"decode graphs of {', '.join(map(str, sorted(self.lane_batches)))} sequences split their misses "
+                "on the device, the CPU lane's thread computing its share while the graph runs; other decode "
+                "graphs: ") if self.lane_batches else ""
         if self.lanes_from == 1:
-            return "every decode graph splits its misses"
+            return lane + "every decode graph splits its misses at the CPU lane's cuts"
         if math.isinf(self.lanes_from):
-            return ("no decode graph's batch is expected to save more than the CPU lane's cuts cost: graphs "
-                    "fetch every miss, as offload does; eager steps split")
-        return (f"decode graphs of fewer than {self.lanes_from} sequences fetch every miss, as offload does "
-                "(the split's expected saving there is below what the CPU lane's cuts cost); larger ones and "
-                "eager steps split")
+            return lane + ("no decode graph's batch is expected to save more than the CPU lane's cuts cost: graphs "
+                           "fetch every miss, as offload does; eager steps split")
+        return lane + (f"decode graphs of fewer than {self.lanes_from} sequences fetch every miss, as offload does "
+                       "(the split's expected saving there is below what the CPU lane's cuts cost); larger ones and "
+                       "eager steps split")
 
     def _choose_transfer(self) -> None:
         """Decode misses move by the one-launch gather kernel or by copies: measured, the faster kept."""
