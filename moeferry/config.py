@@ -172,7 +172,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "link time, a missed one is fetched when its layer routes)")
     g.add_argument("--moe-cpu-threads", type=_positive_int, metavar="N",
                    help="cpu/hybrid backends and --moe-cpu-layers: threads computing experts on the CPU (the "
-                   "worker's torch thread count, so on a CPU device every op's; default: torch's, the physical cores)")
+                   "worker's torch thread count, so on a CPU device every op's; default: torch's, the physical cores; "
+                   "hybrid's CPU lane inside CUDA graphs: one fewer, the main thread waiting on the GPU meanwhile)")
     g.add_argument("--moe-cpu-layers", metavar="SPEC",
                    help="offload/cpu backends: MoE layers that keep no device slots; their decode experts run on "
                    "the CPU, their prefill chunks stream through the staging area. MoE-layer ids ('3,7,11', from "

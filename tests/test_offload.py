@@ -1058,6 +1058,15 @@ def test_miss_split_fetch_table_is_the_count_for_each_number_of_misses():
     assert MissSplit(fetch_s=1.0, cpu_s=1.0, max_fetch=1).fetch_table(4) == [0, 0, 1, 1, 1]
 
 
+def test_miss_split_keeps_each_lanes_fastest_measurement():
+    """A boot measures the lanes at each `finish`; work beside it only slows a lane, so each
+    lane keeps its fastest time (an unmeasured one takes the other's)."""
+    a = MissSplit(fetch_s=3.0, cpu_s=1.0, cpu_token_s=None, graph_fetch_s=4.0)
+    b = MissSplit(fetch_s=2.0, cpu_s=9.0, max_fetch=2, cpu_token_s=0.5, graph_fetch_s=None)
+    assert a.fastest(b) == MissSplit(2.0, 1.0, 2, 0.5, 4.0)
+    assert b.fastest(a) == MissSplit(2.0, 1.0, None, 0.5, 4.0)  # (the cap is the latest's: a flag, not a rate)
+
+
 def test_miss_split_divide_fetches_the_busiest_experts():
     split = MissSplit(fetch_s=2.0, cpu_s=1.0)
     ids = torch.tensor([[1, 4], [4, 6], [4, 1], [6, 4], [3, 4]])  # 4: 5 tokens, 1: 2, 6: 2, 3: 1
