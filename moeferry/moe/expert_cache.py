@@ -286,6 +286,12 @@ class ExpertCache:
         seen.index_fill_(0, ids.reshape(-1), 1)
         self.device_counts[r, 0] += seen.sum()
 
+    def lane_counter(self, layer: int) -> torch.Tensor:
+        """`layer`'s device counter of misses a hybrid decode graph computed on the CPU lane (a [1]
+        view of `device_counts`, which the lane's split kernel adds to)."""
+        column = DEVICE_COUNTS.index("on_lane")
+        return self.device_counts[self.row_of[layer], column:column + 1]
+
     def to_prefetch(self, layer: int, experts: list[int], budget: int | None = None) -> list[int]:
         """The predicted `experts` of `layer` a prefetch copies: those not cached, at most
         `budget` of them, the first in `experts`' order."""

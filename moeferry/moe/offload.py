@@ -773,9 +773,8 @@ class OffloadExperts:
             landed = None
         flat, lane = ids.reshape(-1), self.b.lane if self.b.lane_takes(x.shape[0]) else None
         if lane is not None:  # hybrid: the misses split on the device, the lane's share posted to the host thread
-            row = self.cache.row_of[self.layer]
             flat = lane.post(self.layer, x, ids, weights, self.cache.row(self.layer), self.b.lane_fetches[x.shape[0]],
-                             self.cache.device_counts[row, 4:])
+                             self.cache.lane_counter(self.layer))
         own = self.cache.resolve(self.layer, flat)
         ahead = ahead and self.next.cache is not None
         with self.b.side_work() as side:  # forked after this layer's placement (the cache state's order)
