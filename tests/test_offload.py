@@ -680,8 +680,13 @@ def test_hybrid_lane_in_the_graph_equals_resident(arch, preset, ckpt, ref_logits
     rows split their misses as the device does (here the host: `split_reference`), post the
     lane's share to the C thread, resolve and gather the rest, and add the thread's output; no
     cut. Resident's logits alone and batched (steps of three rows, past the lane's two, split on
-    the host); the lane's experts count as misses and as CPU experts but not as bytes fetched;
-    the state stays whole."""
+    the host); the lane's experts count as misses and as CPU experts but not as bytes fetched,
+    and the thread counted the same experts; the state stays whole. Every few experts the split
+    takes the CPU's time from the thread's work (`_retune_lane`): far faster than the 1 s the
+    test's split assumed, so the rewritten table sends every miss to the lane, the logits still
+    resident's."""
+    import moeferry.moe.offload as offload
+    monkeypatch.setattr(offload, "RETUNE_EXPERTS", 4)
     llm = build(ckpt, arch, preset, "hybrid", moe_cache_size=24)
     backend = llm.engine.experts
     backend.prefetch, backend.lanes_from = True, math.inf  # past the lane's rows: eager steps
@@ -702,6 +707,10 @@ def test_hybrid_lane_in_the_graph_equals_resident(arch, preset, ckpt, ref_logits
             ex.cpu_experts for ex in backend.executors.values())
         assert s["bytes_fetched"] == (s["misses"] - s["cpu_experts"] + s["prefetched"]) * backend.slot_bytes
         assert sum(v["cpu_experts"] for v in s["layers"].values()) == s["cpu_experts"]
+        work = backend.lane.counts()
+        assert work.experts == lane and work.pairs >= lane and work.busy_s > 0 and work.failed == 0
+        assert backend.split.cpu_s < 0.1 and backend.split.fetch_s == 1.0  # retuned from the thread's work
+        assert torch.equal(backend.lane_fetches, backend._lane_table()) and not backend.lane_fetches.any()
     finally:
         backend.lane.close()
 
@@ -1065,6 +1074,15 @@ def test_miss_split_keeps_each_lanes_fastest_measurement():
     b = MissSplit(fetch_s=2.0, cpu_s=9.0, max_fetch=2, cpu_token_s=0.5, graph_fetch_s=None)
     assert a.fastest(b) == MissSplit(2.0, 1.0, 2, 0.5, 4.0)
     assert b.fastest(a) == MissSplit(2.0, 1.0, None, 0.5, 4.0)  # (the cap is the latest's: a flag, not a rate)
+
+
+def test_miss_split_takes_the_cpu_time_the_lane_was_seen_to_take():
+    """The CPU lane's work (time, experts, pairs) gives the split's time an expert: each pair past
+    an expert's first at the split's further-token time, the rest shared by the experts."""
+    split = MissSplit(fetch_s=1.0, cpu_s=5.0, max_fetch=3, cpu_token_s=0.5)
+    seen = split.with_cpu_observed(busy_s=10.0, experts=4, pairs=6)
+    assert seen == MissSplit(1.0, (10.0 - 2 * 0.5) / 4, 3, 0.5)
+    assert MissSplit(1.0, 5.0).with_cpu_observed(8.0, 4, 4).cpu_s == 2.0
 
 
 def test_miss_split_divide_fetches_the_busiest_experts():

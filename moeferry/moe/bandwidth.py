@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -240,9 +240,25 @@ class MissSplit:
 
     def fetch_table(self, most: int, tokens: float = 1.0, queued: int = 0) -> list[int]:
         """`fetch_count` for each count of misses from 0 to `most`, each miss of `tokens` tokens:
-        the table a decode graph's split reads on the device (`moeferry.moe.cpu_lane`)."""
+        the table a decode graph's split reads on the device (`moeferry.moe.cpu_lane`). All counts
+        at once (the lane retunes it while serving): time[m, n] for n of m fetched, the first
+        minimum of each row (the fewest fetches among equal times)."""
         cost = self.cpu_cost(round(tokens))
-        return [self.fetch_count([cost] * m, queued) for m in range(most + 1)]
+        m = torch.arange(most + 1, dtype=torch.float64)
+        n = m[None, :]
+        time = torch.maximum((queued + n) * self.fetch_s, (m[:, None] - n) * cost)
+        best = torch.where(n <= m[:, None], time, math.inf).argmin(dim=1)
+        if self.max_fetch is not None:
+            best = best.clamp(max=self.max_fetch)
+        return best.tolist()
+
+    def with_cpu_observed(self, busy_s: float, experts: int, pairs: int) -> "MissSplit":
+        """This split with the CPU lane's time an expert taken from what the lane was seen to do:
+        `busy_s` computing `experts` experts of `pairs` (token, expert) pairs, each further token at
+        `further_token_s` (the time a call costs beyond its experts, e.g. its threads' start, spread
+        over them)."""
+        cpu_s = (busy_s - (pairs - experts) * self.further_token_s) / experts
+        return replace(self, cpu_s=max(cpu_s, 1e-7))
 
     def saving(self, misses: int, tokens: float = 1.0) -> float:
         """Seconds the split saves a layer against fetching all its `misses` (`tokens` each) as

@@ -38,6 +38,7 @@ typedef struct {
     experts_fn run;
     int64_t idle_ns;
     int32_t *seen;                         /* [boxes]: the sequence served last */
+    volatile int64_t busy_ns, experts, pairs;  /* time spent computing boxes, and what they held */
     pthread_t thread;
     int running;
     volatile int stop;
@@ -48,6 +49,17 @@ static int64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* (distinct experts, pairs) among a box's n pairs (ids -1: not this lane's). */
+static void count(const int64_t *ids, int n, int64_t *experts, int64_t *pairs) {
+    for (int i = 0; i < n; i++) {
+        if (ids[i] < 0) continue;
+        int first = 1;
+        for (int j = 0; j < i && first; j++) first = ids[j] != ids[i];
+        *experts += first;
+        *pairs += 1;
+    }
 }
 
 static void serve(Lane *l, int b, int32_t seq) {
@@ -61,10 +73,16 @@ static void serve(Lane *l, int b, int32_t seq) {
     size_t row_floats = (size_t)l->max_rows * l->hidden, pairs = (size_t)l->max_rows * l->top_k;
     float *out = l->out + (size_t)b * row_floats;
     const int64_t *ids = l->ids + (size_t)b * pairs;
+    int64_t start = now_ns(), experts = 0, n_pairs = 0;
     memset(out, 0, sizeof(float) * (size_t)rows * l->hidden);
-    if (rows > 0)
+    if (rows > 0) {
         failed |= l->run(l->banks[2 * b], l->banks[2 * b + 1], l->x + (size_t)b * row_floats, rows, l->top_k, ids,
                          l->weights + (size_t)b * pairs, l->table, l->num_experts, out, l->threads) != 0;
+        count(ids, rows * l->top_k, &experts, &n_pairs);
+    }
+    __atomic_store_n(&l->busy_ns, l->busy_ns + now_ns() - start, __ATOMIC_RELAXED);
+    __atomic_store_n(&l->experts, l->experts + experts, __ATOMIC_RELAXED);
+    __atomic_store_n(&l->pairs, l->pairs + n_pairs, __ATOMIC_RELAXED);
     if (failed) l->failures++;
     served[1] = failed;
     __atomic_thread_fence(__ATOMIC_RELEASE);
@@ -133,8 +151,12 @@ void lane_free(Lane *l) {
     free(l);
 }
 
-/* Boxes whose computation failed (out of memory, or rows out of range), and boxes served. */
+/* Boxes whose computation failed (out of memory, or rows out of range), boxes served, and since the
+ * start: nanoseconds spent serving boxes, the experts and the (token, expert) pairs they computed. */
 void lane_counts(Lane *l, int64_t *out) {
     out[0] = l->failures;
     out[1] = l->boxes_served;
+    out[2] = __atomic_load_n(&l->busy_ns, __ATOMIC_RELAXED);
+    out[3] = __atomic_load_n(&l->experts, __ATOMIC_RELAXED);
+    out[4] = __atomic_load_n(&l->pairs, __ATOMIC_RELAXED);
 }

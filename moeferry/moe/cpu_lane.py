@@ -53,7 +53,7 @@ def _lib() -> ctypes.CDLL:
     for name in ("lane_start", "lane_stop", "lane_free"):
         getattr(lib, name).argtypes = [p]
     lib.lane_start.restype = i
-    lib.lane_counts.argtypes = [p, p]
+    lib.lane_counts.argtypes = [p, p]  # (int64 x 5: LaneCounts)
     return lib
 
 
@@ -68,6 +68,15 @@ class Box(NamedTuple):
     seq: torch.Tensor      # [1] int32, device: the sequence posted last
     lane: torch.Tensor     # [1] int32, device: experts on the lane this step (0: nothing posted)
     fault: torch.Tensor    # [1] int32, host: a wait gave up or the lane failed
+
+
+class LaneCounts(NamedTuple):
+    """The thread's counters since it started."""
+    failed: int     # boxes whose computation failed
+    served: int     # boxes served
+    busy_s: float   # time spent serving boxes (the OpenMP team's start and join included)
+    experts: int    # experts computed
+    pairs: int      # (token, expert) pairs computed
 
 
 def split_reference(ids: torch.Tensor, table_row: torch.Tensor, fetch_of: list[int]) -> tuple[torch.Tensor, int]:
@@ -170,11 +179,15 @@ class CpuLane:
             return
         out += box.out[:out.numel()].view(out.shape).to(out.dtype)
 
+    def counts(self) -> LaneCounts:
+        out = (ctypes.c_int64 * 5)()
+        _lib().lane_counts(self.handle, out)
+        return LaneCounts(out[0], out[1], out[2] * 1e-9, out[3], out[4])
+
     def check(self) -> None:
         """Raise if a wait gave up or the lane failed to compute a box (a step went on without it)."""
         if int(self.fault[0]):
-            counts = (ctypes.c_int64 * 2)()
-            _lib().lane_counts(self.handle, counts)
+            c = self.counts()
             self.fault.zero_()
-            raise RuntimeError(f"the CPU lane missed a step's experts ({counts[0]} boxes failed of {counts[1]} "
+            raise RuntimeError(f"the CPU lane missed a step's experts ({c.failed} boxes failed of {c.served} "
                                "served; a wait that gave up means the lane's thread stalled)")

@@ -61,6 +61,7 @@ log = logging.getLogger("moeferry.moe")
 
 STAGING_SLOTS = 32  # slots per staging half (prefill streams a layer's misses in chunks of this)
 LANE_ROWS = 8  # hybrid decode graphs of up to this many sequences split on the device (`cpu_lane`)
+RETUNE_EXPERTS = 1024  # experts the CPU lane computes between two retunings of its split (`_retune_lane`)
 
 
 def choices(ids: torch.Tensor, guess: torch.Tensor | None) -> torch.Tensor:
@@ -211,6 +212,9 @@ class OffloadBackend:
         self.lane: CpuLane | None = None
         self.lane_fetches: torch.Tensor | None = None
         self.lane_batches: frozenset[int] = frozenset()  # the decode batches the lane takes
+        self._lane_seen = None     # the lane's counters at its last retuning
+        self._lane_staged = None   # the table last written: (it, its copy's event, its pinned staging)
+        self._lane_retuned = False  # (the first retuning is logged at info, later ones at debug)
         self.prefetch_done: torch.cuda.Event | None = None  # the copies of the prefetch in flight
         if cfg.moe_cpu_threads:
             torch.set_num_threads(cfg.moe_cpu_threads)
@@ -295,16 +299,55 @@ class OffloadBackend:
             log.info("CPU lane in the decode graphs: a host thread serves %d layers' boxes of up to %d rows "
                      "with %d OpenMP threads", len(banks), rows, self.lane.threads)
         from moeferry.moe.bandwidth import LANE_S
-        table = torch.zeros(self.lane.rows + 1, self.lane.rows * self.spec.top_k + 1, dtype=torch.int32)
-        batches = set()
-        for batch in range(1, self.lane.rows + 1):
-            misses, tokens = self._expected_misses(batch)
-            queued = self.prefetch_budget * batch * (1 - self._cached_share()) if self.prefetch else 0.0
-            table[batch] = torch.tensor(self.split.fetch_table(table.shape[1] - 1, tokens, round(queued)))
-            if self.split.saving(round(misses), tokens) > LANE_S:
-                batches.add(batch)
-        self.lane_fetches = table.to(self.device)
+        batches = {b for b in range(1, self.lane.rows + 1) if self.split.saving(*self._rounded(b)) > LANE_S}
         self.lane_batches = frozenset(batches)
+        table = self._lane_table()
+        self.lane_fetches = table.to(self.device)
+        self._lane_staged = (table, None, None)
+        self._lane_seen = self.lane.counts()
+
+    def _rounded(self, batch: int) -> tuple[int, float]:
+        misses, tokens = self._expected_misses(batch)
+        return round(misses), tokens
+
+    def _lane_table(self) -> torch.Tensor:
+        """The lane's fetches for each batch and count of misses ([rows + 1, rows * top_k + 1]): the
+        split's choice, each miss of the batch's expected tokens, the link also carrying the decode
+        prefetch's expected copies."""
+        table = torch.zeros(self.lane.rows + 1, self.lane.rows * self.spec.top_k + 1, dtype=torch.int32)
+        for batch in range(1, self.lane.rows + 1):
+            queued = self.prefetch_budget * batch * (1 - self._cached_share()) if self.prefetch else 0.0
+            table[batch] = torch.tensor(self.split.fetch_table(table.shape[1] - 1, self._rounded(batch)[1],
+                                                               round(queued)))
+        return table
+
+    def _retune_lane(self) -> None:
+        """Every `RETUNE_EXPERTS` experts the lane computed: the split's CPU time an expert from what
+        the lane's thread was seen to take (the boot's timing runs beside the boot's other work, and
+        in a graph the lane competes with the link for host memory), and its table rewritten where
+        that changes it (copied on the stream, after the graph in flight)."""
+        now, seen = self.lane.counts(), self._lane_seen
+        experts = now.experts - seen.experts
+        if experts < RETUNE_EXPERTS:
+            return
+        self._lane_seen = now
+        self.split = self.split.with_cpu_observed(now.busy_s - seen.busy_s, experts, now.pairs - seen.pairs)
+        table, (last, copied, _) = self._lane_table(), self._lane_staged
+        if torch.equal(table, last):
+            return
+        if copied is not None:
+            copied.synchronize()  # (long done: the last table's staging buffer is free again)
+        if self.device.type == "cuda":
+            staging = table.pin_memory()
+            self.lane_fetches.copy_(staging, non_blocking=True)
+            self._lane_staged = (table, torch.cuda.current_stream().record_event(), staging)
+        else:
+            self.lane_fetches.copy_(table)
+            self._lane_staged = (table, None, None)
+        (log.debug if self._lane_retuned else log.info)(
+            "hybrid lanes retuned from the CPU lane's work (%d experts in %.1f ms): %s", experts,
+            (now.busy_s - seen.busy_s) * 1e3, self.split.describe())
+        self._lane_retuned = True
 
     def lane_threads(self) -> int:
         """The CPU lane's OpenMP threads: --moe-cpu-threads, else all but one of PyTorch's (the
@@ -322,6 +365,8 @@ class OffloadBackend:
         self.prefetch_join = None  # (an event of an earlier, failed capture is never waited for)
         if self.lane is not None:
             self.lane.check()
+            if self.lane_batches:
+                self._retune_lane()
         if not self.complete and self.steps_on_device(rows):
             self.settle()
             for c in self.distinct_caches:
