@@ -139,6 +139,45 @@ def test_decode_graphs_in_use(preset, backend, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hybrid_lane_retunes_its_table_between_replays(tmp_path, monkeypatch):
+    """hybrid's CPU lane in whole decode graphs, its split first assuming 1 s for a fetch and for a
+    CPU expert (about half of the misses on each lane): after a few of the lane's experts the
+    split takes the CPU's time from the thread's work (far below 1 s), the device table is
+    rewritten between replays (every miss to the lane), and the graphs go on with it (finite
+    logits, no fault). (Which experts each step sends to the lane then differs from an eager
+    run's, whose split starts retuned: fp32 and bf16 experts, so no logits comparison here; the
+    lane's arithmetic is `test_decode_graphs_in_use[hybrid]`'s.)"""
+    import moeferry.moe.offload as offload
+    from moeferry.checkpoint.synthetic import make_model
+    from moeferry.engine.config import EngineConfig
+    from moeferry.engine.engine import Engine
+    from moeferry.moe.bandwidth import MissSplit
+    monkeypatch.setattr(offload, "RETUNE_EXPERTS", 10**9)  # (not while the graphs are captured)
+    path = make_model(tmp_path / "m", arch="qwen3_5_moe", size="tiny", seed=1, dtype="bfloat16", quant="mixed_nvfp4")
+    engine = Engine.build(EngineConfig(str(path), "cuda", "bfloat16", moe_backend="hybrid", num_tokens=256,
+                                       num_state_slots=4, moe_cache_size=16))
+    backend = engine.experts
+    backend.split = MissSplit(fetch_s=1.0, cpu_s=1.0)
+    backend.open_lane()
+    backend.lane_batches = frozenset(range(1, 5))
+    engine.graphs.invalidate()
+    engine.graphs.capture_missing()
+    before = backend.lane_fetches.cpu()
+    monkeypatch.setattr(offload, "RETUNE_EXPERTS", 4)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, engine.spec.vocab_size, (n,), generator=gen).tolist() for n in (5, 11)]
+    graphed = _decode(engine, prompts, STEPS)
+    assert engine.graphs.disabled is None and engine.graphs.graphs
+    assert backend.split.cpu_s < 0.1, backend.split  # retuned from the thread's work
+    after = backend.lane_fetches.cpu()
+    assert before.any() and not after.any()  # (from a split of about half to every miss on the lane)
+    assert engine.stats()["experts"]["cpu_experts"] > 0
+    backend.lane.check()
+    assert all(torch.isfinite(step).all() for step in graphed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", ["resident", "offload-partial"])
 def test_overlapped_steps_feed_the_graphs(backend, tmp_path):
     """The overlapped scheduler feeds each decode graph from the tokens the step before sampled on
