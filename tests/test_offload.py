@@ -715,6 +715,23 @@ def test_hybrid_lane_in_the_graph_equals_resident(arch, preset, ckpt, ref_logits
         backend.lane.close()
 
 
+def test_hybrid_without_its_lane_thread_boots_and_says_why(ckpt, monkeypatch, caplog):
+    """A lane whose C thread cannot be built or started leaves hybrid on the cuts: the boot goes
+    on, the log says why."""
+    import moeferry.moe.offload as offload
+    llm = build(ckpt, "qwen3_moe", "bf16", "hybrid", moe_cache_size=24)
+    backend = llm.engine.experts
+
+    def refuse(*args, **kw):
+        raise OSError("the C compiler refused every flag set")
+
+    monkeypatch.setattr(offload, "CpuLane", refuse)
+    with caplog.at_level("WARNING", logger="moeferry.moe"):
+        backend._try_lane()
+    assert backend.lane is None and not backend.lane_batches
+    assert "CPU lane inside the decode graphs unavailable (the C compiler refused" in caplog.text
+
+
 def test_prefetch_budget_copies_the_best_guesses(ckpt, ref_logits, monkeypatch):
     """A device-managed prefetch guessing the whole top-k with a budget of one miss a row: each
     placement copies at most one expert a row, the best ranked of those not cached (over the rows,

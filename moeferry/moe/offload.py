@@ -349,6 +349,15 @@ class OffloadBackend:
             (now.busy_s - seen.busy_s) * 1e3, self.split.describe())
         self._lane_retuned = True
 
+    def _try_lane(self) -> None:
+        """`open_lane`, or the reason it cannot open in the log (its C thread could not be built or
+        started): decode graphs then split at the CPU lane's cuts."""
+        try:
+            self.open_lane()
+        except OSError as e:
+            log.warning("CPU lane inside the decode graphs unavailable (%s); hybrid decode graphs split their "
+                        "misses at the cuts instead", e)
+
     def lane_threads(self) -> int:
         """The CPU lane's OpenMP threads: --moe-cpu-threads, else all but one of PyTorch's (the
         main thread waits on the device meanwhile, spinning)."""
@@ -489,7 +498,7 @@ class OffloadBackend:
             self.split = split if self.split is None else self.split.fastest(split)  # (finish() runs more than once)
             self.lanes_from = self.split.lanes_from(self._expected_misses)
             if cuda and self.caches and cpu_kernel() is not None:
-                self.open_lane()
+                self._try_lane()
             log.info("hybrid lanes: %s; %s", self.split.describe(), self._lanes_said())
 
     def _expected_misses(self, batch: int) -> tuple[float, float]:
