@@ -241,13 +241,13 @@ class MissSplit:
     def fetch_table(self, most: int, tokens: float = 1.0, queued: int = 0) -> list[int]:
         """`fetch_count` for each count of misses from 0 to `most`, each miss of `tokens` tokens:
         the table a decode graph's split reads on the device (`moeferry.moe.cpu_lane`). All counts
-        at once (the lane retunes it while serving): time[m, n] for n of m fetched, the first
+        at once (the lane retunes it while serving): the later lane's time for n of m fetched, the first
         minimum of each row (the fewest fetches among equal times)."""
         cost = self.cpu_cost(round(tokens))
         m = torch.arange(most + 1, dtype=torch.float64)
         n = m[None, :]
-        time = torch.maximum((queued + n) * self.fetch_s, (m[:, None] - n) * cost)
-        best = torch.where(n <= m[:, None], time, math.inf).argmin(dim=1)
+        lasts = torch.maximum((queued + n) * self.fetch_s, (m[:, None] - n) * cost)  # the later lane's time
+        best = torch.where(n <= m[:, None], lasts, math.inf).argmin(dim=1)
         if self.max_fetch is not None:
             best = best.clamp(max=self.max_fetch)
         return best.tolist()
