@@ -472,8 +472,8 @@ def case_lane_signal(device, seed=14):
     against `split_reference`, step after step (batches of 1-4 rows, repeated experts, tables
     hitting some); nothing is posted when the lane gets no expert. collect: once the served word
     holds the sequence, out += the box's output rounded to out's dtype (fp32 exactly, bf16 within
-    its rounding); nothing posted, out untouched; a word that never comes, the fault word set
-    after the polls and out untouched."""
+    its rounding); nothing posted, out untouched; a word that never comes, or one saying the
+    thread failed, the fault word set and out untouched."""
     from moeferry.moe.cpu_lane import WORDS, Box, split_reference
     from moeferry.ops.triton.lane_signal import collect, split
     g = _gen(seed)
@@ -530,6 +530,10 @@ def case_lane_signal(device, seed=14):
     box.seq.fill_(seq + 1)
     out = torch.randn(2, hidden, generator=g).to(device)
     before = out.clone()
+    collect(out, box, limit=64)
+    assert torch.equal(out, before) and int(box.fault[0]) == 1
+    box.fault.zero_()
+    box.served[:2] = torch.tensor([seq + 1, 1], dtype=torch.int32)  # served, but the thread's computation failed
     collect(out, box, limit=64)
     assert torch.equal(out, before) and int(box.fault[0]) == 1
     return 0.0

@@ -86,14 +86,14 @@ def _collect_kernel(out_ptr, out_stride, box_out_ptr, served_ptr, seq_ptr, lane_
         while (seen != seq) & (polls < LIMIT):
             seen = tl.load(served_ptr, volatile=True)
             polls += 1
-        failed = tl.load(served_ptr + 1, volatile=True)
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        if FENCE:
+            i = _fence(i)  # the loads below (the failed word, the output) come after the served word's
+        failed = tl.max(tl.load(served_ptr + 1 + i * 0, volatile=True), axis=0)
         if (seen != seq) | (failed != 0):
             tl.store(fault_ptr, 1)
         else:
-            i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
             inside = i < rows * hidden
-            if FENCE:
-                i = _fence(i)
             lane = tl.load(box_out_ptr + i, mask=inside, other=0, volatile=True)
             at = out_ptr + (i // hidden) * out_stride + i % hidden
             out = tl.load(at, mask=inside, other=0)
