@@ -716,8 +716,8 @@ def test_hybrid_lane_in_the_graph_equals_resident(arch, preset, ckpt, ref_logits
 
 
 def test_hybrid_without_its_lane_thread_boots_and_says_why(ckpt, monkeypatch, caplog):
-    """A lane whose C thread cannot be built or started leaves hybrid on the cuts: the boot goes
-    on, the log says why."""
+    """A lane whose C thread cannot be built or started, or without the C expert kernel, leaves
+    hybrid on the cuts: the boot goes on, the log says why."""
     import moeferry.moe.offload as offload
     llm = build(ckpt, "qwen3_moe", "bf16", "hybrid", moe_cache_size=24)
     backend = llm.engine.experts
@@ -730,6 +730,12 @@ def test_hybrid_without_its_lane_thread_boots_and_says_why(ckpt, monkeypatch, ca
         backend._try_lane()
     assert backend.lane is None and not backend.lane_batches
     assert "CPU lane inside the decode graphs unavailable (the C compiler refused" in caplog.text
+    import moeferry.moe.cpu_lane as cpu_lane  # no C expert kernel: the real lane refuses to open
+    monkeypatch.setattr(offload, "CpuLane", cpu_lane.CpuLane)
+    monkeypatch.setattr(cpu_lane, "cpu_kernel", lambda: None)
+    with caplog.at_level("WARNING", logger="moeferry.moe"):
+        backend._try_lane()
+    assert backend.lane is None and "unavailable (the CPU lane needs the C expert kernel" in caplog.text
 
 
 def test_prefetch_budget_copies_the_best_guesses(ckpt, ref_logits, monkeypatch):

@@ -350,8 +350,8 @@ class OffloadBackend:
         self._lane_retuned = True
 
     def _try_lane(self) -> None:
-        """`open_lane`, or the reason it cannot open in the log (its C thread could not be built or
-        started): decode graphs then split at the CPU lane's cuts."""
+        """`open_lane`, or the reason it cannot open in the log (no C expert kernel, or its C
+        thread could not be built or started): decode graphs then split at the CPU lane's cuts."""
         try:
             self.open_lane()
         except OSError as e:
@@ -497,7 +497,7 @@ class OffloadBackend:
             split = MissSplit.measure(self, self.cfg.moe_hybrid_max_fetch, self.lane_threads() if cuda else None)
             self.split = split if self.split is None else self.split.fastest(split)  # (finish() runs more than once)
             self.lanes_from = self.split.lanes_from(self._expected_misses)
-            if cuda and self.caches and cpu_kernel() is not None:
+            if cuda and self.caches:
                 self._try_lane()
             log.info("hybrid lanes: %s; %s", self.split.describe(), self._lanes_said())
 
