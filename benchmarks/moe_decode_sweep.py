@@ -19,7 +19,10 @@ distinct touched slots / time / the measured device-to-device copy bandwidth.
 Compiling a few hundred kernel variants dominates the run, so first `--jobs` processes (one
 per form) compile every variant into Triton's on-disk cache; the timing process then loads
 them. Prints a table and the `DECODE_CONFIGS` entries to paste; writes moe_decode_sweep.md /
-.json under --out. `--smoke`: tiny shapes on the CPU (MOEFERRY_TRITON_INTERPRET=1), a check
+.json under --out. `--variants`: no sweep; each form's entry timed as a whole call against
+the same entry with its down chunks summed by their last arrival and with gate_up split over
+k (`DecodeConfig.down_arrive`, `gate_up_split`), with each kernel's device time at T = 1.
+`--smoke`: tiny shapes on the CPU (MOEFERRY_TRITON_INTERPRET=1), a check
 of the script only.
 """
 from __future__ import annotations
@@ -29,7 +32,7 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -89,23 +92,24 @@ class Layer:
         return sum(per) / len(per) * self.buf.bytes_per_slot
 
     def gate_up_fns(self, x, gate, rts, cfg):
-        return [lambda w=w, ids=ids: D.decode_gate_up(x, ids, w, self.buf.gate_up, self.table, self.shared, gate, cfg)
-                for w, ids in rts]
+        return [lambda w=w, ids=ids: D.decode_gate_up(x, ids, w, self.buf.gate_up, self.table, self.shared, gate, cfg,
+                                                      self.buf.scratch.arrivals) for w, ids in rts]
 
     def down_fns(self, inters, gate, rts, cfg):
         out = torch.empty(inters[0].shape[0] // (MK.K + 1), MK.H, device=MK.DEV, dtype=torch.bfloat16)
         return [lambda w=w, ids=ids, a=a: D.decode_down(a, out, ids, w, self.buf.down, self.table, self.shared, gate,
-                                                         cfg) for (w, ids), a in zip(rts, inters)]
+                                                         cfg, self.buf.scratch.arrivals) for (w, ids), a in zip(rts, inters)]
 
     def whole_fns(self, x, gate, rts, cfg):
         return [lambda w=w, ids=ids: D.decode_moe(x, ids, w, self.buf.gate_up, self.buf.down, self.table, self.shared,
-                                                  gate, cfg) for w, ids in rts]
+                                                  gate, cfg, self.buf.scratch.arrivals) for w, ids in rts]
 
     def rel_error(self, cfg, t: int = 4) -> float:
         x, gate, rts = self.inputs(t, 1, seed=99)
         w, ids = rts[0]
         ref = self.buf.run_reference(x.float(), ids, w.float(), self.table, self.shared, gate.float()).float()
-        out = D.decode_moe(x, ids, w, self.buf.gate_up, self.buf.down, self.table, self.shared, gate, cfg).float()
+        out = D.decode_moe(x, ids, w, self.buf.gate_up, self.buf.down, self.table, self.shared, gate, cfg,
+                           self.buf.scratch.arrivals).float()
         return ((out - ref).norm() / ref.norm()).item()
 
 
@@ -191,6 +195,57 @@ def whole_form(label: str, bw: float, log) -> dict:
     return dict(label=label, config=asdict(layer.current), rel_error=err, rows=rows)
 
 
+def variants(current: D.DecodeConfig) -> dict[str, D.DecodeConfig]:
+    """--variants: the form's entry, its down chunks summed by their last arrival instead of a
+    launch (`down_arrive`), and gate_up split over k (`gate_up_split` 2 and 4, at the entry's
+    rows a program and twice them) with it."""
+    arrive = replace(current, down_pairs=current.down_pairs or 1, down_arrive=True)
+    out = {"current": current, "arrive": arrive}
+    for split in (2, 4):
+        for bn in (current.gate_up_bn, 2 * current.gate_up_bn):
+            out[f"split{split} bn{bn}"] = replace(arrive, gate_up_split=split, gate_up_bn=bn)
+    return out
+
+
+def kernel_times(fns) -> dict[str, float]:
+    """Device seconds per call of each kernel in `fns`' graph (torch.profiler over 10 replays)."""
+    from torch.profiler import ProfilerActivity, profile
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        for f in fns:
+            f()
+    gr.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            gr.replay()
+        torch.cuda.synchronize()
+    calls = 10 * len(fns)
+    return {e.key: e.device_time_total * 1e-6 / calls for e in prof.key_averages() if e.device_time_total > 0}
+
+
+def variants_form(label: str, bw: float, log) -> dict:
+    """--variants: whole calls of each `variants` config, their error, and at T = 1 the kernels'
+    device time per call beside the whole call's (the rest: launch gaps and tails)."""
+    layer = Layer(label)
+    cfgs = variants(layer.current)
+    rows = _whole_rows(layer, cfgs, bw, log)
+    errors = {name: layer.rel_error(cfg) for name, cfg in cfgs.items()}
+    log(f"  {label} rel error vs fp32 reference: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+    x, gate, rts = layer.inputs(1, CALLS, seed=1)
+    kernels = {}
+    for name, cfg in cfgs.items() if MK.DEV.type == "cuda" else ():
+        kernels[name] = kernel_times(layer.whole_fns(x, gate, rts, cfg))
+        log(f"  {label} T=1 {name}: kernels " + ", ".join(f"{k.strip('_')[:24]} {v * 1e6:.1f} us"
+                                                         for k, v in kernels[name].items())
+            + f"; sum {sum(kernels[name].values()) * 1e6:.1f} us")
+    return dict(label=label, configs={k: asdict(v) for k, v in cfgs.items()}, rel_error=errors, rows=rows,
+                kernels=kernels)
+
+
 def _short(c: D.DecodeConfig, kernel: str) -> str:
     return "(" + ", ".join(f"{f.split('_')[-1]} {getattr(c, f)}" for f in GRIDS[kernel][3]) + ")"
 
@@ -224,6 +279,8 @@ def main():
     ap.add_argument("--compile-only", metavar="FORM")
     ap.add_argument("--kernels", default="gate_up,down", help="the kernels swept (others keep the current entry)")
     ap.add_argument("--whole-only", action="store_true", help="time the current entries as whole calls, no sweep")
+    ap.add_argument("--variants", action="store_true",
+                    help="time each form's entry against its arrival and split-gate_up variants, no sweep")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.smoke:
@@ -245,6 +302,10 @@ def main():
     if args.whole_only:
         results = [whole_form(f, bw, log) for f in forms]
         (out / "moe_decode_whole.json").write_text(json.dumps(dict(hbm_Bps=bw, forms=results), indent=1))
+        return
+    if args.variants:
+        results = [variants_form(f, bw, log) for f in forms]
+        (out / "moe_decode_variants.json").write_text(json.dumps(dict(hbm_Bps=bw, forms=results), indent=1))
         return
     if args.jobs:
         cmd = [sys.executable, __file__, "--kernels", args.kernels] + (["--smoke"] if args.smoke else [])

@@ -92,6 +92,7 @@ def check_moe(fmt, t, e, k, h=128, i=64, slots=None, missing=0, shared=False, dt
     gate = torch.randn(t, generator=gen) if shared else None  # the shared gate's logits
     out = buf.run(x, ids, w.to(xdt), table, int(where[e]) if shared else -1, gate, config=_path_config(path, t, buf))
     assert out.shape == x.shape and out.dtype == xdt
+    assert not buf.scratch.arrivals.any(), "arrival words not set back to 0"
     dq = [_dequant(ex) for ex in experts]
     w_ref = w.to(xdt).float().masked_fill(torch.isin(ids, gone), 0.0)
     ref = experts_reference(x.float(), ids, w_ref, lambda j: dq[j])
@@ -209,7 +210,51 @@ CASES["decode-down-pairs2-nvfp4-T3-fp32-exact-missing-shared"] = (check_moe, dic
 CASES["decode-down-pairs3-int4_awq-T2"] = (check_moe, dict(
     fmt="int4_awq", t=2, e=8, k=4, missing=1, seed=15, params=_params("int4_awq"),
     path=DecodeConfig(16, 64, 32, 32, down_pairs=3)))
+# gate_up split over k and the down chunks summed by their last arrival (`gate_up_split`, `down_arrive`)
+CASES["decode-split2-arrive-nvfp4-T3-fp32-exact-missing-shared"] = (check_moe, dict(
+    fmt="nvfp4", t=3, e=16, k=4, slots=20, missing=3, shared=True, seed=16, dtype="float32", tol=1e-4,
+    path=DecodeConfig(16, 32, 32, 32, down_pairs=2, down_arrive=True, gate_up_split=2)))
+CASES["decode-split4-arrive-int4_awq-T2-missing"] = (check_moe, dict(
+    fmt="int4_awq", t=2, e=8, k=4, missing=1, seed=17, params=_params("int4_awq"),
+    path=DecodeConfig(16, 64, 32, 32, down_pairs=1, down_arrive=True, gate_up_split=4)))
+CASES["decode-split2-arrive-fp8_block-T2-shared"] = (check_moe, dict(
+    fmt="fp8_block", t=2, e=16, k=4, slots=20, shared=True, seed=18, params={"block_size": (32, 32)},
+    path=DecodeConfig(4, 64, 8, 64, down_pairs=3, down_arrive=True, gate_up_split=2)))
+CASES["decode-split2-arrive-bf16-T1-shared"] = (check_moe, dict(
+    fmt="bf16", t=1, e=8, k=2, shared=True, seed=19,
+    path=DecodeConfig(2, 64, 8, 64, down_pairs=1, down_arrive=True, gate_up_split=2)))
 CASES["nvfp4-T20"] = (check_moe, dict(fmt="nvfp4", t=20, e=8, k=2, seed=8))
+
+
+def check_arrivals(fmt="nvfp4", t=3, e=8, k=3, h=128, i=64, seed=20):
+    """`down_arrive` gives the summing launch's bytes exactly (same chunk order), `gate_up_split`
+    the unsplit result within fp32 rounding, twice in a row (the arrival words reset), and
+    without arrival words both fall back to the plain launches."""
+    from moeferry.ops.triton.moe_decode import decode_moe
+    gen = torch.Generator().manual_seed(seed)
+    buf = SlotBuffer.from_experts(fmt, [_quantized_expert(fmt, h, i, gen, None) for _ in range(e + 1)], "cpu")
+    table = torch.arange(e, dtype=torch.int32)
+    x = torch.randn(t, h, generator=gen)
+    w, ids = _routing(t, e, k, gen, "cpu")
+    gate = torch.randn(t, generator=gen)
+    words = buf.scratch.arrivals
+
+    def run(cfg, arrivals=words):
+        return decode_moe(x, ids, w, buf.gate_up, buf.down, table, e, gate, cfg, arrivals)
+    plain = run(DecodeConfig(16, 32, 32, 32, down_pairs=2))
+    for _ in range(2):
+        assert torch.equal(run(DecodeConfig(16, 32, 32, 32, down_pairs=2, down_arrive=True)), plain)
+        split = run(DecodeConfig(16, 32, 32, 32, down_pairs=2, down_arrive=True, gate_up_split=2))
+        assert not words.any()
+        err = _rel(split, plain)
+        assert err < 1e-5, f"split gate_up: relative difference {err:.3g}"
+    assert torch.equal(run(DecodeConfig(16, 32, 32, 32, down_pairs=2, down_arrive=True, gate_up_split=2),
+                           arrivals=None), plain)
+    return err
+
+
+CASES["decode-arrivals-nvfp4"] = (check_arrivals, dict())
+CASES["decode-arrivals-int4_ct"] = (check_arrivals, dict(fmt="int4_ct", seed=21))
 CASES["prep-T1"] = (check_prep, dict(t=1, k=2))
 CASES["prep-T3-shared"] = (check_prep, dict(t=3, k=4, shared=True))
 CASES["prep-T64"] = (check_prep, dict(t=64, k=4, block_m=32))
@@ -496,7 +541,7 @@ def test_gpu_qwen_shapes(fmt, t):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("path", ["decode", "decode-pairs", "gemm"])
+@pytest.mark.parametrize("path", ["decode", "decode-pairs", "decode-arrive", "gemm"])
 @pytest.mark.parametrize("t", [1, 2, 4])
 @pytest.mark.parametrize("fmt", DEVICE_FORMS)
 def test_gpu_decode_paths(fmt, t, path):
@@ -513,6 +558,7 @@ def test_gpu_decode_paths(fmt, t, path):
     table[missing] = -1
     gate = torch.randn(t, generator=gen).cuda()
     cfg = (DecodeConfig() if path == "decode" else DecodeConfig(down_pairs=2) if path == "decode-pairs"
+           else DecodeConfig(down_pairs=1, down_arrive=True, gate_up_split=2) if path == "decode-arrive"
            else moe_gemm.choose_config(t, buf.gate_up, buf.down))
     out = buf.run(x, ids, w, table, int(where[e]), gate, config=cfg)
     w_ref = w.float().masked_fill(torch.isin(ids, missing), 0.0)

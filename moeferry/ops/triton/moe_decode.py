@@ -18,7 +18,15 @@ the format's GEMV step (moe_formats.py, "decode GEMV steps") on the CUDA cores:
    and summed in fp32 into out[t] (deterministic: no atomics, no reduction launch). With
    `down_pairs` set, grid (T, H / BN, chunks of that many pairs): each program pays the
    memory latency of fewer pairs one after another, and `_sum_chunks_kernel` adds the chunks'
-   fp32 rows in order (still deterministic; one more launch).
+   fp32 rows in order (still deterministic; one more launch). With `down_arrive` the chunks
+   are summed without that launch: each program counts its arrival at its (token, row block)
+   and the last to arrive adds the chunks' rows in chunk order (`_last_arrival`).
+
+With `gate_up_split` S > 1 the gate_up grid gets a third dimension: each program takes H / S of
+the k range, writes its fp32 partial gate and up rows, and the last of a row block's S programs
+to arrive adds them in split order and finishes (row scale, SiLU, inter): more, shorter
+programs where a T = 1 call has few. The arrival counters live in the slot buffer's scratch
+(`RoutingScratch.arrivals`, zero between calls: the last arrival sets its word back).
 
 One launch for both halves was built twice and timed slower on the GPU (a program per pair's
 inter slice and its share of every down row; one launch over a grid barrier): benchmarks/README.md.
@@ -49,6 +57,8 @@ class DecodeConfig:
     down_warps: int = 4
     down_pairs: int = 0    # pairs per down program (0: all of the token's; fewer: a grid of pair
                            # chunks whose fp32 partial rows a third launch sums in order)
+    down_arrive: bool = False  # (down_pairs) the last chunk to arrive sums the chunks: no third launch
+    gate_up_split: int = 1     # k splits of gate_up, the last of a row block's to arrive finishing it
 
 
 # Per slot form (MoEKernel.name): the block sizes `benchmarks/moe_decode_sweep.py` found fastest
@@ -94,27 +104,47 @@ def _gate_up_step(g, u, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k0, H, I, GEMV: tl
 
 
 @triton.jit
-def _gate_up_h(x_row, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr,
-               G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, UNROLL: tl.constexpr,
-               BN: tl.constexpr, BK: tl.constexpr):
-    """SiLU(gate) * up, rows n0..n0+BN of slot s (-1: every row masked off, zeros) times x_row, fp32 [BN]."""
-    n = 2 * I
+def _gate_up_sums(x_row, w_ptr, s_ptr, z_ptr, s, n0, k_lo, H, I, GEMV: tl.constexpr, G: tl.constexpr,
+                  GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, UNROLL: tl.constexpr, KS: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr):
+    """Gate and up rows n0..n0+BN of slot s (-1: every row masked off, zeros) times x_row over
+    k_lo..k_lo+KS, fp32 [BN] each, before the row scale."""
     slot = tl.maximum(s, 0).to(tl.int64)
-    g0 = tl.where(s >= 0, n0, n)  # skipped pair: every row masked off
+    g0 = tl.where(s >= 0, n0, 2 * I)  # skipped pair: every row masked off
     g = tl.zeros((BN,), tl.float32)
     u = tl.zeros((BN,), tl.float32)
     if UNROLL:
-        for k0 in tl.static_range(0, H, BK):
-            g, u = _gate_up_step(g, u, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k0, H, I, GEMV, BN, BK, G, GN, GB, HAS_Z)
+        for kk in tl.static_range(0, KS, BK):
+            g, u = _gate_up_step(g, u, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k_lo + kk, H, I, GEMV, BN, BK, G, GN, GB,
+                                 HAS_Z)
     else:
-        for k0 in range(0, H, BK):
+        for k0 in range(k_lo, k_lo + KS, BK):
             g, u = _gate_up_step(g, u, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k0, H, I, GEMV, BN, BK, G, GN, GB, HAS_Z)
-    offs_n = n0 + tl.arange(0, BN)
-    mask_n = offs_n < I
+    return g, u
+
+
+@triton.jit
+def _gate_up_finish(g, u, rs_ptr, s, n0, I, ROW_SCALE: tl.constexpr, BN: tl.constexpr):
+    """SiLU(gate) * up of rows n0..n0+BN from their sums over all of H, fp32 [BN]."""
     if ROW_SCALE:
-        g *= tl.load(rs_ptr + slot * n + offs_n, mask=mask_n, other=0.0)
-        u *= tl.load(rs_ptr + slot * n + I + offs_n, mask=mask_n, other=0.0)
+        slot = tl.maximum(s, 0).to(tl.int64)
+        offs_n = n0 + tl.arange(0, BN)
+        mask_n = offs_n < I
+        g *= tl.load(rs_ptr + slot * 2 * I + offs_n, mask=mask_n, other=0.0)
+        u *= tl.load(rs_ptr + slot * 2 * I + I + offs_n, mask=mask_n, other=0.0)
     return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
+def _last_arrival(count_ptr, ARRIVALS: tl.constexpr):
+    """Whether this program is the last of ARRIVALS to arrive at the word `count_ptr` (it then
+    sets the word back to 0 for the next call). Every thread's stores before the arrival are
+    visible to the last program's loads after it (read them with `.cg`: not from L1)."""
+    tl.debug_barrier()  # the program's stores before its arrival
+    last = tl.atomic_add(count_ptr, 1, sem="acq_rel") == ARRIVALS - 1
+    if last:
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed")
+    return last
 
 
 @triton.jit
@@ -144,28 +174,47 @@ def _down_rows(a_row, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I: tl.constexpr, GE
 
 
 @triton.jit
-def _decode_gate_up_kernel(x_ptr, stride_x, inter_ptr, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot,
-                           w_ptr, s_ptr, z_ptr, rs_ptr, I,
+def _decode_gate_up_kernel(x_ptr, stride_x, inter_ptr, part_ptr, arrive_ptr, ids_ptr, rw_ptr, shw_ptr, table_ptr,
+                           shared_slot, w_ptr, s_ptr, z_ptr, rs_ptr, I,
                            H: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr,
                            GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr,
                            TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr,
-                           PACK_RANGE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                           PACK_RANGE: tl.constexpr, SPLIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     p = tl.program_id(0)
     t = p // TOPK
     s, _ = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, p % TOPK, K_IN, TOPK, HAS_SHARED)
     n0 = tl.program_id(1) * BN
-    h = _gate_up_h(x_ptr + t.to(tl.int64) * stride_x, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I, GEMV, ROW_SCALE,
-                   G, GN, GB, HAS_Z, UNROLL, BN, BK)
-    _store_inter(inter_ptr, p, h, n0, I, PACK_RANGE, BN)
+    KS: tl.constexpr = H // SPLIT
+    x_row = x_ptr + t.to(tl.int64) * stride_x
+    if SPLIT == 1:
+        g, u = _gate_up_sums(x_row, w_ptr, s_ptr, z_ptr, s, n0, 0, H, I, GEMV, G, GN, GB, HAS_Z, UNROLL, KS, BN, BK)
+        _store_inter(inter_ptr, p, _gate_up_finish(g, u, rs_ptr, s, n0, I, ROW_SCALE, BN), n0, I, PACK_RANGE, BN)
+    else:  # partial sums of k split ks into part [pairs, SPLIT, 2, I]; the row block's last split finishes
+        ks = tl.program_id(2)
+        g, u = _gate_up_sums(x_row, w_ptr, s_ptr, z_ptr, s, n0, ks * KS, H, I, GEMV, G, GN, GB, HAS_Z, UNROLL, KS,
+                             BN, BK)
+        offs_n = n0 + tl.arange(0, BN)
+        mask_n = offs_n < I
+        row = part_ptr + (p * SPLIT).to(tl.int64) * 2 * I + offs_n
+        tl.store(row + ks * 2 * I, g, mask=mask_n)
+        tl.store(row + ks * 2 * I + I, u, mask=mask_n)
+        if _last_arrival(arrive_ptr + p * tl.num_programs(1) + tl.program_id(1), SPLIT):
+            g = tl.zeros((BN,), tl.float32)
+            u = tl.zeros((BN,), tl.float32)
+            for k in tl.static_range(SPLIT):
+                g += tl.load(row + k * 2 * I, mask=mask_n, other=0.0, cache_modifier=".cg")
+                u += tl.load(row + k * 2 * I + I, mask=mask_n, other=0.0, cache_modifier=".cg")
+            _store_inter(inter_ptr, p, _gate_up_finish(g, u, rs_ptr, s, n0, I, ROW_SCALE, BN), n0, I, PACK_RANGE, BN)
 
 
 @triton.jit
-def _decode_down_kernel(inter_ptr, out_ptr, stride_out, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot,
+def _decode_down_kernel(inter_ptr, out_ptr, stride_out, final_ptr, arrive_ptr, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot,
                         w_ptr, s_ptr, z_ptr, rs_ptr, H,
                         I: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr,
                         GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr,
                         TOPK: tl.constexpr, TP: tl.constexpr, HAS_SHARED: tl.constexpr, ROW: tl.constexpr,
-                        x_dtype: tl.constexpr, PAIRS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                        x_dtype: tl.constexpr, PAIRS: tl.constexpr, ARRIVE: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr):
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BN
     chunk = tl.program_id(2)  # pairs chunk * PAIRS .. + PAIRS of the token (all of them: one chunk)
@@ -187,7 +236,16 @@ def _decode_down_kernel(inter_ptr, out_ptr, stride_out, ids_ptr, rw_ptr, shw_ptr
     if PAIRS >= TOPK:
         tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
     else:  # this chunk's fp32 partial sum, row (t, chunk) of a [T, chunks, H] buffer (`_sum_chunks_kernel`)
-        tl.store(out_ptr + (t * tl.num_programs(2) + chunk).to(tl.int64) * H + offs_n, out, mask=mask_n)
+        CHUNKS: tl.constexpr = (TOPK + PAIRS - 1) // PAIRS
+        rows = out_ptr + (t * CHUNKS).to(tl.int64) * H + offs_n
+        tl.store(rows + chunk * H, out, mask=mask_n)
+        if ARRIVE:  # the row block's last chunk to arrive sums the chunks in order into final_ptr
+            if _last_arrival(arrive_ptr + t * tl.num_programs(1) + tl.program_id(1), CHUNKS):
+                total = tl.zeros((BN,), tl.float32)
+                for c in tl.static_range(CHUNKS):
+                    total += tl.load(rows + c * H, mask=mask_n, other=0.0, cache_modifier=".cg")
+                tl.store(final_ptr + t.to(tl.int64) * stride_out + offs_n, total.to(final_ptr.dtype.element_ty),
+                         mask=mask_n)
 
 
 @triton.jit
@@ -244,21 +302,36 @@ def _common(m: SlotMatrix, k_in: int, has_shared: bool) -> dict:
 
 def decode_gate_up(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: SlotMatrix,
                    table_row: torch.Tensor, shared_slot: int, shared_gate: torch.Tensor | None,
-                   cfg: DecodeConfig) -> torch.Tensor:
-    """inter [T * topk, I] = SiLU(gate) * up of every (token, choice) pair (launch 1)."""
+                   cfg: DecodeConfig, arrivals: torch.Tensor | None = None) -> torch.Tensor:
+    """inter [T * topk, I] = SiLU(gate) * up of every (token, choice) pair (launch 1). `arrivals`:
+    zeroed int32 words for `gate_up_split` (without them, or too few, gate_up is not split)."""
     t, k_in = ids.shape
     common = _common(gate_up, k_in, shared_gate is not None)
-    i = gate_up.part
-    bk, gb = _bk(cfg.gate_up_bk, gate_up)
+    i, h = gate_up.part, gate_up.k
     bn = min(cfg.gate_up_bn, triton.next_power_of_2(i))
+    pairs, blocks = t * common["TOPK"], triton.cdiv(i, bn)
+    split = _gate_up_split(cfg, gate_up, arrivals, pairs * blocks)
+    bk, gb = _bk(min(cfg.gate_up_bk, h // split), gate_up)
     pack = packs_inter(gate_up, x.dtype, bn)
-    inter = _inter_buffer(x, t * common["TOPK"], i, pack)
-    _decode_gate_up_kernel[(t * common["TOPK"], triton.cdiv(i, bn))](
-        x, x.stride(0), inter, *_route_args(ids, weights, table_row, shared_slot, shared_gate),
-        *gate_up.kernel_args(), i, H=gate_up.k, GB=gb, UNROLL=cfg.unroll,
-        PACK_RANGE=gate_up.kernel.x_range if pack else 0.0, BN=bn, BK=bk,
+    inter = _inter_buffer(x, pairs, i, pack)
+    part = torch.empty(pairs, split, 2, i, dtype=torch.float32, device=x.device) if split > 1 else inter
+    _decode_gate_up_kernel[(pairs, blocks, split)](
+        x, x.stride(0), inter, part, arrivals if split > 1 else inter,
+        *_route_args(ids, weights, table_row, shared_slot, shared_gate),
+        *gate_up.kernel_args(), i, H=h, GB=gb, UNROLL=cfg.unroll,
+        PACK_RANGE=gate_up.kernel.x_range if pack else 0.0, SPLIT=split, BN=bn, BK=bk,
         num_warps=cfg.num_warps, **common)
     return inter
+
+
+def _gate_up_split(cfg: DecodeConfig, gate_up: SlotMatrix, arrivals: torch.Tensor | None, words: int) -> int:
+    """gate_up's k splits: `cfg.gate_up_split` where H divides into whole k-steps of it and the
+    arrival words suffice, else 1."""
+    split = cfg.gate_up_split
+    if split <= 1 or arrivals is None or arrivals.numel() < words or gate_up.k % split:
+        return 1
+    bk, _ = _bk(min(cfg.gate_up_bk, gate_up.k // split), gate_up)
+    return split if (gate_up.k // split) % bk == 0 else 1
 
 
 def _inter_buffer(x: torch.Tensor, pairs: int, i: int, pack: bool) -> torch.Tensor:
@@ -278,9 +351,10 @@ def packs_inter(gate_up: SlotMatrix, dtype: torch.dtype, bn: int) -> bool:
 
 def decode_down(inter: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: SlotMatrix,
                 table_row: torch.Tensor, shared_slot: int, shared_gate: torch.Tensor | None,
-                cfg: DecodeConfig) -> torch.Tensor:
+                cfg: DecodeConfig, arrivals: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, H] = sum over each token's pairs of down @ inter, times the routing weight (launch 2).
-    `inter` is bf16/fp16/fp32 [pairs, I] or, from `packs_inter`, int32 [pairs, I/2 + I/8]."""
+    `inter` is bf16/fp16/fp32 [pairs, I] or, from `packs_inter`, int32 [pairs, I/2 + I/8].
+    `arrivals`: zeroed int32 words for `down_arrive` (without them, or too few, a launch sums the chunks)."""
     t, k_in = ids.shape
     common = _common(down, k_in, shared_gate is not None)
     h = down.n
@@ -288,13 +362,16 @@ def decode_down(inter: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weigh
     bn = min(cfg.down_bn, triton.next_power_of_2(h))
     topk = common["TOPK"]
     pairs = min(cfg.down_pairs or topk, topk)
-    chunks = triton.cdiv(topk, pairs)
+    chunks, blocks = triton.cdiv(topk, pairs), triton.cdiv(h, bn)
     dest = out if chunks == 1 else torch.empty(t, chunks, h, dtype=torch.float32, device=out.device)
-    _decode_down_kernel[(t, triton.cdiv(h, bn), chunks)](
-        inter, dest, out.stride(0), *_route_args(ids, weights, table_row, shared_slot, shared_gate),
+    arrive = chunks > 1 and cfg.down_arrive and arrivals is not None and arrivals.numel() >= t * blocks
+    _decode_down_kernel[(t, blocks, chunks)](
+        inter, dest, out.stride(0), out, arrivals if arrive else out,
+        *_route_args(ids, weights, table_row, shared_slot, shared_gate),
         *down.kernel_args(), h, I=down.k, GB=gb, TP=triton.next_power_of_2(topk), ROW=inter.shape[1],
-        x_dtype=TL_DTYPES[out.dtype], PAIRS=pairs, BN=bn, BK=bk, num_warps=cfg.down_warps, **common)
-    if chunks > 1:
+        x_dtype=TL_DTYPES[out.dtype], PAIRS=pairs, ARRIVE=arrive, BN=bn, BK=bk, num_warps=cfg.down_warps,
+        **common)
+    if chunks > 1 and not arrive:
         block = min(1024, triton.next_power_of_2(h))
         _sum_chunks_kernel[(t, triton.cdiv(h, block))](dest, out, out.stride(0), h, CHUNKS=chunks, BLOCK=block,
                                                        num_warps=4)
@@ -303,8 +380,10 @@ def decode_down(inter: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weigh
 
 def decode_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: SlotMatrix, down: SlotMatrix,
                table_row: torch.Tensor, shared_slot: int, shared_gate: torch.Tensor | None,
-               cfg: DecodeConfig) -> torch.Tensor:
-    """`fused_moe`'s contract (x [T, H] contiguous rows, ids/weights [T, k], table_row [E])."""
+               cfg: DecodeConfig, arrivals: torch.Tensor | None = None) -> torch.Tensor:
+    """`fused_moe`'s contract (x [T, H] contiguous rows, ids/weights [T, k], table_row [E]);
+    `arrivals`: the slot buffer's zeroed counter words (`RoutingScratch.arrivals`), which
+    `gate_up_split` and `down_arrive` need (without them both launches run unsplit / summed apart)."""
     route = (table_row, shared_slot, shared_gate)
-    inter = decode_gate_up(x, ids, weights, gate_up, *route, cfg)
-    return decode_down(inter, torch.empty_like(x), ids, weights, down, *route, cfg)
+    inter = decode_gate_up(x, ids, weights, gate_up, *route, cfg, arrivals)
+    return decode_down(inter, torch.empty_like(x), ids, weights, down, *route, cfg, arrivals)

@@ -322,7 +322,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up
     if isinstance(config, DecodeConfig):
         if not decode_supports(gate_up):
             raise ValueError(f"decode path: {gate_up.kernel.name} slots with group {gate_up.group} not supported")
-        return decode_moe(x, ids, weights, gate_up, down, table_row, shared_slot, shared_gate, config)
+        return decode_moe(x, ids, weights, gate_up, down, table_row, shared_slot, shared_gate, config,
+                          scratch.arrivals)
     cfg = config or choose_config(x.shape[0], gate_up, down)
     r = prepare_routing(ids, weights, table_row, scratch, cfg.block_m, shared_slot, shared_gate)
     out = torch.empty_like(x)

@@ -152,14 +152,19 @@ class Routing:
 
 
 class RoutingScratch:
-    """Per-slot counters the prep kernels use; zero between calls (the kernels reset them)."""
+    """Per-slot counters the prep kernels use, and the decode kernels' arrival words
+    (`moe_decode`: `gate_up_split`, `down_arrive`); zero between calls (the kernels reset them)."""
+
+    ARRIVALS = 16384  # words: a split gate_up's (pair, row block)s up to T = 32 at top-8 + shared, I / 16
 
     def __init__(self, num_slots: int, device):
         self.counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self.gstart = torch.empty(num_slots, dtype=torch.int32, device=device)
+        self.arrivals = torch.zeros(self.ARRIVALS, dtype=torch.int32, device=device)
 
     def reset(self) -> None:
         self.counts.zero_()
+        self.arrivals.zero_()
 
 
 def max_blocks(num_pairs: int, num_groups: int, block_m: int) -> int:
