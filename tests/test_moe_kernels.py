@@ -223,6 +223,20 @@ CASES["decode-split2-arrive-fp8_block-T2-shared"] = (check_moe, dict(
 CASES["decode-split2-arrive-bf16-T1-shared"] = (check_moe, dict(
     fmt="bf16", t=1, e=8, k=2, shared=True, seed=19,
     path=DecodeConfig(2, 64, 8, 64, down_pairs=1, down_arrive=True, gate_up_split=2)))
+# gate and up rows in one GEMV call a k-step (`gate_up_together`)
+CASES["decode-together-nvfp4-T2-missing-shared"] = (check_moe, dict(
+    fmt="nvfp4", t=2, e=16, k=4, slots=20, missing=3, shared=True, seed=22,
+    path=DecodeConfig(16, 64, 32, 32, down_pairs=1, down_arrive=True, gate_up_together=True)))
+CASES["decode-together-int4_ct-T3-fp32-exact-asymmetric"] = (check_moe, dict(
+    fmt="int4_ct", t=3, e=8, k=2, seed=23, dtype="float32", tol=1e-4, params={"group_size": 32, "symmetric": False},
+    path=DecodeConfig(16, 32, 32, 32, unroll=True, gate_up_together=True)))
+CASES["decode-together-fp8_block-T1-split2"] = (check_moe, dict(
+    fmt="fp8_block", t=1, e=8, k=2, seed=24, params={"block_size": (32, 32)},
+    path=DecodeConfig(4, 32, 8, 64, gate_up_split=2, gate_up_together=True)))
+CASES["decode-together-bf16-T2"] = (check_moe, dict(fmt="bf16", t=2, e=8, k=2, seed=25,
+                                                    path=DecodeConfig(2, 64, 8, 64, gate_up_together=True)))
+CASES["decode-together-fp8_tensor-T2-shared"] = (check_moe, dict(fmt="fp8_tensor", t=2, e=8, k=2, seed=26, shared=True,
+                                                                 path=DecodeConfig(4, 64, 8, 64, gate_up_together=True)))
 CASES["nvfp4-T20"] = (check_moe, dict(fmt="nvfp4", t=20, e=8, k=2, seed=8))
 
 

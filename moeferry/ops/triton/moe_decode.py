@@ -59,6 +59,7 @@ class DecodeConfig:
                            # chunks whose fp32 partial rows a third launch sums in order)
     down_arrive: bool = False  # (down_pairs) the last chunk to arrive sums the chunks: no third launch
     gate_up_split: int = 1     # k splits of gate_up, the last of a row block's to arrive finishing it
+    gate_up_together: bool = False  # gate and up rows in one GEMV call a k-step (x prepared once)
 
 
 # Per slot form (MoEKernel.name): the block sizes `benchmarks/moe_decode_sweep.py` found fastest
@@ -70,9 +71,9 @@ class DecodeConfig:
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
     "dense": DecodeConfig(gate_up_bn=2, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
     "fp4": DecodeConfig(gate_up_bn=16, gate_up_bk=2048, down_bn=32, down_bk=256, num_warps=4, down_warps=4,
-                        down_pairs=1),
+                        down_pairs=1, down_arrive=True),
     "int4": DecodeConfig(gate_up_bn=16, gate_up_bk=2048, down_bn=32, down_bk=256, num_warps=4, down_warps=4,
-                         down_pairs=1),
+                         down_pairs=1, down_arrive=True),
     "fp8_row": DecodeConfig(gate_up_bn=4, gate_up_bk=512, down_bn=4, down_bk=512, num_warps=4, down_warps=2),
     "fp8_block": DecodeConfig(gate_up_bn=4, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
 }
@@ -97,16 +98,26 @@ def _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, j,
 @triton.jit
 def _gate_up_step(g, u, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k0, H, I, GEMV: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
-                  HAS_Z: tl.constexpr):
-    g = GEMV(g, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k0, 2 * I, H, I, BN, BK, G, GN, GB, HAS_Z)
-    u = GEMV(u, x_row, w_ptr, s_ptr, z_ptr, slot, g0 + I, k0, 2 * I, H, I, BN, BK, G, GN, GB, HAS_Z)
+                  HAS_Z: tl.constexpr, TOGETHER: tl.constexpr):
+    """One k-step of gate rows g0..g0+BN and the matching up rows: two GEMV calls, or
+    (TOGETHER) one over both row blocks, which loads and prepares x once."""
+    r = tl.arange(0, BN)
+    if TOGETHER:
+        rr = tl.arange(0, 2 * BN)
+        rows = g0 + rr % BN + (rr // BN) * I
+        both = GEMV(tl.zeros((2 * BN,), tl.float32), x_row, w_ptr, s_ptr, z_ptr, slot, rows, k0, 2 * I, H, I,
+                    2 * BN, BK, G, GN, GB, HAS_Z)
+        dg, du = tl.split(tl.permute(tl.reshape(both, (2, BN)), (1, 0)))
+        return g + dg, u + du
+    g = GEMV(g, x_row, w_ptr, s_ptr, z_ptr, slot, g0 + r, k0, 2 * I, H, I, BN, BK, G, GN, GB, HAS_Z)
+    u = GEMV(u, x_row, w_ptr, s_ptr, z_ptr, slot, g0 + I + r, k0, 2 * I, H, I, BN, BK, G, GN, GB, HAS_Z)
     return g, u
 
 
 @triton.jit
 def _gate_up_sums(x_row, w_ptr, s_ptr, z_ptr, s, n0, k_lo, H, I, GEMV: tl.constexpr, G: tl.constexpr,
                   GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, UNROLL: tl.constexpr, KS: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr):
+                  TOGETHER: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Gate and up rows n0..n0+BN of slot s (-1: every row masked off, zeros) times x_row over
     k_lo..k_lo+KS, fp32 [BN] each, before the row scale."""
     slot = tl.maximum(s, 0).to(tl.int64)
@@ -116,10 +127,11 @@ def _gate_up_sums(x_row, w_ptr, s_ptr, z_ptr, s, n0, k_lo, H, I, GEMV: tl.conste
     if UNROLL:
         for kk in tl.static_range(0, KS, BK):
             g, u = _gate_up_step(g, u, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k_lo + kk, H, I, GEMV, BN, BK, G, GN, GB,
-                                 HAS_Z)
+                                 HAS_Z, TOGETHER)
     else:
         for k0 in range(k_lo, k_lo + KS, BK):
-            g, u = _gate_up_step(g, u, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k0, H, I, GEMV, BN, BK, G, GN, GB, HAS_Z)
+            g, u = _gate_up_step(g, u, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k0, H, I, GEMV, BN, BK, G, GN, GB, HAS_Z,
+                                 TOGETHER)
     return g, u
 
 
@@ -166,7 +178,7 @@ def _down_rows(a_row, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I: tl.constexpr, GE
     r0 = tl.where(s >= 0, n0, H)
     acc = tl.zeros((BN,), tl.float32)
     for k0 in tl.static_range(0, I, BK):
-        acc = GEMV(acc, a_row, w_ptr, s_ptr, z_ptr, slot, r0, k0, H, I, H, BN, BK, G, GN, GB, HAS_Z)
+        acc = GEMV(acc, a_row, w_ptr, s_ptr, z_ptr, slot, r0 + tl.arange(0, BN), k0, H, I, H, BN, BK, G, GN, GB, HAS_Z)
     if ROW_SCALE:
         offs_n = n0 + tl.arange(0, BN)
         acc *= tl.load(rs_ptr + slot * H + offs_n, mask=(offs_n < H) & (s >= 0), other=0.0)
@@ -179,7 +191,8 @@ def _decode_gate_up_kernel(x_ptr, stride_x, inter_ptr, part_ptr, arrive_ptr, ids
                            H: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr,
                            GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr,
                            TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr,
-                           PACK_RANGE: tl.constexpr, SPLIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                           PACK_RANGE: tl.constexpr, SPLIT: tl.constexpr, TOGETHER: tl.constexpr, BN: tl.constexpr,
+                           BK: tl.constexpr):
     p = tl.program_id(0)
     t = p // TOPK
     s, _ = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, p % TOPK, K_IN, TOPK, HAS_SHARED)
@@ -187,12 +200,13 @@ def _decode_gate_up_kernel(x_ptr, stride_x, inter_ptr, part_ptr, arrive_ptr, ids
     KS: tl.constexpr = H // SPLIT
     x_row = x_ptr + t.to(tl.int64) * stride_x
     if SPLIT == 1:
-        g, u = _gate_up_sums(x_row, w_ptr, s_ptr, z_ptr, s, n0, 0, H, I, GEMV, G, GN, GB, HAS_Z, UNROLL, KS, BN, BK)
+        g, u = _gate_up_sums(x_row, w_ptr, s_ptr, z_ptr, s, n0, 0, H, I, GEMV, G, GN, GB, HAS_Z, UNROLL, KS, TOGETHER,
+                             BN, BK)
         _store_inter(inter_ptr, p, _gate_up_finish(g, u, rs_ptr, s, n0, I, ROW_SCALE, BN), n0, I, PACK_RANGE, BN)
     else:  # partial sums of k split ks into part [pairs, SPLIT, 2, I]; the row block's last split finishes
         ks = tl.program_id(2)
         g, u = _gate_up_sums(x_row, w_ptr, s_ptr, z_ptr, s, n0, ks * KS, H, I, GEMV, G, GN, GB, HAS_Z, UNROLL, KS,
-                             BN, BK)
+                             TOGETHER, BN, BK)
         offs_n = n0 + tl.arange(0, BN)
         mask_n = offs_n < I
         row = part_ptr + (p * SPLIT).to(tl.int64) * 2 * I + offs_n
@@ -260,6 +274,27 @@ def _sum_chunks_kernel(part_ptr, out_ptr, stride_out, H, CHUNKS: tl.constexpr, B
     tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _pack_rows_kernel(x_ptr, stride_x, out_ptr, K, RANGE: tl.constexpr, BN: tl.constexpr):
+    """Row t of x, values n0..n0+BN, as `pack_units` stores them (row t of out: K / 2 + K / 8 words)."""
+    t = tl.program_id(0).to(tl.int64)
+    n0 = tl.program_id(1) * BN
+    offs = n0 + tl.arange(0, BN)
+    h = tl.load(x_ptr + t * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+    pack_units(out_ptr + t * (K // 2 + K // 8), h, n0, K, RANGE, BN)
+
+
+def pack_rows(x: torch.Tensor, gate_up: SlotMatrix) -> torch.Tensor:
+    """x [T, H] (16-bit) as the packed-half rows a 4-bit form's GEMV step reads (int32 [T, H/2 + H/8]:
+    per 16 values the 8 fp16x2 operands scaled into range, then 1 / c and the sum of every unit):
+    gate_up then skips scaling and packing x in every program (`_packed_x`)."""
+    t, h = x.shape
+    bn = 256 if h % 256 == 0 else 16
+    out = torch.empty(t, h // 2 + h // 8, dtype=torch.int32, device=x.device)
+    _pack_rows_kernel[(t, h // bn)](x, x.stride(0), out, h, RANGE=gate_up.kernel.x_range, BN=bn, num_warps=4)
+    return out
+
+
 def gemv_bk(bk: int, kernel, group: int, k: int) -> tuple[int, int]:
     """(BK, GB) of a GEMV step over K: BK a power of two no wider than K needs, at least 32
     (16 scales of packed formats per row need BK >= 16; nibble pairs need even); GB the values
@@ -319,7 +354,7 @@ def decode_gate_up(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
         x, x.stride(0), inter, part, arrivals if split > 1 else inter,
         *_route_args(ids, weights, table_row, shared_slot, shared_gate),
         *gate_up.kernel_args(), i, H=h, GB=gb, UNROLL=cfg.unroll,
-        PACK_RANGE=gate_up.kernel.x_range if pack else 0.0, SPLIT=split, BN=bn, BK=bk,
+        PACK_RANGE=gate_up.kernel.x_range if pack else 0.0, SPLIT=split, TOGETHER=cfg.gate_up_together, BN=bn, BK=bk,
         num_warps=cfg.num_warps, **common)
     return inter
 

@@ -94,11 +94,10 @@ def _row_gemv_kernel(x_ptr, out_ptr, w_ptr, s_ptr, z_ptr, rs_ptr, N, K: tl.const
                      GB: tl.constexpr, HAS_Z: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """One row (M = 1): BN weight rows over all of K per program, by the form's MoE decode GEMV
     step (moe_formats.py, "decode GEMV steps"; one slot, one part), unrolled over K."""
-    n0 = tl.program_id(0) * BN
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     acc = tl.zeros((BN,), tl.float32)
     for k0 in tl.static_range(0, K, BK):
-        acc = STEP(acc, x_ptr, w_ptr, s_ptr, z_ptr, 0, n0, k0, N, K, N, BN, BK, G, GN, GB, HAS_Z)
-    offs_n = n0 + tl.arange(0, BN)
+        acc = STEP(acc, x_ptr, w_ptr, s_ptr, z_ptr, 0, offs_n, k0, N, K, N, BN, BK, G, GN, GB, HAS_Z)
     mask_n = offs_n < N
     if ROW_SCALE:
         acc *= tl.load(rs_ptr + offs_n, mask=mask_n, other=0.0)
