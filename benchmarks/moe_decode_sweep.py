@@ -20,8 +20,8 @@ Compiling a few hundred kernel variants dominates the run, so first `--jobs` pro
 per form) compile every variant into Triton's on-disk cache; the timing process then loads
 them. Prints a table and the `DECODE_CONFIGS` entries to paste; writes moe_decode_sweep.md /
 .json under --out. `--variants`: no sweep; each form's entry timed as a whole call against
-the same entry with its down chunks summed by their last arrival and with gate_up split over
-k (`DecodeConfig.down_arrive`, `gate_up_split`), with each kernel's device time at T = 1.
+its down chunks summed by their last arrival or by a third launch (`DecodeConfig.down_arrive`),
+with each kernel's device time at T = 1 (torch.profiler over graph replays).
 `--smoke`: tiny shapes on the CPU (MOEFERRY_TRITON_INTERPRET=1), a check
 of the script only.
 """
@@ -92,8 +92,8 @@ class Layer:
         return sum(per) / len(per) * self.buf.bytes_per_slot
 
     def gate_up_fns(self, x, gate, rts, cfg):
-        return [lambda w=w, ids=ids: D.decode_gate_up(x, ids, w, self.buf.gate_up, self.table, self.shared, gate, cfg,
-                                                      self.buf.scratch.arrivals) for w, ids in rts]
+        return [lambda w=w, ids=ids: D.decode_gate_up(x, ids, w, self.buf.gate_up, self.table, self.shared, gate, cfg)
+                for w, ids in rts]
 
     def down_fns(self, inters, gate, rts, cfg):
         out = torch.empty(inters[0].shape[0] // (MK.K + 1), MK.H, device=MK.DEV, dtype=torch.bfloat16)
@@ -196,24 +196,11 @@ def whole_form(label: str, bw: float, log) -> dict:
 
 
 def variants(current: D.DecodeConfig) -> dict[str, D.DecodeConfig]:
-    """--variants: the form's entry; its down chunks (one pair a chunk, or three) summed by their
-    last arrival instead of a launch (`down_arrive`); with that, gate_up's k loop unrolled over
-    smaller steps (each step's weights computed on while later steps' are still arriving) and
-    gate_up split over k (`gate_up_split`)."""
+    """--variants: the form's entry, and its down launch in pair chunks (one pair a chunk, or three)
+    summed by their last arrival (`down_arrive`) or by a third launch."""
     arrive = replace(current, down_pairs=current.down_pairs or 1, down_arrive=True)
-    out = {"current": current, "arrive": arrive, "arrive3": replace(arrive, down_pairs=3)}
-    if current.down_arrive:
-        out["sum launch"] = replace(current, down_arrive=False)
-    out["down bk128"] = replace(arrive, down_bk=128)
-    for bk in (256, 512, 1024):
-        out[f"unroll bk{bk}"] = replace(arrive, unroll=True, gate_up_bk=bk)
-    out["unroll bk512 bn2x"] = replace(arrive, unroll=True, gate_up_bk=512, gate_up_bn=2 * current.gate_up_bn)
-    out["unroll bk256 warps8"] = replace(arrive, unroll=True, gate_up_bk=256, num_warps=8)
-    out["split2 unroll bk256"] = replace(arrive, unroll=True, gate_up_bk=256, gate_up_split=2)
-    out["together"] = replace(arrive, gate_up_together=True)
-    out["together bn/2"] = replace(arrive, gate_up_together=True, gate_up_bn=max(2, current.gate_up_bn // 2))
-    out["together unroll bk512"] = replace(arrive, gate_up_together=True, unroll=True, gate_up_bk=512)
-    return out
+    return {"current": current, "arrive": arrive, "arrive3": replace(arrive, down_pairs=3),
+            "sum launch": replace(arrive, down_arrive=False)}
 
 
 def kernel_times(fns) -> dict[str, float]:
@@ -251,31 +238,8 @@ def variants_form(label: str, bw: float, log) -> dict:
         log(f"  {label} T=1 {name}: kernels " + ", ".join(f"{k.strip('_')[:24]} {v * 1e6:.1f} us"
                                                          for k, v in kernels[name].items())
             + f"; sum {sum(kernels[name].values()) * 1e6:.1f} us")
-    packed = _packed_x_rows(layer, log) if layer.buf.gate_up.kernel.x_range else []
     return dict(label=label, configs={k: asdict(v) for k, v in cfgs.items()}, rel_error=errors, rows=rows,
-                kernels=kernels, packed_x=packed)
-
-
-def _packed_x_rows(layer: "Layer", log) -> list[dict]:
-    """4-bit forms: gate_up alone on x as bf16 (each program scales and packs it) against x packed
-    once by `pack_rows` (and that launch alone), and the difference of their outputs."""
-    rows = []
-    for t in TOKENS:
-        x, gate, rts = layer.inputs(t, CALLS, seed=t)
-        xp = D.pack_rows(x, layer.buf.gate_up)
-        plain = MK.graph_time(layer.gate_up_fns(x, gate, rts, layer.current))
-        packed = MK.graph_time(layer.gate_up_fns(xp, gate, rts, layer.current))
-        pack = MK.graph_time([lambda: D.pack_rows(x, layer.buf.gate_up)] * CALLS)
-        w, ids = rts[0]
-        a, b = (D.decode_down(D.decode_gate_up(v, ids, w, layer.buf.gate_up, layer.table, layer.shared, gate,
-                                               layer.current), torch.empty_like(x), ids, w, layer.buf.down,
-                              layer.table, layer.shared, gate, layer.current, layer.buf.scratch.arrivals).float()
-                for v in (x, xp))
-        diff = ((a - b).norm() / b.norm()).item()
-        rows.append(dict(T=t, plain=plain, packed=packed, pack=pack, rel_diff=diff))
-        log(f"  {layer.label} T={t} gate_up alone: bf16 x {plain * 1e6:.1f} us, packed x {packed * 1e6:.1f} us "
-            f"(pack launch {pack * 1e6:.1f} us); MoE outputs differ by {diff:.1e}")
-    return rows
+                kernels=kernels)
 
 
 def _short(c: D.DecodeConfig, kernel: str) -> str:
@@ -312,7 +276,7 @@ def main():
     ap.add_argument("--kernels", default="gate_up,down", help="the kernels swept (others keep the current entry)")
     ap.add_argument("--whole-only", action="store_true", help="time the current entries as whole calls, no sweep")
     ap.add_argument("--variants", action="store_true",
-                    help="time each form's entry against its arrival and split-gate_up variants, no sweep")
+                    help="time each form's entry against its down-chunk variants, no sweep")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.smoke:

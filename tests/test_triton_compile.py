@@ -90,14 +90,11 @@ def _compile_launch(fn, args, kw):
 @pytest.mark.parametrize("fmt,shared,down_pairs,arrive", [(f, s, 0, False) for f in ("bf16", "fp8_tensor", "fp8_block",
                                                                           "nvfp4", "int4_awq") for s in (False, True)]
                          + [("nvfp4", True, 2, False), ("nvfp4", True, 1, True), ("int4_awq", True, 1, True),
-                            ("fp8_tensor", True, 1, True), ("nvfp4", True, 1, "together"),
-                            ("int4_awq", False, 1, "together"), ("fp8_block", True, 0, "together"),
-                            ("bf16", True, 0, "together")])
+                            ("fp8_tensor", True, 1, True)])
 def test_moe_decode_kernels_compile(fmt, shared, down_pairs, arrive, monkeypatch):
     """The few-token MoE path (`moe_decode.py`) compiles for sm_90 for every slot form at Qwen3.6's
     H and I, with and without the shared expert (and once with the down launch split into pair
-    chunks; with `arrive`, gate_up split over k and the chunks summed by their last arrival;
-    "together": that and gate and up rows in one GEMV call):
+    chunks; with `arrive`, the chunks summed by their last arrival):
     its launches are recorded on the CPU and each is compiled as launched."""
     import dataclasses
     from moeferry.checkpoint.formats import FORMATS
@@ -117,12 +114,11 @@ def test_moe_decode_kernels_compile(fmt, shared, down_pairs, arrive, monkeypatch
     x, ids = torch.randn(1, h).bfloat16(), torch.tensor([[0, 2]])
     table = torch.arange(e, dtype=torch.int32)
     cfg = moe_decode.DECODE_CONFIGS.get(buf.gate_up.kernel.name, moe_decode.DecodeConfig())  # the GPU's
-    cfg = dataclasses.replace(cfg, down_pairs=down_pairs, down_arrive=bool(arrive), gate_up_split=2 if arrive else 1,
-                              gate_up_together=arrive == "together")
+    cfg = dataclasses.replace(cfg, down_pairs=down_pairs, down_arrive=arrive)
     moe_decode.decode_moe(x, ids, torch.full((1, k), 0.5), buf.gate_up, buf.down, table, e - 1 if shared else -1,
                           torch.ones(1) if shared else None, cfg, buf.scratch.arrivals)
     assert len(launches) == (3 if down_pairs and not arrive else 2)
-    assert all(kw.get("SPLIT", 2 if arrive else 1) == (2 if arrive else 1) for _, _, kw in launches)
+    assert all(kw.get("ARRIVE", arrive) == arrive for _, _, kw in launches)
     assert {fn.fn.__name__ for fn, _, _ in launches} >= {"_decode_gate_up_kernel", "_decode_down_kernel"}
     for fn, args, kw in launches:
         assert "cubin" in _compile_launch(fn, args, kw).asm

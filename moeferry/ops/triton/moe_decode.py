@@ -20,13 +20,10 @@ the format's GEMV step (moe_formats.py, "decode GEMV steps") on the CUDA cores:
    memory latency of fewer pairs one after another, and `_sum_chunks_kernel` adds the chunks'
    fp32 rows in order (still deterministic; one more launch). With `down_arrive` the chunks
    are summed without that launch: each program counts its arrival at its (token, row block)
-   and the last to arrive adds the chunks' rows in chunk order (`_last_arrival`).
+   and the last to arrive adds the chunks' rows in chunk order (`arrivals.last_arrival`).
 
-With `gate_up_split` S > 1 the gate_up grid gets a third dimension: each program takes H / S of
-the k range, writes its fp32 partial gate and up rows, and the last of a row block's S programs
-to arrive adds them in split order and finishes (row scale, SiLU, inter): more, shorter
-programs where a T = 1 call has few. The arrival counters live in the slot buffer's scratch
-(`RoutingScratch.arrivals`, zero between calls: the last arrival sets its word back).
+The arrival counters live in the slot buffer's scratch (`RoutingScratch.arrivals`, zero
+between calls: the last arrival sets its word back).
 
 One launch for both halves was built twice and timed slower on the GPU (a program per pair's
 inter slice and its share of every down row; one launch over a grid barrier): benchmarks/README.md.
@@ -42,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .arrivals import last_arrival
 from .moe_formats import TL_DTYPES, SlotMatrix
 from .nibble_gemv import pack_units
 
@@ -58,16 +56,16 @@ class DecodeConfig:
     down_pairs: int = 0    # pairs per down program (0: all of the token's; fewer: a grid of pair
                            # chunks whose fp32 partial rows a third launch sums in order)
     down_arrive: bool = False  # (down_pairs) the last chunk to arrive sums the chunks: no third launch
-    gate_up_split: int = 1     # k splits of gate_up, the last of a row block's to arrive finishing it
-    gate_up_together: bool = False  # gate and up rows in one GEMV call a k-step (x prepared once)
 
 
 # Per slot form (MoEKernel.name): the block sizes `benchmarks/moe_decode_sweep.py` found fastest
 # on an H200 over T = 1 and 4 (benchmarks/README.md); other forms take DecodeConfig(). Whole call
-# at T = 1 / 4 (top-8 + shared): fp4 15.4 / 29.5 us (packed-half steps; gate_up BN 16 so that a
-# program holds whole 16-value units to pack; the down launch one pair a program, its chunks
-# summed by a third launch: 18.3 / 30.5 us with all pairs in one program), int4 14.5 / 28.6
-# (16.4 / 29.5), fp8_row 15.5 / 34.6, fp8_block 15.6 / 35.4, dense 22.1 / 52.0.
+# at T = 1 / 4 (top-8 + shared, H100 of the thirtieth session, `--variants`): fp4 13.8 / 31.7 us
+# (packed-half steps; gate_up BN 16 so that a program holds whole 16-value units to pack; the
+# down launch one pair a program, its chunks summed by the last to arrive: 15.6-15.8 / 32.4 us
+# with a third launch summing them), int4 15.1 / 31.6 (16.0-16.2 / 32.0), fp8_row 17.4 / 41.9,
+# fp8_block 17.5 / 40.8, dense 27.2 / 71.4. Timed and not taken: gate_up split over k, its k loop
+# unrolled over smaller steps, gate and up rows in one GEMV call, x packed once before gate_up.
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
     "dense": DecodeConfig(gate_up_bn=2, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
     "fp4": DecodeConfig(gate_up_bn=16, gate_up_bk=2048, down_bn=32, down_bk=256, num_warps=4, down_warps=4,
@@ -98,65 +96,34 @@ def _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, j,
 @triton.jit
 def _gate_up_step(g, u, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k0, H, I, GEMV: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
-                  HAS_Z: tl.constexpr, TOGETHER: tl.constexpr):
-    """One k-step of gate rows g0..g0+BN and the matching up rows: two GEMV calls, or
-    (TOGETHER) one over both row blocks, which loads and prepares x once."""
-    r = tl.arange(0, BN)
-    if TOGETHER:
-        rr = tl.arange(0, 2 * BN)
-        rows = g0 + rr % BN + (rr // BN) * I
-        both = GEMV(tl.zeros((2 * BN,), tl.float32), x_row, w_ptr, s_ptr, z_ptr, slot, rows, k0, 2 * I, H, I,
-                    2 * BN, BK, G, GN, GB, HAS_Z)
-        dg, du = tl.split(tl.permute(tl.reshape(both, (2, BN)), (1, 0)))
-        return g + dg, u + du
-    g = GEMV(g, x_row, w_ptr, s_ptr, z_ptr, slot, g0 + r, k0, 2 * I, H, I, BN, BK, G, GN, GB, HAS_Z)
-    u = GEMV(u, x_row, w_ptr, s_ptr, z_ptr, slot, g0 + I + r, k0, 2 * I, H, I, BN, BK, G, GN, GB, HAS_Z)
+                  HAS_Z: tl.constexpr):
+    g = GEMV(g, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k0, 2 * I, H, I, BN, BK, G, GN, GB, HAS_Z)
+    u = GEMV(u, x_row, w_ptr, s_ptr, z_ptr, slot, g0 + I, k0, 2 * I, H, I, BN, BK, G, GN, GB, HAS_Z)
     return g, u
 
 
 @triton.jit
-def _gate_up_sums(x_row, w_ptr, s_ptr, z_ptr, s, n0, k_lo, H, I, GEMV: tl.constexpr, G: tl.constexpr,
-                  GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, UNROLL: tl.constexpr, KS: tl.constexpr,
-                  TOGETHER: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Gate and up rows n0..n0+BN of slot s (-1: every row masked off, zeros) times x_row over
-    k_lo..k_lo+KS, fp32 [BN] each, before the row scale."""
+def _gate_up_h(x_row, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr,
+               G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, UNROLL: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr):
+    """SiLU(gate) * up, rows n0..n0+BN of slot s (-1: every row masked off, zeros) times x_row, fp32 [BN]."""
+    n = 2 * I
     slot = tl.maximum(s, 0).to(tl.int64)
-    g0 = tl.where(s >= 0, n0, 2 * I)  # skipped pair: every row masked off
+    g0 = tl.where(s >= 0, n0, n)  # skipped pair: every row masked off
     g = tl.zeros((BN,), tl.float32)
     u = tl.zeros((BN,), tl.float32)
     if UNROLL:
-        for kk in tl.static_range(0, KS, BK):
-            g, u = _gate_up_step(g, u, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k_lo + kk, H, I, GEMV, BN, BK, G, GN, GB,
-                                 HAS_Z, TOGETHER)
+        for k0 in tl.static_range(0, H, BK):
+            g, u = _gate_up_step(g, u, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k0, H, I, GEMV, BN, BK, G, GN, GB, HAS_Z)
     else:
-        for k0 in range(k_lo, k_lo + KS, BK):
-            g, u = _gate_up_step(g, u, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k0, H, I, GEMV, BN, BK, G, GN, GB, HAS_Z,
-                                 TOGETHER)
-    return g, u
-
-
-@triton.jit
-def _gate_up_finish(g, u, rs_ptr, s, n0, I, ROW_SCALE: tl.constexpr, BN: tl.constexpr):
-    """SiLU(gate) * up of rows n0..n0+BN from their sums over all of H, fp32 [BN]."""
+        for k0 in range(0, H, BK):
+            g, u = _gate_up_step(g, u, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k0, H, I, GEMV, BN, BK, G, GN, GB, HAS_Z)
+    offs_n = n0 + tl.arange(0, BN)
+    mask_n = offs_n < I
     if ROW_SCALE:
-        slot = tl.maximum(s, 0).to(tl.int64)
-        offs_n = n0 + tl.arange(0, BN)
-        mask_n = offs_n < I
-        g *= tl.load(rs_ptr + slot * 2 * I + offs_n, mask=mask_n, other=0.0)
-        u *= tl.load(rs_ptr + slot * 2 * I + I + offs_n, mask=mask_n, other=0.0)
+        g *= tl.load(rs_ptr + slot * n + offs_n, mask=mask_n, other=0.0)
+        u *= tl.load(rs_ptr + slot * n + I + offs_n, mask=mask_n, other=0.0)
     return g / (1.0 + tl.exp(-g)) * u
-
-
-@triton.jit
-def _last_arrival(count_ptr, ARRIVALS: tl.constexpr):
-    """Whether this program is the last of ARRIVALS to arrive at the word `count_ptr` (it then
-    sets the word back to 0 for the next call). Every thread's stores before the arrival are
-    visible to the last program's loads after it (read them with `.cg`: not from L1)."""
-    tl.debug_barrier()  # the program's stores before its arrival
-    last = tl.atomic_add(count_ptr, 1, sem="acq_rel") == ARRIVALS - 1
-    if last:
-        tl.atomic_xchg(count_ptr, 0, sem="relaxed")
-    return last
 
 
 @triton.jit
@@ -178,7 +145,7 @@ def _down_rows(a_row, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I: tl.constexpr, GE
     r0 = tl.where(s >= 0, n0, H)
     acc = tl.zeros((BN,), tl.float32)
     for k0 in tl.static_range(0, I, BK):
-        acc = GEMV(acc, a_row, w_ptr, s_ptr, z_ptr, slot, r0 + tl.arange(0, BN), k0, H, I, H, BN, BK, G, GN, GB, HAS_Z)
+        acc = GEMV(acc, a_row, w_ptr, s_ptr, z_ptr, slot, r0, k0, H, I, H, BN, BK, G, GN, GB, HAS_Z)
     if ROW_SCALE:
         offs_n = n0 + tl.arange(0, BN)
         acc *= tl.load(rs_ptr + slot * H + offs_n, mask=(offs_n < H) & (s >= 0), other=0.0)
@@ -186,44 +153,24 @@ def _down_rows(a_row, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I: tl.constexpr, GE
 
 
 @triton.jit
-def _decode_gate_up_kernel(x_ptr, stride_x, inter_ptr, part_ptr, arrive_ptr, ids_ptr, rw_ptr, shw_ptr, table_ptr,
-                           shared_slot, w_ptr, s_ptr, z_ptr, rs_ptr, I,
+def _decode_gate_up_kernel(x_ptr, stride_x, inter_ptr, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot,
+                           w_ptr, s_ptr, z_ptr, rs_ptr, I,
                            H: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr,
                            GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr,
                            TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr,
-                           PACK_RANGE: tl.constexpr, SPLIT: tl.constexpr, TOGETHER: tl.constexpr, BN: tl.constexpr,
-                           BK: tl.constexpr):
+                           PACK_RANGE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     p = tl.program_id(0)
     t = p // TOPK
     s, _ = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, p % TOPK, K_IN, TOPK, HAS_SHARED)
     n0 = tl.program_id(1) * BN
-    KS: tl.constexpr = H // SPLIT
-    x_row = x_ptr + t.to(tl.int64) * stride_x
-    if SPLIT == 1:
-        g, u = _gate_up_sums(x_row, w_ptr, s_ptr, z_ptr, s, n0, 0, H, I, GEMV, G, GN, GB, HAS_Z, UNROLL, KS, TOGETHER,
-                             BN, BK)
-        _store_inter(inter_ptr, p, _gate_up_finish(g, u, rs_ptr, s, n0, I, ROW_SCALE, BN), n0, I, PACK_RANGE, BN)
-    else:  # partial sums of k split ks into part [pairs, SPLIT, 2, I]; the row block's last split finishes
-        ks = tl.program_id(2)
-        g, u = _gate_up_sums(x_row, w_ptr, s_ptr, z_ptr, s, n0, ks * KS, H, I, GEMV, G, GN, GB, HAS_Z, UNROLL, KS,
-                             TOGETHER, BN, BK)
-        offs_n = n0 + tl.arange(0, BN)
-        mask_n = offs_n < I
-        row = part_ptr + (p * SPLIT).to(tl.int64) * 2 * I + offs_n
-        tl.store(row + ks * 2 * I, g, mask=mask_n)
-        tl.store(row + ks * 2 * I + I, u, mask=mask_n)
-        if _last_arrival(arrive_ptr + p * tl.num_programs(1) + tl.program_id(1), SPLIT):
-            g = tl.zeros((BN,), tl.float32)
-            u = tl.zeros((BN,), tl.float32)
-            for k in tl.static_range(SPLIT):
-                g += tl.load(row + k * 2 * I, mask=mask_n, other=0.0, cache_modifier=".cg")
-                u += tl.load(row + k * 2 * I + I, mask=mask_n, other=0.0, cache_modifier=".cg")
-            _store_inter(inter_ptr, p, _gate_up_finish(g, u, rs_ptr, s, n0, I, ROW_SCALE, BN), n0, I, PACK_RANGE, BN)
+    h = _gate_up_h(x_ptr + t.to(tl.int64) * stride_x, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I, GEMV, ROW_SCALE,
+                   G, GN, GB, HAS_Z, UNROLL, BN, BK)
+    _store_inter(inter_ptr, p, h, n0, I, PACK_RANGE, BN)
 
 
 @triton.jit
-def _decode_down_kernel(inter_ptr, out_ptr, stride_out, final_ptr, arrive_ptr, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot,
-                        w_ptr, s_ptr, z_ptr, rs_ptr, H,
+def _decode_down_kernel(inter_ptr, out_ptr, stride_out, final_ptr, arrive_ptr, ids_ptr, rw_ptr, shw_ptr, table_ptr,
+                        shared_slot, w_ptr, s_ptr, z_ptr, rs_ptr, H,
                         I: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr,
                         GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr,
                         TOPK: tl.constexpr, TP: tl.constexpr, HAS_SHARED: tl.constexpr, ROW: tl.constexpr,
@@ -254,7 +201,7 @@ def _decode_down_kernel(inter_ptr, out_ptr, stride_out, final_ptr, arrive_ptr, i
         rows = out_ptr + (t * CHUNKS).to(tl.int64) * H + offs_n
         tl.store(rows + chunk * H, out, mask=mask_n)
         if ARRIVE:  # the row block's last chunk to arrive sums the chunks in order into final_ptr
-            if _last_arrival(arrive_ptr + t * tl.num_programs(1) + tl.program_id(1), CHUNKS):
+            if last_arrival(arrive_ptr + t * tl.num_programs(1) + tl.program_id(1), CHUNKS):
                 total = tl.zeros((BN,), tl.float32)
                 for c in tl.static_range(CHUNKS):
                     total += tl.load(rows + c * H, mask=mask_n, other=0.0, cache_modifier=".cg")
@@ -272,27 +219,6 @@ def _sum_chunks_kernel(part_ptr, out_ptr, stride_out, H, CHUNKS: tl.constexpr, B
     for c in tl.static_range(CHUNKS):
         acc += tl.load(part_ptr + (t * CHUNKS + c) * H + offs, mask=m, other=0.0)
     tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _pack_rows_kernel(x_ptr, stride_x, out_ptr, K, RANGE: tl.constexpr, BN: tl.constexpr):
-    """Row t of x, values n0..n0+BN, as `pack_units` stores them (row t of out: K / 2 + K / 8 words)."""
-    t = tl.program_id(0).to(tl.int64)
-    n0 = tl.program_id(1) * BN
-    offs = n0 + tl.arange(0, BN)
-    h = tl.load(x_ptr + t * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
-    pack_units(out_ptr + t * (K // 2 + K // 8), h, n0, K, RANGE, BN)
-
-
-def pack_rows(x: torch.Tensor, gate_up: SlotMatrix) -> torch.Tensor:
-    """x [T, H] (16-bit) as the packed-half rows a 4-bit form's GEMV step reads (int32 [T, H/2 + H/8]:
-    per 16 values the 8 fp16x2 operands scaled into range, then 1 / c and the sum of every unit):
-    gate_up then skips scaling and packing x in every program (`_packed_x`)."""
-    t, h = x.shape
-    bn = 256 if h % 256 == 0 else 16
-    out = torch.empty(t, h // 2 + h // 8, dtype=torch.int32, device=x.device)
-    _pack_rows_kernel[(t, h // bn)](x, x.stride(0), out, h, RANGE=gate_up.kernel.x_range, BN=bn, num_warps=4)
-    return out
 
 
 def gemv_bk(bk: int, kernel, group: int, k: int) -> tuple[int, int]:
@@ -337,36 +263,21 @@ def _common(m: SlotMatrix, k_in: int, has_shared: bool) -> dict:
 
 def decode_gate_up(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: SlotMatrix,
                    table_row: torch.Tensor, shared_slot: int, shared_gate: torch.Tensor | None,
-                   cfg: DecodeConfig, arrivals: torch.Tensor | None = None) -> torch.Tensor:
-    """inter [T * topk, I] = SiLU(gate) * up of every (token, choice) pair (launch 1). `arrivals`:
-    zeroed int32 words for `gate_up_split` (without them, or too few, gate_up is not split)."""
+                   cfg: DecodeConfig) -> torch.Tensor:
+    """inter [T * topk, I] = SiLU(gate) * up of every (token, choice) pair (launch 1)."""
     t, k_in = ids.shape
     common = _common(gate_up, k_in, shared_gate is not None)
-    i, h = gate_up.part, gate_up.k
+    i = gate_up.part
+    bk, gb = _bk(cfg.gate_up_bk, gate_up)
     bn = min(cfg.gate_up_bn, triton.next_power_of_2(i))
-    pairs, blocks = t * common["TOPK"], triton.cdiv(i, bn)
-    split = _gate_up_split(cfg, gate_up, arrivals, pairs * blocks)
-    bk, gb = _bk(min(cfg.gate_up_bk, h // split), gate_up)
     pack = packs_inter(gate_up, x.dtype, bn)
-    inter = _inter_buffer(x, pairs, i, pack)
-    part = torch.empty(pairs, split, 2, i, dtype=torch.float32, device=x.device) if split > 1 else inter
-    _decode_gate_up_kernel[(pairs, blocks, split)](
-        x, x.stride(0), inter, part, arrivals if split > 1 else inter,
-        *_route_args(ids, weights, table_row, shared_slot, shared_gate),
-        *gate_up.kernel_args(), i, H=h, GB=gb, UNROLL=cfg.unroll,
-        PACK_RANGE=gate_up.kernel.x_range if pack else 0.0, SPLIT=split, TOGETHER=cfg.gate_up_together, BN=bn, BK=bk,
+    inter = _inter_buffer(x, t * common["TOPK"], i, pack)
+    _decode_gate_up_kernel[(t * common["TOPK"], triton.cdiv(i, bn))](
+        x, x.stride(0), inter, *_route_args(ids, weights, table_row, shared_slot, shared_gate),
+        *gate_up.kernel_args(), i, H=gate_up.k, GB=gb, UNROLL=cfg.unroll,
+        PACK_RANGE=gate_up.kernel.x_range if pack else 0.0, BN=bn, BK=bk,
         num_warps=cfg.num_warps, **common)
     return inter
-
-
-def _gate_up_split(cfg: DecodeConfig, gate_up: SlotMatrix, arrivals: torch.Tensor | None, words: int) -> int:
-    """gate_up's k splits: `cfg.gate_up_split` where H divides into whole k-steps of it and the
-    arrival words suffice, else 1."""
-    split = cfg.gate_up_split
-    if split <= 1 or arrivals is None or arrivals.numel() < words or gate_up.k % split:
-        return 1
-    bk, _ = _bk(min(cfg.gate_up_bk, gate_up.k // split), gate_up)
-    return split if (gate_up.k // split) % bk == 0 else 1
 
 
 def _inter_buffer(x: torch.Tensor, pairs: int, i: int, pack: bool) -> torch.Tensor:
@@ -418,7 +329,7 @@ def decode_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
                cfg: DecodeConfig, arrivals: torch.Tensor | None = None) -> torch.Tensor:
     """`fused_moe`'s contract (x [T, H] contiguous rows, ids/weights [T, k], table_row [E]);
     `arrivals`: the slot buffer's zeroed counter words (`RoutingScratch.arrivals`), which
-    `gate_up_split` and `down_arrive` need (without them both launches run unsplit / summed apart)."""
+    `down_arrive` needs (without them a third launch sums the down chunks)."""
     route = (table_row, shared_slot, shared_gate)
-    inter = decode_gate_up(x, ids, weights, gate_up, *route, cfg, arrivals)
+    inter = decode_gate_up(x, ids, weights, gate_up, *route, cfg)
     return decode_down(inter, torch.empty_like(x), ids, weights, down, *route, cfg, arrivals)

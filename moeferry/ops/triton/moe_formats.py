@@ -166,27 +166,26 @@ def int4_step(acc, a, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
 # -- decode GEMV steps ----------------------------------------------------------------------
 # For one token row (decode, `moe_decode.py`) every format also has a GEMV step,
 #
-#     acc = gemv(acc, x_ptr, w, s, z, slot, rows, k0, N, K, PART, BN, BK, G, GN, GB, HAS_Z)
+#     acc = gemv(acc, x_ptr, w, s, z, slot, n0, k0, N, K, PART, BN, BK, G, GN, GB, HAS_Z)
 #
-# that adds `W[slot, rows, k0:k0+BK] @ x[k0:k0+BK]` (rows: [BN] row indices) to the fp32 vector
-# acc [BN] on the CUDA cores (no tl.dot): the tile stays in the layout it was loaded in ([BN, BK], k
+# that adds `W[slot, n0:n0+BN, k0:k0+BK] @ x[k0:k0+BK]` to the fp32 vector acc [BN] on the
+# CUDA cores (no tl.dot): the tile stays in the layout it was loaded in ([BN, BK], k
 # contiguous), is decoded in registers and reduced along K with `tl.sum`. x_ptr points at the
 # token's row (absolute k offsets). Scales are applied once per group to the group's partial
 # sum (GB = min(G, BK) values per partial sum), not per weight; int4's zero point too
 # (sum (q - z) x = sum q x - z sum x). Rows n >= N are masked (the decode kernels skip a
-# non-resident pair by passing rows >= N). Row scales (fp8_row, fp4) stay in the kernel's epilogue.
-# The rows need not be contiguous: gate_up's step can take a block of gate rows and the matching
-# up rows in one call (x loaded and, for the 4-bit forms, packed once for both).
+# non-resident pair by passing n0 >= N). Row scales (fp8_row, fp4) stay in the kernel's epilogue.
 @triton.jit
-def _gemv_rows(rows, N):
-    return rows, rows < N
+def _gemv_rows(n0, N, BN: tl.constexpr):
+    offs_n = n0 + tl.arange(0, BN)
+    return offs_n, offs_n < N
 
 
 @triton.jit
-def dense_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, rows, k0, N, K, PART,
+def dense_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
                BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
                HAS_Z: tl.constexpr):
-    offs_n, mn = _gemv_rows(rows, N)
+    offs_n, mn = _gemv_rows(n0, N, BN)
     offs_k = k0 + tl.arange(0, BK)
     mk = offs_k < K
     w = tl.load(w_ptr + slot * N * K + offs_n[:, None] * K + offs_k[None, :], mask=mn[:, None] & mk[None, :],
@@ -203,9 +202,9 @@ def _fp8_tile(w_ptr, slot, offs_n, mn, offs_k, mk, N, K):
 
 
 @triton.jit
-def _fp8_rows(x_ptr, w_ptr, slot, rows, k0, N, K, BK: tl.constexpr):
-    """(fp8 weight tile [rows, BK] in fp32, x [BK] in fp32, the row offsets, their mask)."""
-    offs_n, mn = _gemv_rows(rows, N)
+def _fp8_rows(x_ptr, w_ptr, slot, n0, k0, N, K, BN: tl.constexpr, BK: tl.constexpr):
+    """(fp8 weight tile [BN, BK] in fp32, x [BK] in fp32, its row offsets, their mask)."""
+    offs_n, mn = _gemv_rows(n0, N, BN)
     offs_k = k0 + tl.arange(0, BK)
     mk = offs_k < K
     w = _fp8_tile(w_ptr, slot, offs_n, mn, offs_k, mk, N, K)
@@ -213,18 +212,18 @@ def _fp8_rows(x_ptr, w_ptr, slot, rows, k0, N, K, BK: tl.constexpr):
 
 
 @triton.jit
-def fp8_row_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, rows, k0, N, K, PART,
+def fp8_row_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
                  BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
                  HAS_Z: tl.constexpr):
-    w, x, offs_n, mn = _fp8_rows(x_ptr, w_ptr, slot, rows, k0, N, K, BK)
+    w, x, offs_n, mn = _fp8_rows(x_ptr, w_ptr, slot, n0, k0, N, K, BN, BK)
     return acc + tl.sum(w * x[None, :], axis=1)
 
 
 @triton.jit
-def fp8_block_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, rows, k0, N, K, PART,
+def fp8_block_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
                    BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
                    HAS_Z: tl.constexpr):
-    w, x, offs_n, mn = _fp8_rows(x_ptr, w_ptr, slot, rows, k0, N, K, BK)
+    w, x, offs_n, mn = _fp8_rows(x_ptr, w_ptr, slot, n0, k0, N, K, BN, BK)
     part = tl.sum(tl.reshape(w * x[None, :], (BN, BK // GB, GB)), axis=2)  # [BN, groups in the tile]
     nbk = tl.cdiv(K, G)
     nbr = tl.cdiv(PART, GN)

@@ -152,10 +152,10 @@ class Routing:
 
 
 class RoutingScratch:
-    """Per-slot counters the prep kernels use, and the decode kernels' arrival words
-    (`moe_decode`: `gate_up_split`, `down_arrive`); zero between calls (the kernels reset them)."""
+    """Per-slot counters the prep kernels use, and the decode path's arrival words (`moe_decode`:
+    `down_arrive`, one per (token, row block of down)); zero between calls (the kernels reset them)."""
 
-    ARRIVALS = 16384  # words: a split gate_up's (pair, row block)s up to T = 32 at top-8 + shared, I / 16
+    ARRIVALS = 4096  # words: T = 64 tokens of H / 32 row blocks at Qwen3.6's H = 2048
 
     def __init__(self, num_slots: int, device):
         self.counts = torch.zeros(num_slots, dtype=torch.int32, device=device)

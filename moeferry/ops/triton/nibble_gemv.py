@@ -18,7 +18,7 @@ x is scaled into fp16's range per k-step first (times c = RANGE / max |x|, undon
 no product or 16-term sum overflows and small values keep their precision; the products of a
 decoded weight (2-4 significant bits) and x are exact, only the 8-term sums round (2**-11).
 
-`gemv(acc, x_ptr, w, s, z, slot, rows, k0, N, K, PART, BN, BK, G, GN, GB, HAS_Z)` is the GEMV
+`gemv(acc, x_ptr, w, s, z, slot, n0, k0, N, K, PART, BN, BK, G, GN, GB, HAS_Z)` is the GEMV
 step contract of moe_formats.py ("decode GEMV steps"). Under Triton's interpreter (no inline
 assembly) the 16-value unit runs as plain integer and fp32 operations on the same words and x.
 """
@@ -235,10 +235,10 @@ def pack_units(row_ptr, h, n0, K, RANGE: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def fp4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, rows, k0, N, K, PART,
+def fp4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
              BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
              HAS_Z: tl.constexpr):
-    offs_n = rows
+    offs_n = n0 + tl.arange(0, BN)
     mn = offs_n < N
     part, sums = _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, FP4_RANGE, True, BK)
     ks = K // 16
@@ -250,10 +250,10 @@ def fp4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, rows, k0, N, K, PART,
 
 
 @triton.jit
-def int4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, rows, k0, N, K, PART,
+def int4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
               BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
               HAS_Z: tl.constexpr):
-    offs_n = rows
+    offs_n = n0 + tl.arange(0, BN)
     mn = offs_n < N
     part, sums = _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, INT4_RANGE, False, BK)
     part = tl.sum(tl.reshape(part, (BN, BK // GB, GB // 16)), axis=2)       # sum (q - 8) x per group

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .arrivals import last_arrival
 from .gemv_formats import GEMV_STEPS
 from .moe_decode import gemv_bk, gemv_handles
 from .moe_formats import DENSE, FP4, FP8_BLOCK, FP8_ROW, INT4, TL_DTYPES, MoEKernel
@@ -94,10 +95,11 @@ def _row_gemv_kernel(x_ptr, out_ptr, w_ptr, s_ptr, z_ptr, rs_ptr, N, K: tl.const
                      GB: tl.constexpr, HAS_Z: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """One row (M = 1): BN weight rows over all of K per program, by the form's MoE decode GEMV
     step (moe_formats.py, "decode GEMV steps"; one slot, one part), unrolled over K."""
-    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    n0 = tl.program_id(0) * BN
     acc = tl.zeros((BN,), tl.float32)
     for k0 in tl.static_range(0, K, BK):
-        acc = STEP(acc, x_ptr, w_ptr, s_ptr, z_ptr, 0, offs_n, k0, N, K, N, BN, BK, G, GN, GB, HAS_Z)
+        acc = STEP(acc, x_ptr, w_ptr, s_ptr, z_ptr, 0, n0, k0, N, K, N, BN, BK, G, GN, GB, HAS_Z)
+    offs_n = n0 + tl.arange(0, BN)
     mask_n = offs_n < N
     if ROW_SCALE:
         acc *= tl.load(rs_ptr + offs_n, mask=mask_n, other=0.0)
@@ -115,14 +117,12 @@ def _finish(acc, out_ptr, ws_ptr, cnt_ptr, rs_ptr, offs_m, mask_m, n0, pid_k, ti
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT > 1:
         # serial split-K: store this slice's partial sum; the tile's last program to finish
-        # (counted on cnt[tile], acq_rel) adds all partials, then re-arms the counter
+        # (counted on cnt[tile], `arrivals.last_arrival`) adds all partials in split order
         tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + rows, acc, mask=mask)
-        tl.debug_barrier()
-        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+        if last_arrival(cnt_ptr + tile, SPLIT):
             total = tl.zeros((BM, BN), tl.float32)
             for sp in range(0, SPLIT):
                 total += tl.load(ws_ptr + sp * M * N + rows, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(cnt_ptr + tile, 0)
             _store_out(total, out_ptr, rs_ptr, rows, mask, offs_n, mask_n, ROW_SCALE)
     else:
         _store_out(acc, out_ptr, rs_ptr, rows, mask, offs_n, mask_n, ROW_SCALE)
