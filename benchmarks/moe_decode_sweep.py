@@ -206,13 +206,7 @@ def variants(current: D.DecodeConfig) -> dict[str, D.DecodeConfig]:
 def kernel_times(fns) -> dict[str, float]:
     """Device seconds per call of each kernel in `fns`' graph (torch.profiler over 10 replays)."""
     from torch.profiler import ProfilerActivity, profile
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        for f in fns:
-            f()
+    gr = MK.captured(fns)
     gr.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

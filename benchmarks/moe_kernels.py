@@ -108,8 +108,8 @@ def ev_time(fn, iters=20, warmup=3):
     return sorted(times)[len(times) // 2]
 
 
-def graph_time(fns, reps=10):
-    """Median seconds per fn over replays of one CUDA graph that calls every fn once."""
+def captured(fns) -> torch.cuda.CUDAGraph:
+    """One CUDA graph that calls every fn once (each run once eagerly first: compiles, allocations)."""
     for f in fns:
         f()
     torch.cuda.synchronize()
@@ -117,7 +117,12 @@ def graph_time(fns, reps=10):
     with torch.cuda.graph(gr):
         for f in fns:
             f()
-    return ev_time(gr.replay, iters=reps) / len(fns)
+    return gr
+
+
+def graph_time(fns, reps=10):
+    """Median seconds per fn over replays of one CUDA graph that calls every fn once."""
+    return ev_time(captured(fns).replay, iters=reps) / len(fns)
 
 
 def hbm_bandwidth():
