@@ -525,13 +525,15 @@ class OffloadBackend:
                 "on the device, the CPU lane's thread computing its share while the graph runs; other decode "
                 "graphs: ") if self.lane_batches else ""
         if self.lanes_from == 1:
-            return lane + "every decode graph splits its misses at the CPU lane's cuts"
-        if math.isinf(self.lanes_from):
-            return lane + ("no decode graph's batch is expected to save more than the CPU lane's cuts cost: graphs "
-                           "fetch every miss, as offload does; eager steps split")
-        return lane + (f"decode graphs of fewer than {self.lanes_from} sequences fetch every miss, as offload does "
-                       "(the split's expected saving there is below what the CPU lane's cuts cost); larger ones and "
-                       "eager steps split")
+            cuts = "every decode graph splits its misses at the CPU lane's cuts"
+        elif math.isinf(self.lanes_from):
+            cuts = ("no decode graph's batch is expected to save more than the CPU lane's cuts cost: graphs fetch "
+                    "every miss, as offload does; eager steps split")
+        else:
+            cuts = (f"decode graphs of fewer than {self.lanes_from} sequences fetch every miss, as offload does (the "
+                    "split's expected saving there is below what the CPU lane's cuts cost); larger ones and eager "
+                    "steps split")
+        return lane + cuts
 
     def _choose_transfer(self) -> None:
         """Decode misses move by the one-launch gather kernel or by copies: measured, the faster kept."""
