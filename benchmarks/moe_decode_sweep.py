@@ -20,8 +20,9 @@ Compiling a few hundred kernel variants dominates the run, so first `--jobs` pro
 per form) compile every variant into Triton's on-disk cache; the timing process then loads
 them. Prints a table and the `DECODE_CONFIGS` entries to paste; writes moe_decode_sweep.md /
 .json under --out. `--variants`: no sweep; each form's entry timed as a whole call against
-its down chunks summed by their last arrival or by a third launch (`DecodeConfig.down_arrive`),
-with each kernel's device time at T = 1 (torch.profiler over graph replays).
+the block-size variants of `variants`, with each kernel's device time at T = 1 (torch.profiler
+over graph replays), and once with every call on one routing (its weights stay in L2: what is
+left is the kernels' own work and latency).
 `--smoke`: tiny shapes on the CPU (MOEFERRY_TRITON_INTERPRET=1), a check
 of the script only.
 """
@@ -196,11 +197,10 @@ def whole_form(label: str, bw: float, log) -> dict:
 
 
 def variants(current: D.DecodeConfig) -> dict[str, D.DecodeConfig]:
-    """--variants: the form's entry, and its down launch in pair chunks (one pair a chunk, or three)
-    summed by their last arrival (`down_arrive`) or by a third launch."""
-    arrive = replace(current, down_pairs=current.down_pairs or 1, down_arrive=True)
-    return {"current": current, "arrive": arrive, "arrive3": replace(arrive, down_pairs=3),
-            "sum launch": replace(arrive, down_arrive=False)}
+    """--variants: the form's entry, its down launch in one k step or with two warps a program,
+    and its gate_up with eight warps a program."""
+    return {"current": current, "down bk 512": replace(current, down_bk=512),
+            "down warps 2": replace(current, down_warps=2), "gate_up warps 8": replace(current, num_warps=8)}
 
 
 def kernel_times(fns) -> dict[str, float]:
@@ -232,6 +232,13 @@ def variants_form(label: str, bw: float, log) -> dict:
         log(f"  {label} T=1 {name}: kernels " + ", ".join(f"{k.strip('_')[:24]} {v * 1e6:.1f} us"
                                                          for k, v in kernels[name].items())
             + f"; sum {sum(kernels[name].values()) * 1e6:.1f} us")
+    if MK.DEV.type == "cuda":  # one routing in every call: the weights stay in L2 (left: compute, latency)
+        hot = rts[:1] * CALLS
+        kernels["current, L2-hot"] = kernel_times(layer.whole_fns(x, gate, hot, layer.current))
+        whole = MK.graph_time(layer.whole_fns(x, gate, hot, layer.current))
+        log(f"  {label} T=1 current, one routing (weights in L2): kernels " + ", ".join(
+            f"{k.strip('_')[:24]} {v * 1e6:.1f} us" for k, v in kernels["current, L2-hot"].items())
+            + f"; whole call {whole * 1e6:.1f} us")
     return dict(label=label, configs={k: asdict(v) for k, v in cfgs.items()}, rel_error=errors, rows=rows,
                 kernels=kernels)
 
@@ -270,7 +277,7 @@ def main():
     ap.add_argument("--kernels", default="gate_up,down", help="the kernels swept (others keep the current entry)")
     ap.add_argument("--whole-only", action="store_true", help="time the current entries as whole calls, no sweep")
     ap.add_argument("--variants", action="store_true",
-                    help="time each form's entry against its down-chunk variants, no sweep")
+                    help="time each form's entry against its block-size variants, no sweep")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.smoke:

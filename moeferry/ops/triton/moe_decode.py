@@ -60,12 +60,14 @@ class DecodeConfig:
 
 # Per slot form (MoEKernel.name): the block sizes `benchmarks/moe_decode_sweep.py` found fastest
 # on an H200 over T = 1 and 4 (benchmarks/README.md); other forms take DecodeConfig(). Whole call
-# at T = 1 / 4 (top-8 + shared, H100 of the thirtieth session, `--variants`): fp4 13.8 / 31.7 us
+# at T = 1 / 4 (top-8 + shared, H100 of the thirty-first session): fp4 14.0-14.9 / 30.6-30.7 us
 # (packed-half steps; gate_up BN 16 so that a program holds whole 16-value units to pack; the
 # down launch one pair a program, its chunks summed by the last to arrive: 15.6-15.8 / 32.4 us
-# with a third launch summing them), int4 15.1 / 31.6 (16.0-16.2 / 32.0), fp8_row 17.4 / 41.9,
+# with a third launch summing them), int4 13.9 / 30.3-30.5 (16.0-16.2 / 32.0), fp8_row 16.8 / 41.1,
 # fp8_block 17.5 / 40.8, dense 27.2 / 71.4. Timed and not taken: gate_up split over k, its k loop
-# unrolled over smaller steps, gate and up rows in one GEMV call, x packed once before gate_up.
+# unrolled over smaller steps, gate and up rows in one GEMV call, x packed once before gate_up,
+# weight rows asked into L1 / L2 before the GEMV (prefetch), gate_up asking down's slots into L2,
+# routing without the slot table, down in one k step, two down warps, eight gate_up warps.
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
     "dense": DecodeConfig(gate_up_bn=2, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
     "fp4": DecodeConfig(gate_up_bn=16, gate_up_bk=2048, down_bn=32, down_bk=256, num_warps=4, down_warps=4,
@@ -180,7 +182,8 @@ def _decode_down_kernel(inter_ptr, out_ptr, stride_out, final_ptr, arrive_ptr, i
     n0 = tl.program_id(1) * BN
     chunk = tl.program_id(2)  # pairs chunk * PAIRS .. + PAIRS of the token (all of them: one chunk)
     jv = tl.arange(0, TP)
-    slots, weights = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, jv, K_IN, TOPK, HAS_SHARED)
+    if PAIRS > 1:
+        slots, weights = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, jv, K_IN, TOPK, HAS_SHARED)
     offs_n = n0 + tl.arange(0, BN)
     mask_n = offs_n < H
     out = tl.zeros((BN,), tl.float32)
@@ -189,8 +192,11 @@ def _decode_down_kernel(inter_ptr, out_ptr, stride_out, final_ptr, arrive_ptr, i
     # ninth session), so a program pays one memory latency per pair: fewer pairs (down_pairs), fewer
     for jj in tl.static_range(PAIRS):
         j = chunk * PAIRS + jj  # j >= TOPK (the last chunk's padding): slot -1, adds 0
-        s = tl.where(j < TOPK, tl.sum(tl.where(jv == j, slots, 0)), -1)
-        w = tl.sum(tl.where(jv == j, weights, 0.0))
+        if PAIRS > 1:
+            s = tl.where(j < TOPK, tl.sum(tl.where(jv == j, slots, 0)), -1)
+            w = tl.sum(tl.where(jv == j, weights, 0.0))
+        else:  # one pair a program: its route read as scalars (no vector to pick it from)
+            s, w = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, j, K_IN, TOPK, HAS_SHARED)
         a_row = inter_ptr + (t * TOPK + tl.minimum(j, TOPK - 1)).to(tl.int64) * ROW
         acc = _down_rows(a_row, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I, GEMV, ROW_SCALE, G, GN, GB, HAS_Z, BN, BK)
         out += (acc * w).to(x_dtype).to(tl.float32)

@@ -12,7 +12,8 @@ values at once in fp16x2 registers:
 - int4: 0x6400 | q is fp16 1024 + q, minus 1032 is q - 8 exactly; the zero point's difference
   from 8 is taken off per group in fp32 (sum (q - z) x = sum (q - 8) x - (z - 8) sum x);
 - one fma.rn.f16x2 multiplies and adds two products; 16 values (one fp4 scale group) are summed
-  in fp16 and leave as one fp32.
+  in fp16 (the two lanes' 8-term sums added there too) and leave as one fp32; x's scale c is
+  undone once per row sum, not per unit.
 
 x is scaled into fp16's range per k-step first (times c = RANGE / max |x|, undone in fp32), so
 no product or 16-term sum overflows and small values keep their precision; the products of a
@@ -37,7 +38,7 @@ INT4_RANGE: tl.constexpr = tl.constexpr(256.0)   # |x'| <= 2**8: products <= 204
 
 def _unit_asm(pair: str) -> str:
     """PTX of one 16-value unit: words $1, $2; x pairs $3-$10 (fp16x2); fp32 sum to $0."""
-    lines = ["{", ".reg .b32 m, t, a, c;", ".reg .b16 l, h;", ".reg .f32 fl, fh;", "mov.b32 a, 0;",
+    lines = ["{", ".reg .b32 m, t, a, c;", ".reg .b16 l, h;", "mov.b32 a, 0;",
              "mov.b32 c, 0x64086408;"]
     for word in (1, 2):
         for j in range(4):
@@ -45,7 +46,7 @@ def _unit_asm(pair: str) -> str:
                                      mshift=("shl.b32" if j < 3 else "shr.b32") + f" m, ${word}, {abs(9 - 4 * j)};",
                                      sshift=f"shl.b32 t, ${word}, {12 - 4 * j};" if j < 3 else f"mov.b32 t, ${word};",
                                      rshift=f"shr.b32 m, ${word}, {4 * j};"))
-    lines += ["mov.b32 {l, h}, a;", "cvt.f32.f16 fl, l;", "cvt.f32.f16 fh, h;", "add.f32 $0, fl, fh;", "}"]
+    lines += ["mov.b32 {l, h}, a;", "add.rn.f16 l, l, h;", "cvt.f32.f16 $0, l;", "}"]
     return "\n".join(lines)
 
 
@@ -200,23 +201,24 @@ def _packed_x(x_ptr, k0, K, BK: tl.constexpr):
 @triton.jit
 def _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, RANGE: tl.constexpr, FP4: tl.constexpr,
                   BK: tl.constexpr):
-    """(sum of v x over each 16 values [BN, BK/16] fp32, sum of x over each 16 [BK/16]): v the fp4
-    value / 2**14 or the int4 q - 8. 16-bit x runs the packed-half units (x times c = RANGE /
-    max |x| in fp16, undone in fp32); x as int32 is a row `pack_units` stored (per-unit c); fp32 x
-    the exact byte decode."""
+    """(sum of v x over each 16 values [BN, BK/16] fp32 times c, sum of x over each 16 [BK/16],
+    1 / c): v the fp4 value / 2**14 or the int4 q - 8. 16-bit x runs the packed-half units (x
+    times c = RANGE / max |x| in fp16; the caller undoes c once a row is summed); x as int32 is
+    a row `pack_units` stored (per-unit c, undone here: c = 1); fp32 x the exact byte decode (c = 1).
+    The weights are asked for before x is prepared."""
     if x_ptr.dtype.element_ty == tl.int32:
-        xs, inv_c, sums = _packed_x(x_ptr, k0, K, BK)
         w0, w1 = _words(w_ptr, slot, offs_n, mn, k0, N, K, BK)
-        return _units(w0, w1, xs, FP4) * inv_c[None, :], sums
+        xs, inv_c, sums = _packed_x(x_ptr, k0, K, BK)
+        return _units(w0, w1, xs, FP4) * inv_c[None, :], sums, 1.0
     else:
         offs = k0 + tl.arange(0, BK)
         xv = tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
         if x_ptr.dtype.element_ty == tl.float32:
-            return _byte_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, FP4, BK), _unit_sums(xv, BK)
+            return _byte_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, FP4, BK), _unit_sums(xv, BK), 1.0
         else:
-            c = RANGE / tl.maximum(tl.max(tl.abs(xv)), 1e-30)
             w0, w1 = _words(w_ptr, slot, offs_n, mn, k0, N, K, BK)
-            return _units(w0, w1, _x_pairs(xv * c, BK), FP4) / c, _unit_sums(xv, BK)
+            c = RANGE / tl.maximum(tl.max(tl.abs(xv)), 1e-30)
+            return _units(w0, w1, _x_pairs(xv * c, BK), FP4), _unit_sums(xv, BK), 1.0 / c
 
 
 @triton.jit
@@ -240,13 +242,13 @@ def fp4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
              HAS_Z: tl.constexpr):
     offs_n = n0 + tl.arange(0, BN)
     mn = offs_n < N
-    part, sums = _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, FP4_RANGE, True, BK)
+    part, sums, inv_c = _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, FP4_RANGE, True, BK)
     ks = K // 16
     offs_s = k0 // 16 + tl.arange(0, BK // 16)
     sc = tl.load(s_ptr + slot * N * ks + offs_n[:, None] * ks + offs_s[None, :],
                  mask=mn[:, None] & (offs_s < ks)[None, :], other=0)
     sc = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return acc + tl.sum(part * sc, axis=1) * 16384.0
+    return acc + tl.sum(part * sc, axis=1) * (16384.0 * inv_c)
 
 
 @triton.jit
@@ -255,8 +257,8 @@ def int4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
               HAS_Z: tl.constexpr):
     offs_n = n0 + tl.arange(0, BN)
     mn = offs_n < N
-    part, sums = _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, INT4_RANGE, False, BK)
-    part = tl.sum(tl.reshape(part, (BN, BK // GB, GB // 16)), axis=2)       # sum (q - 8) x per group
+    part, sums, inv_c = _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, INT4_RANGE, False, BK)
+    part = tl.sum(tl.reshape(part, (BN, BK // GB, GB // 16)), axis=2)       # sum (q - 8) x per group, times c
     ng = tl.cdiv(K, G)
     offs_g = (k0 + tl.arange(0, BK // GB) * GB) // G
     goff = slot * N * ng + offs_n[:, None] * ng + offs_g[None, :]
@@ -265,5 +267,5 @@ def int4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
     if HAS_Z:
         zp = tl.load(z_ptr + goff, mask=gm, other=8).to(tl.float32)
         xs = tl.sum(tl.reshape(sums, (BK // GB, GB // 16)), axis=1)          # sum x per group
-        part -= (zp - 8.0) * xs[None, :]
-    return acc + tl.sum(part * sc, axis=1)
+        part -= (zp - 8.0) * (xs / inv_c)[None, :]
+    return acc + tl.sum(part * sc, axis=1) * inv_c
