@@ -217,6 +217,11 @@ def kernel_times(fns) -> dict[str, float]:
     return {e.key: e.device_time_total * 1e-6 / calls for e in prof.key_averages() if e.device_time_total > 0}
 
 
+def _kernels_said(times: dict[str, float]) -> str:
+    """`kernel_times`' result as one line: each kernel's name (shortened) and microseconds."""
+    return ", ".join(f"{k.strip('_')[:24]} {v * 1e6:.1f} us" for k, v in times.items())
+
+
 def variants_form(label: str, bw: float, log) -> dict:
     """--variants: whole calls of each `variants` config, their error, and at T = 1 the kernels'
     device time per call beside the whole call's (the rest: launch gaps and tails)."""
@@ -229,16 +234,14 @@ def variants_form(label: str, bw: float, log) -> dict:
     kernels = {}
     for name, cfg in cfgs.items() if MK.DEV.type == "cuda" else ():
         kernels[name] = kernel_times(layer.whole_fns(x, gate, rts, cfg))
-        log(f"  {label} T=1 {name}: kernels " + ", ".join(f"{k.strip('_')[:24]} {v * 1e6:.1f} us"
-                                                         for k, v in kernels[name].items())
-            + f"; sum {sum(kernels[name].values()) * 1e6:.1f} us")
+        log(f"  {label} T=1 {name}: kernels {_kernels_said(kernels[name])}; "
+            f"sum {sum(kernels[name].values()) * 1e6:.1f} us")
     if MK.DEV.type == "cuda":  # one routing in every call: the weights stay in L2 (left: compute, latency)
         hot = rts[:1] * CALLS
         kernels["current, L2-hot"] = kernel_times(layer.whole_fns(x, gate, hot, layer.current))
         whole = MK.graph_time(layer.whole_fns(x, gate, hot, layer.current))
-        log(f"  {label} T=1 current, one routing (weights in L2): kernels " + ", ".join(
-            f"{k.strip('_')[:24]} {v * 1e6:.1f} us" for k, v in kernels["current, L2-hot"].items())
-            + f"; whole call {whole * 1e6:.1f} us")
+        log(f"  {label} T=1 current, one routing (weights in L2): kernels "
+            f"{_kernels_said(kernels['current, L2-hot'])}; whole call {whole * 1e6:.1f} us")
     return dict(label=label, configs={k: asdict(v) for k, v in cfgs.items()}, rel_error=errors, rows=rows,
                 kernels=kernels)
 

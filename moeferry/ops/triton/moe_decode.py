@@ -62,10 +62,11 @@ class DecodeConfig:
 # on an H200 over T = 1 and 4 (benchmarks/README.md); other forms take DecodeConfig(). Whole call
 # at T = 1 / 4 (top-8 + shared, H100 of the thirty-first session): fp4 14.0-14.9 / 30.6-30.7 us
 # (packed-half steps; gate_up BN 16 so that a program holds whole 16-value units to pack; the
-# down launch one pair a program, its chunks summed by the last to arrive: 15.6-15.8 / 32.4 us
-# with a third launch summing them), int4 13.9 / 30.3-30.5 (16.0-16.2 / 32.0), fp8_row 16.8 / 41.1,
-# fp8_block 17.5 / 40.8, dense 27.2 / 71.4. Timed and not taken: gate_up split over k, its k loop
-# unrolled over smaller steps, gate and up rows in one GEMV call, x packed once before gate_up,
+# down launch one pair a program, its chunks summed by the last to arrive; the thirtieth session's
+# third launch summing them took 15.6-15.8 / 32.4 us), int4 13.9 / 30.3-30.5 (with the third launch
+# 16.0-16.2 / 32.0), fp8_row 16.8 / 41.1, fp8_block 17.5 / 40.8, dense 27.2 / 71.4. Timed and not
+# taken: gate_up split over k, its k loop unrolled over smaller steps, gate and up rows in one GEMV
+# call, x packed once before gate_up,
 # weight rows asked into L1 / L2 before the GEMV (prefetch), gate_up asking down's slots into L2,
 # routing without the slot table, down in one k step, two down warps, eight gate_up warps.
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
