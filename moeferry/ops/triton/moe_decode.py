@@ -68,7 +68,8 @@ class DecodeConfig:
 # taken: gate_up split over k, its k loop unrolled over smaller steps, gate and up rows in one GEMV
 # call, x packed once before gate_up,
 # weight rows asked into L1 / L2 before the GEMV (prefetch), gate_up asking down's slots into L2,
-# routing without the slot table, down in one k step, two down warps, eight gate_up warps.
+# routing without the slot table, down in one k step, two down warps, eight gate_up warps, gate and up
+# tiles' loads all asked for before either is summed (a two-tile GEMV step, thirty-second session).
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
     "dense": DecodeConfig(gate_up_bn=2, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
     "fp4": DecodeConfig(gate_up_bn=16, gate_up_bk=2048, down_bn=32, down_bk=256, num_warps=4, down_warps=4,
