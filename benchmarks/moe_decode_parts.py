@@ -128,8 +128,10 @@ def _row(name: str, r: dict) -> str:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--forms", default="fp4")
+    ap.add_argument("--forms", default="fp4", help="only fp4: the unit-math patch takes out fp4's unit")
     args = ap.parse_args()
+    if set(args.forms.split(",")) != {"fp4"}:
+        ap.error("--forms: only fp4 is patched (the unit-math patch takes out fp4's unit, not int4's)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     md = []
