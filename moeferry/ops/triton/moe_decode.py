@@ -66,10 +66,10 @@ class DecodeConfig:
 # third launch summing them took 15.6-15.8 / 32.4 us), int4 13.9 / 30.3-30.5 (with the third launch
 # 16.0-16.2 / 32.0), fp8_row 16.8 / 41.1, fp8_block 17.5 / 40.8, dense 27.2 / 71.4. Timed and not
 # taken: gate_up split over k, its k loop unrolled over smaller steps, gate and up rows in one GEMV
-# call, x packed once before gate_up,
-# weight rows asked into L1 / L2 before the GEMV (prefetch), gate_up asking down's slots into L2,
-# routing without the slot table, down in one k step, two down warps, eight gate_up warps, gate and up
-# tiles' loads all asked for before either is summed (a two-tile GEMV step, thirty-second session).
+# call, x packed once before gate_up, weight rows asked into L1 / L2 before the GEMV (prefetch),
+# gate_up asking down's slots into L2, routing without the slot table, down in one k step, two down
+# warps, eight gate_up warps, gate and up tiles' loads all asked for before either is summed (a
+# two-tile GEMV step, thirty-second session).
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
     "dense": DecodeConfig(gate_up_bn=2, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
     "fp4": DecodeConfig(gate_up_bn=16, gate_up_bk=2048, down_bn=32, down_bk=256, num_warps=4, down_warps=4,
@@ -183,8 +183,8 @@ def _decode_down_kernel(inter_ptr, out_ptr, stride_out, final_ptr, arrive_ptr, i
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BN
     chunk = tl.program_id(2)  # pairs chunk * PAIRS .. + PAIRS of the token (all of them: one chunk)
-    jv = tl.arange(0, TP)
     if PAIRS > 1:
+        jv = tl.arange(0, TP)
         slots, weights = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, jv, K_IN, TOPK, HAS_SHARED)
     offs_n = n0 + tl.arange(0, BN)
     mask_n = offs_n < H
