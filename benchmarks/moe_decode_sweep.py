@@ -197,10 +197,13 @@ def whole_form(label: str, bw: float, log) -> dict:
 
 
 def variants(current: D.DecodeConfig) -> dict[str, D.DecodeConfig]:
-    """--variants: the form's entry, its down launch in one k step or with two warps a program,
-    and its gate_up with eight warps a program."""
-    return {"current": current, "down bk 512": replace(current, down_bk=512),
-            "down warps 2": replace(current, down_warps=2), "gate_up warps 8": replace(current, num_warps=8)}
+    """--variants: the form's entry, its down launch in one k step, and each with down launched as
+    a programmatic dependent of gate_up or not (`down_pdl`: in one k step, every weight word of a
+    down program is asked for before it waits for gate_up's end)."""
+    one_step = replace(current, down_bk=512)
+    return {"current": current, "down bk 512": one_step,
+            "down pdl": replace(current, down_pdl=not current.down_pdl),
+            "down pdl, bk 512": replace(one_step, down_pdl=not current.down_pdl)}
 
 
 def kernel_times(fns) -> dict[str, float]:

@@ -222,6 +222,14 @@ CASES["decode-arrive-fp8_block-T2-shared"] = (check_moe, dict(
     path=DecodeConfig(4, 64, 8, 64, down_pairs=3, down_arrive=True)))
 CASES["decode-arrive-bf16-T1-shared"] = (check_moe, dict(
     fmt="bf16", t=1, e=8, k=2, shared=True, seed=19, path=DecodeConfig(2, 64, 8, 64, down_pairs=1, down_arrive=True)))
+# down launched as a programmatic dependent of gate_up (`down_pdl`; under the interpreter the launches
+# run in turn: these check the plumbing, the GPU cases the overlap)
+CASES["decode-pdl-nvfp4-T2-fp32-exact-missing-shared"] = (check_moe, dict(
+    fmt="nvfp4", t=2, e=16, k=4, slots=20, missing=3, shared=True, seed=22, dtype="float32", tol=1e-4,
+    path=DecodeConfig(16, 64, 32, 32, down_pairs=1, down_arrive=True, down_pdl=True)))
+CASES["decode-pdl-fp8_block-T2-shared"] = (check_moe, dict(
+    fmt="fp8_block", t=2, e=16, k=4, slots=20, shared=True, seed=23, params={"block_size": (32, 32)},
+    path=DecodeConfig(4, 64, 8, 64, down_pdl=True)))
 CASES["nvfp4-T20"] = (check_moe, dict(fmt="nvfp4", t=20, e=8, k=2, seed=8))
 
 
@@ -537,7 +545,7 @@ def test_gpu_qwen_shapes(fmt, t):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("path", ["decode", "decode-pairs", "decode-arrive", "gemm"])
+@pytest.mark.parametrize("path", ["decode", "decode-pairs", "decode-arrive", "decode-pdl", "gemm"])
 @pytest.mark.parametrize("t", [1, 2, 4])
 @pytest.mark.parametrize("fmt", DEVICE_FORMS)
 def test_gpu_decode_paths(fmt, t, path):
@@ -555,12 +563,54 @@ def test_gpu_decode_paths(fmt, t, path):
     gate = torch.randn(t, generator=gen).cuda()
     cfg = (DecodeConfig() if path == "decode" else DecodeConfig(down_pairs=2) if path == "decode-pairs"
            else DecodeConfig(down_pairs=1, down_arrive=True) if path == "decode-arrive"
+           else DecodeConfig(down_pairs=1, down_arrive=True, down_pdl=True) if path == "decode-pdl"
            else moe_gemm.choose_config(t, buf.gate_up, buf.down))
     out = buf.run(x, ids, w, table, int(where[e]), gate, config=cfg)
     w_ref = w.float().masked_fill(torch.isin(ids, missing), 0.0)
     ref = experts_reference(x.float(), ids, w_ref, lambda j: dq[j]) + torch.sigmoid(gate)[:, None] * swiglu(x.float(), *dq[e])
     err = _rel(out, ref)
     assert err < 2e-2, f"{fmt} T={t} {path}: relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", DEVICE_FORMS)
+def test_gpu_decode_pdl_in_graph(fmt):
+    """Down launched as a programmatic dependent of gate_up (`down_pdl`), eight calls (T = 1..4,
+    each its own routing and activations) captured in one CUDA graph, so that each down starts
+    under its gate_up's tail and the next call follows at once: every replay's outputs are the
+    plain launches' bytes (the same sums in the same order; a read of inter before gate_up's end
+    would differ)."""
+    from dataclasses import replace
+    from moeferry.ops.triton.moe_decode import DECODE_CONFIGS, DecodeConfig
+    buf, where, _ = _gpu_setup(fmt)
+    e, k = QWEN["e"], QWEN["k"]
+    gen = torch.Generator().manual_seed(31)
+    table, shared = where[:e].clone(), int(where[e])
+    calls = []
+    for c in range(8):
+        t = 1 + c % 4
+        x = torch.randn(t, QWEN["h"], generator=gen).cuda().bfloat16()
+        w, ids = _routing(t, e, k, gen, "cuda", torch.bfloat16)
+        calls.append((x, ids, w, table, shared, torch.randn(t, generator=gen).cuda()))
+    plain = replace(DECODE_CONFIGS.get(buf.gate_up.kernel.name, DecodeConfig()), down_pdl=False)
+    want = [buf.run(*call, config=plain) for call in calls]
+    outs = []
+
+    def step():
+        outs[:] = [buf.run(*call, config=replace(plain, down_pdl=True)) for call in calls]
+    step()
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, r) for o, r in zip(outs, want)), "eager down_pdl differs from plain launches"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        for o in outs:
+            o.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, r) for o, r in zip(outs, want)), "a replay's down_pdl output differs"
 
 
 @pytest.mark.gpu

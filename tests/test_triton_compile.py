@@ -87,15 +87,18 @@ def _compile_launch(fn, args, kw):
     return _compile(fn, sig, constants, attrs)
 
 
-@pytest.mark.parametrize("fmt,shared,down_pairs,arrive", [(f, s, 0, False) for f in ("bf16", "fp8_tensor", "fp8_block",
-                                                                          "nvfp4", "int4_awq") for s in (False, True)]
-                         + [("nvfp4", True, 2, False), ("nvfp4", True, 1, True), ("int4_awq", True, 1, True),
-                            ("fp8_tensor", True, 1, True)])
-def test_moe_decode_kernels_compile(fmt, shared, down_pairs, arrive, monkeypatch):
+@pytest.mark.parametrize("fmt,shared,down_pairs,arrive,pdl", [(f, s, 0, False, False) for f in (
+    "bf16", "fp8_tensor", "fp8_block", "nvfp4", "int4_awq") for s in (False, True)]
+                         + [("nvfp4", True, 2, False, False), ("nvfp4", True, 1, True, False),
+                            ("int4_awq", True, 1, True, False), ("fp8_tensor", True, 1, True, False),
+                            ("nvfp4", True, 1, True, True), ("int4_awq", True, 1, True, True),
+                            ("fp8_tensor", True, 0, False, True)])
+def test_moe_decode_kernels_compile(fmt, shared, down_pairs, arrive, pdl, monkeypatch):
     """The few-token MoE path (`moe_decode.py`) compiles for sm_90 for every slot form at Qwen3.6's
     H and I, with and without the shared expert (and once with the down launch split into pair
-    chunks; with `arrive`, the chunks summed by their last arrival):
-    its launches are recorded on the CPU and each is compiled as launched."""
+    chunks; with `arrive`, the chunks summed by their last arrival; with `pdl`, down launched as a
+    programmatic dependent of gate_up): its launches are recorded on the CPU and each is compiled
+    as launched."""
     import dataclasses
     from moeferry.checkpoint.formats import FORMATS
     from moeferry.moe.slots import SlotBuffer
@@ -114,14 +117,24 @@ def test_moe_decode_kernels_compile(fmt, shared, down_pairs, arrive, monkeypatch
     x, ids = torch.randn(1, h).bfloat16(), torch.tensor([[0, 2]])
     table = torch.arange(e, dtype=torch.int32)
     cfg = moe_decode.DECODE_CONFIGS.get(buf.gate_up.kernel.name, moe_decode.DecodeConfig())  # the GPU's
-    cfg = dataclasses.replace(cfg, down_pairs=down_pairs, down_arrive=arrive)
+    cfg = dataclasses.replace(cfg, down_pairs=down_pairs, down_arrive=arrive, down_pdl=pdl)
     moe_decode.decode_moe(x, ids, torch.full((1, k), 0.5), buf.gate_up, buf.down, table, e - 1 if shared else -1,
                           torch.ones(1) if shared else None, cfg, buf.scratch.arrivals)
     assert len(launches) == (3 if down_pairs and not arrive else 2)
     assert all(kw.get("ARRIVE", arrive) == arrive for _, _, kw in launches)
     assert {fn.fn.__name__ for fn, _, _ in launches} >= {"_decode_gate_up_kernel", "_decode_down_kernel"}
+    ptx = {}
     for fn, args, kw in launches:
-        assert "cubin" in _compile_launch(fn, args, kw).asm
+        compiled = _compile_launch(fn, args, kw)
+        assert "cubin" in compiled.asm
+        ptx[fn.fn.__name__] = compiled.asm["ptx"]
+        assert kw.get("launch_pdl", False) == (pdl and fn.fn.__name__ == "_decode_down_kernel")
+    assert ("griddepcontrol.launch_dependents" in ptx["_decode_gate_up_kernel"]) == pdl
+    down = ptx["_decode_down_kernel"]
+    packed = moe_decode.packs_inter(buf.gate_up, x.dtype, min(cfg.gate_up_bn, i))
+    assert ("griddepcontrol.wait" in down) == (pdl or packed)  # a packed read always waits (a no-op unless pdl)
+    if pdl and packed:  # the first step's weight words are asked for before the wait
+        assert re.search(r"ld\.global(\.\w+)*\.v4", down[:down.index("griddepcontrol.wait")])
 
 
 @pytest.mark.parametrize("form,n", [("fp4", 4096), ("fp4", 248320), ("fp8_row", 2048), ("fp8_row", 8192)])

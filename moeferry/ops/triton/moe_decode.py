@@ -21,6 +21,11 @@ the format's GEMV step (moe_formats.py, "decode GEMV steps") on the CUDA cores:
    fp32 rows in order (still deterministic; one more launch). With `down_arrive` the chunks
    are summed without that launch: each program counts its arrival at its (token, row block)
    and the last to arrive adds the chunks' rows in chunk order (`arrivals.last_arrival`).
+   With `down_pdl`, down is launched as a programmatic dependent of gate_up: each gate_up
+   program lets it start once its GEMV is done (before storing inter), and down waits for
+   gate_up's end only where it reads inter (packed halves: after its weight words are asked
+   for, `nibble_gemv._packed_x`; other forms at its start), so down's launch, its routing
+   reads and (packed) its weight loads run under gate_up's tail.
 
 The arrival counters live in the slot buffer's scratch (`RoutingScratch.arrivals`, zero
 between calls: the last arrival sets its word back).
@@ -41,6 +46,7 @@ import triton.language as tl
 
 from .arrivals import last_arrival
 from .moe_formats import TL_DTYPES, SlotMatrix
+from .grid_dependency import release_dependents, wait_for_primary
 from .nibble_gemv import pack_units
 
 
@@ -56,6 +62,7 @@ class DecodeConfig:
     down_pairs: int = 0    # pairs per down program (0: all of the token's; fewer: a grid of pair
                            # chunks whose fp32 partial rows a third launch sums in order)
     down_arrive: bool = False  # (down_pairs) the last chunk to arrive sums the chunks: no third launch
+    down_pdl: bool = False     # down a programmatic dependent launch of gate_up (module docstring)
 
 
 # Per slot form (MoEKernel.name): the block sizes `benchmarks/moe_decode_sweep.py` found fastest
@@ -162,13 +169,16 @@ def _decode_gate_up_kernel(x_ptr, stride_x, inter_ptr, ids_ptr, rw_ptr, shw_ptr,
                            H: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr,
                            GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr,
                            TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr,
-                           PACK_RANGE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                           PACK_RANGE: tl.constexpr, RELEASE: tl.constexpr, BN: tl.constexpr,
+                           BK: tl.constexpr):
     p = tl.program_id(0)
     t = p // TOPK
     s, _ = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, p % TOPK, K_IN, TOPK, HAS_SHARED)
     n0 = tl.program_id(1) * BN
     h = _gate_up_h(x_ptr + t.to(tl.int64) * stride_x, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I, GEMV, ROW_SCALE,
                    G, GN, GB, HAS_Z, UNROLL, BN, BK)
+    if RELEASE:  # the down launch may start (it waits for this grid's end before reading inter)
+        release_dependents()
     _store_inter(inter_ptr, p, h, n0, I, PACK_RANGE, BN)
 
 
@@ -178,8 +188,8 @@ def _decode_down_kernel(inter_ptr, out_ptr, stride_out, final_ptr, arrive_ptr, i
                         I: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr,
                         GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr,
                         TOPK: tl.constexpr, TP: tl.constexpr, HAS_SHARED: tl.constexpr, ROW: tl.constexpr,
-                        x_dtype: tl.constexpr, PAIRS: tl.constexpr, ARRIVE: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr):
+                        x_dtype: tl.constexpr, PAIRS: tl.constexpr, ARRIVE: tl.constexpr, PDL: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr):
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BN
     chunk = tl.program_id(2)  # pairs chunk * PAIRS .. + PAIRS of the token (all of them: one chunk)
@@ -199,6 +209,8 @@ def _decode_down_kernel(inter_ptr, out_ptr, stride_out, final_ptr, arrive_ptr, i
             w = tl.sum(tl.where(jv == j, weights, 0.0))
         else:  # one pair a program: its route read as scalars (no vector to pick it from)
             s, w = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, j, K_IN, TOPK, HAS_SHARED)
+        if PDL and jj == 0 and inter_ptr.dtype.element_ty != tl.int32:  # packed halves wait in their read
+            wait_for_primary()
         a_row = inter_ptr + (t * TOPK + tl.minimum(j, TOPK - 1)).to(tl.int64) * ROW
         acc = _down_rows(a_row, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I, GEMV, ROW_SCALE, G, GN, GB, HAS_Z, BN, BK)
         out += (acc * w).to(x_dtype).to(tl.float32)
@@ -283,7 +295,7 @@ def decode_gate_up(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     _decode_gate_up_kernel[(t * common["TOPK"], triton.cdiv(i, bn))](
         x, x.stride(0), inter, *_route_args(ids, weights, table_row, shared_slot, shared_gate),
         *gate_up.kernel_args(), i, H=gate_up.k, GB=gb, UNROLL=cfg.unroll,
-        PACK_RANGE=gate_up.kernel.x_range if pack else 0.0, BN=bn, BK=bk,
+        PACK_RANGE=gate_up.kernel.x_range if pack else 0.0, RELEASE=cfg.down_pdl, BN=bn, BK=bk,
         num_warps=cfg.num_warps, **common)
     return inter
 
@@ -323,8 +335,8 @@ def decode_down(inter: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weigh
         inter, dest, out.stride(0), out, arrivals if arrive else out,
         *_route_args(ids, weights, table_row, shared_slot, shared_gate),
         *down.kernel_args(), h, I=down.k, GB=gb, TP=triton.next_power_of_2(topk), ROW=inter.shape[1],
-        x_dtype=TL_DTYPES[out.dtype], PAIRS=pairs, ARRIVE=arrive, BN=bn, BK=bk, num_warps=cfg.down_warps,
-        **common)
+        x_dtype=TL_DTYPES[out.dtype], PAIRS=pairs, ARRIVE=arrive, PDL=cfg.down_pdl, BN=bn, BK=bk,
+        num_warps=cfg.down_warps, launch_pdl=cfg.down_pdl, **common)
     if chunks > 1 and not arrive:
         block = min(1024, triton.next_power_of_2(h))
         _sum_chunks_kernel[(t, triton.cdiv(h, block))](dest, out, out.stride(0), h, CHUNKS=chunks, BLOCK=block,

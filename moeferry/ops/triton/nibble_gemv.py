@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .grid_dependency import wait_for_primary
 
 _ASM: tl.constexpr = tl.constexpr(not interpreting())
 
@@ -188,7 +189,10 @@ def _unit_sums(xv, BK: tl.constexpr):
 
 @triton.jit
 def _packed_x(x_ptr, k0, K, BK: tl.constexpr):
-    """A row stored by `pack_units`: (the 8 operands of each unit, 1 / c, sum of x), each [BK/16]."""
+    """A row stored by `pack_units`: (the 8 operands of each unit, 1 / c, sum of x), each [BK/16].
+    The row is the launch before's output: a programmatic dependent launch (moe_decode's
+    `down_pdl`) waits for it here, after the caller has asked for its weight words."""
+    wait_for_primary()
     offs_u = k0 // 16 + tl.arange(0, BK // 16)
     mu = offs_u < K // 16
     pairs = tl.load(x_ptr + offs_u[:, None] * 8 + tl.arange(0, 8)[None, :], mask=mu[:, None], other=0)
@@ -243,12 +247,18 @@ def fp4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
     offs_n = n0 + tl.arange(0, BN)
     mn = offs_n < N
     part, sums, inv_c = _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, FP4_RANGE, True, BK)
+    sc = _fp4_scales(s_ptr, slot, offs_n, mn, k0, N, K, BK)
+    return acc + tl.sum(part * sc, axis=1) * (16384.0 * inv_c)
+
+
+@triton.jit
+def _fp4_scales(s_ptr, slot, offs_n, mn, k0, N, K, BK: tl.constexpr):
+    """The tile's E4M3 scales (one per 16 values), fp32 [BN, BK/16]."""
     ks = K // 16
     offs_s = k0 // 16 + tl.arange(0, BK // 16)
     sc = tl.load(s_ptr + slot * N * ks + offs_n[:, None] * ks + offs_s[None, :],
                  mask=mn[:, None] & (offs_s < ks)[None, :], other=0)
-    sc = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return acc + tl.sum(part * sc, axis=1) * (16384.0 * inv_c)
+    return sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
