@@ -197,13 +197,15 @@ def whole_form(label: str, bw: float, log) -> dict:
 
 
 def variants(current: D.DecodeConfig) -> dict[str, D.DecodeConfig]:
-    """--variants: the form's entry, its down launch in one k step, and each with down launched as
-    a programmatic dependent of gate_up or not (`down_pdl`: in one k step, every weight word of a
-    down program is asked for before it waits for gate_up's end)."""
-    one_step = replace(current, down_bk=512)
-    return {"current": current, "down bk 512": one_step,
-            "down pdl": replace(current, down_pdl=not current.down_pdl),
-            "down pdl, bk 512": replace(one_step, down_pdl=not current.down_pdl)}
+    """--variants: the form's entry; it with down launched plainly after gate_up (`down_pdl` off) or
+    in the other k step (256 / 512: in one step every weight word of a down program is asked for
+    before it waits for gate_up); with twice or half the down rows a program; down in chunks of
+    three pairs."""
+    return {"current": current, "no pdl": replace(current, down_pdl=False),
+            "down bk": replace(current, down_bk=768 - current.down_bk if current.down_bk in (256, 512) else 512),
+            "down bn x2": replace(current, down_bn=2 * current.down_bn),
+            "down bn /2": replace(current, down_bn=max(1, current.down_bn // 2)),
+            "down pairs 3": replace(current, down_pairs=3, down_arrive=True)}
 
 
 def kernel_times(fns) -> dict[str, float]:

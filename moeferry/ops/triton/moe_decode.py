@@ -67,24 +67,29 @@ class DecodeConfig:
 
 # Per slot form (MoEKernel.name): the block sizes `benchmarks/moe_decode_sweep.py` found fastest
 # on an H200 over T = 1 and 4 (benchmarks/README.md); other forms take DecodeConfig(). Whole call
-# at T = 1 / 4 (top-8 + shared, H100 of the thirty-first session): fp4 14.0-14.9 / 30.6-30.7 us
+# at T = 1 / 4 (top-8 + shared, H100 of the thirty-third session): fp4 13.0-13.1 / 29.4-29.7 us
 # (packed-half steps; gate_up BN 16 so that a program holds whole 16-value units to pack; the
-# down launch one pair a program, its chunks summed by the last to arrive; the thirtieth session's
-# third launch summing them took 15.6-15.8 / 32.4 us), int4 13.9 / 30.3-30.5 (with the third launch
-# 16.0-16.2 / 32.0), fp8_row 16.8 / 41.1, fp8_block 17.5 / 40.8, dense 27.2 / 71.4. Timed and not
-# taken: gate_up split over k, its k loop unrolled over smaller steps, gate and up rows in one GEMV
-# call, x packed once before gate_up, weight rows asked into L1 / L2 before the GEMV (prefetch),
-# gate_up asking down's slots into L2, routing without the slot table, down in one k step, two down
-# warps, eight gate_up warps, gate and up tiles' loads all asked for before either is summed (a
-# two-tile GEMV step, thirty-second session).
+# down launch one pair a program, its chunks summed by the last to arrive, in one k step; without
+# `down_pdl` 13.8-14.4 / 31.0-31.2), int4 14.2-14.9 / 30.2-31.3 (without 14.8-15.5 / 30.7-31.6),
+# fp8_row 16.8-17.6 / 40.4-41.0 (17.3-18.1 / 41.1-41.8), fp8_block 18.5 / 40.4 (17.6 / 41.0),
+# dense 27.3 / 71.2 (27.8 / 71.5). Timed and not taken: gate_up split over k, its k loop unrolled
+# over smaller steps, gate and up rows in one GEMV call, x packed once before gate_up, weight rows
+# asked into L1 / L2 before the GEMV (prefetch), gate_up asking down's slots into L2, routing
+# without the slot table, two down warps, eight gate_up warps, gate and up tiles' loads all asked
+# for before either is summed (a two-tile GEMV step), gate_up releasing down at its start or after
+# its gate rows (instead of after both), down in chunks of three pairs (fp8: faster at T = 1,
+# slower at T >= 4), twice or half the down rows a program.
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
-    "dense": DecodeConfig(gate_up_bn=2, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
-    "fp4": DecodeConfig(gate_up_bn=16, gate_up_bk=2048, down_bn=32, down_bk=256, num_warps=4, down_warps=4,
-                        down_pairs=1, down_arrive=True),
+    "dense": DecodeConfig(gate_up_bn=2, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4,
+                          down_pdl=True),
+    "fp4": DecodeConfig(gate_up_bn=16, gate_up_bk=2048, down_bn=32, down_bk=512, num_warps=4, down_warps=4,
+                        down_pairs=1, down_arrive=True, down_pdl=True),
     "int4": DecodeConfig(gate_up_bn=16, gate_up_bk=2048, down_bn=32, down_bk=256, num_warps=4, down_warps=4,
-                         down_pairs=1, down_arrive=True),
-    "fp8_row": DecodeConfig(gate_up_bn=4, gate_up_bk=512, down_bn=4, down_bk=512, num_warps=4, down_warps=2),
-    "fp8_block": DecodeConfig(gate_up_bn=4, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4),
+                         down_pairs=1, down_arrive=True, down_pdl=True),
+    "fp8_row": DecodeConfig(gate_up_bn=4, gate_up_bk=512, down_bn=4, down_bk=512, num_warps=4, down_warps=2,
+                            down_pdl=True),
+    "fp8_block": DecodeConfig(gate_up_bn=4, gate_up_bk=2048, down_bn=8, down_bk=512, num_warps=4, down_warps=4,
+                              down_pdl=True),
 }
 
 
