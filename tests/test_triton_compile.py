@@ -18,6 +18,7 @@ import pytest
 triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.language import target_info  # noqa: E402
 
 from moeferry.ops.triton import cache_resolve, slot_gather  # noqa: E402
 
@@ -61,6 +62,15 @@ _POINTERS = {torch.uint8: "*u8", torch.int8: "*i8", torch.int32: "*i32", torch.i
              torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float8_e4m3fn: "*fp8e4nv"}
 
 
+def _target(target: GPUTarget):
+    """A stand-in for `triton.language.target_info.current_target` (the driver's device, none here)
+    that names `target`, as the JIT's own does (a builtin to its dependency scan)."""
+    def current_target():
+        return target
+    current_target.__triton_builtin__ = True
+    return current_target
+
+
 class _Recorder:
     """Stands in for a JIT kernel: `kernel[grid](*args, **kw)` records the launch instead."""
 
@@ -72,9 +82,14 @@ class _Recorder:
 
 
 def _compile_launch(fn, args, kw):
-    """Compile a recorded launch for sm_90: pointers typed by their tensors, floats as fp32, ints
-    as i32, the constexprs as launched; 16-byte aligned pointers and ints divisible by 16 carry
-    the divisibility the JIT would specialize them on (not the ints named in do_not_specialize)."""
+    """Compile a recorded launch for sm_90 (`_launch_source`)."""
+    return _compile(fn, *_launch_source(fn, args, kw))
+
+
+def _launch_source(fn, args, kw):
+    """(signature, constants, attrs) of a recorded launch: pointers typed by their tensors, floats
+    as fp32, ints as i32, the constexprs as launched; 16-byte aligned pointers and ints divisible by
+    16 carry the divisibility the JIT would specialize them on (not the ints named in do_not_specialize)."""
     constants = {p.name: kw[p.name] for p in fn.params if p.is_constexpr}
     values = list(args) + [constants.get(n) for n in fn.arg_names[len(args):]]
     sig = {name: ("constexpr" if name in constants else _POINTERS[a.dtype] if isinstance(a, torch.Tensor)
@@ -84,7 +99,7 @@ def _compile_launch(fn, args, kw):
     attrs = {(i,): ALIGNED for i, (name, a) in enumerate(zip(fn.arg_names, values)) if name not in constants and (
         (isinstance(a, torch.Tensor) and a.data_ptr() % 16 == 0)
         or (isinstance(a, int) and not isinstance(a, bool) and a % 16 == 0 and name not in loose))}
-    return _compile(fn, sig, constants, attrs)
+    return sig, constants, attrs
 
 
 @pytest.mark.parametrize("fmt,shared,down_pairs,arrive,pdl", [(f, s, 0, False, False) for f in (
@@ -97,12 +112,14 @@ def test_moe_decode_kernels_compile(fmt, shared, down_pairs, arrive, pdl, monkey
     """The few-token MoE path (`moe_decode.py`) compiles for sm_90 for every slot form at Qwen3.6's
     H and I, with and without the shared expert (and once with the down launch split into pair
     chunks; with `arrive`, the chunks summed by their last arrival; with `pdl`, down launched as a
-    programmatic dependent of gate_up): its launches are recorded on the CPU and each is compiled
-    as launched."""
+    programmatic dependent of gate_up, as on an sm_90 device): its launches are recorded on the CPU
+    and each is compiled as launched."""
     import dataclasses
     from moeferry.checkpoint.formats import FORMATS
     from moeferry.moe.slots import SlotBuffer
-    from moeferry.ops.triton import moe_decode
+    from moeferry.ops.triton import grid_dependency, moe_decode
+    monkeypatch.setattr(grid_dependency, "supported", lambda device: True)  # the host check, as on sm_90
+    monkeypatch.setattr(target_info, "current_target", _target(H200))  # what the JIT compiles for there
     h, i, e, k = 2048, 512, 4, 2
     f, gen = FORMATS[fmt], torch.Generator().manual_seed(0)
 
@@ -135,6 +152,40 @@ def test_moe_decode_kernels_compile(fmt, shared, down_pairs, arrive, pdl, monkey
     assert ("griddepcontrol.wait" in down) == (pdl or packed)  # a packed read always waits (a no-op unless pdl)
     if pdl and packed:  # the first step's weight words are asked for before the wait
         assert re.search(r"ld\.global(\.\w+)*\.v4", down[:down.index("griddepcontrol.wait")])
+
+
+def test_grid_dependency_compiles_to_nothing_before_sm90(monkeypatch):
+    """Consumer GPUs before sm_90 have no programmatic dependent launch: the decode kernels, with
+    down's release and wait asked for, still compile for sm_89 and hold no griddepcontrol."""
+    import dataclasses
+    from moeferry.checkpoint.formats import FORMATS
+    from moeferry.moe.slots import SlotBuffer
+    from moeferry.ops.triton import grid_dependency, moe_decode
+    ada = GPUTarget("cuda", 89, 32)
+    monkeypatch.setattr(grid_dependency, "supported", lambda device: True)
+    monkeypatch.setattr(target_info, "current_target", _target(ada))
+    f, gen = FORMATS["nvfp4"], torch.Generator().manual_seed(0)
+
+    def packed(n, m):
+        return f.packed(f.quantize(torch.randn(n, m, generator=gen) * 0.05))
+    buf = SlotBuffer.from_experts("nvfp4", [(packed(512, 2048), packed(512, 2048), packed(2048, 512))
+                                            for _ in range(4)], "cpu")
+    launches = []
+    for name in ("_decode_gate_up_kernel", "_decode_down_kernel"):
+        monkeypatch.setattr(moe_decode, name, _Recorder(getattr(moe_decode, name), launches))
+    cfg = dataclasses.replace(moe_decode.DECODE_CONFIGS["fp4"], down_pdl=True)
+    moe_decode.decode_moe(torch.randn(1, 2048).bfloat16(), torch.tensor([[0, 2]]), torch.full((1, 2), 0.5),
+                          buf.gate_up, buf.down, torch.arange(4, dtype=torch.int32), 3, torch.ones(1), cfg,
+                          buf.scratch.arrivals)
+    assert len(launches) == 2
+    for fn, args, kw in launches:
+        try:
+            compiled = triton.compile(ASTSource(fn, *_launch_source(fn, args, kw)), target=ada)
+        except RuntimeError as e:
+            if "ptxas" in str(e):
+                pytest.skip(f"no ptxas: {e}")
+            raise
+        assert "griddepcontrol" not in compiled.asm["ptx"]
 
 
 @pytest.mark.parametrize("form,n", [("fp4", 4096), ("fp4", 248320), ("fp8_row", 2048), ("fp8_row", 8192)])

@@ -46,6 +46,7 @@ import triton.language as tl
 
 from .arrivals import last_arrival
 from .moe_formats import TL_DTYPES, SlotMatrix
+from . import grid_dependency
 from .grid_dependency import release_dependents, wait_for_primary
 from .nibble_gemv import pack_units
 
@@ -300,7 +301,7 @@ def decode_gate_up(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     _decode_gate_up_kernel[(t * common["TOPK"], triton.cdiv(i, bn))](
         x, x.stride(0), inter, *_route_args(ids, weights, table_row, shared_slot, shared_gate),
         *gate_up.kernel_args(), i, H=gate_up.k, GB=gb, UNROLL=cfg.unroll,
-        PACK_RANGE=gate_up.kernel.x_range if pack else 0.0, RELEASE=cfg.down_pdl, BN=bn, BK=bk,
+        PACK_RANGE=gate_up.kernel.x_range if pack else 0.0, RELEASE=_pdl(cfg, x), BN=bn, BK=bk,
         num_warps=cfg.num_warps, **common)
     return inter
 
@@ -336,17 +337,23 @@ def decode_down(inter: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weigh
     chunks, blocks = triton.cdiv(topk, pairs), triton.cdiv(h, bn)
     dest = out if chunks == 1 else torch.empty(t, chunks, h, dtype=torch.float32, device=out.device)
     arrive = chunks > 1 and cfg.down_arrive and arrivals is not None and arrivals.numel() >= t * blocks
+    pdl = _pdl(cfg, out)
     _decode_down_kernel[(t, blocks, chunks)](
         inter, dest, out.stride(0), out, arrivals if arrive else out,
         *_route_args(ids, weights, table_row, shared_slot, shared_gate),
         *down.kernel_args(), h, I=down.k, GB=gb, TP=triton.next_power_of_2(topk), ROW=inter.shape[1],
-        x_dtype=TL_DTYPES[out.dtype], PAIRS=pairs, ARRIVE=arrive, PDL=cfg.down_pdl, BN=bn, BK=bk,
-        num_warps=cfg.down_warps, launch_pdl=cfg.down_pdl, **common)
+        x_dtype=TL_DTYPES[out.dtype], PAIRS=pairs, ARRIVE=arrive, PDL=pdl, BN=bn, BK=bk,
+        num_warps=cfg.down_warps, launch_pdl=pdl, **common)
     if chunks > 1 and not arrive:
         block = min(1024, triton.next_power_of_2(h))
         _sum_chunks_kernel[(t, triton.cdiv(h, block))](dest, out, out.stride(0), h, CHUNKS=chunks, BLOCK=block,
                                                        num_warps=4)
     return out
+
+
+def _pdl(cfg: DecodeConfig, x: torch.Tensor) -> bool:
+    """`down_pdl` where the device has programmatic dependent launch (else two plain launches)."""
+    return cfg.down_pdl and grid_dependency.supported(x.device)
 
 
 def decode_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: SlotMatrix, down: SlotMatrix,
