@@ -44,10 +44,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .arrivals import last_arrival
-from .moe_formats import TL_DTYPES, SlotMatrix
 from . import grid_dependency
+from .arrivals import last_arrival
 from .grid_dependency import release_dependents, wait_for_primary
+from .moe_formats import TL_DTYPES, SlotMatrix
 from .nibble_gemv import pack_units
 
 

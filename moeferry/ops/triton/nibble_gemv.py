@@ -247,18 +247,12 @@ def fp4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
     offs_n = n0 + tl.arange(0, BN)
     mn = offs_n < N
     part, sums, inv_c = _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, FP4_RANGE, True, BK)
-    sc = _fp4_scales(s_ptr, slot, offs_n, mn, k0, N, K, BK)
-    return acc + tl.sum(part * sc, axis=1) * (16384.0 * inv_c)
-
-
-@triton.jit
-def _fp4_scales(s_ptr, slot, offs_n, mn, k0, N, K, BK: tl.constexpr):
-    """The tile's E4M3 scales (one per 16 values), fp32 [BN, BK/16]."""
     ks = K // 16
     offs_s = k0 // 16 + tl.arange(0, BK // 16)
     sc = tl.load(s_ptr + slot * N * ks + offs_n[:, None] * ks + offs_s[None, :],
                  mask=mn[:, None] & (offs_s < ks)[None, :], other=0)
-    return sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    sc = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return acc + tl.sum(part * sc, axis=1) * (16384.0 * inv_c)
 
 
 @triton.jit
