@@ -197,15 +197,16 @@ def whole_form(label: str, bw: float, log) -> dict:
 
 
 def variants(current: D.DecodeConfig) -> dict[str, D.DecodeConfig]:
-    """--variants: the form's entry; it with down launched plainly after gate_up (`down_pdl` off) or
-    in the other k step (256 / 512: in one step every weight word of a down program is asked for
-    before it waits for gate_up); with twice or half the down rows a program; down in chunks of
-    three pairs."""
+    """--variants: the form's entry; it with down launched plainly after gate_up (`down_pdl` off);
+    down as one program per token's pairs holding every pair's weights before it reads inter
+    (`down_preload`: the 4-bit forms) at 4, 8 or 16 rows a program (16 with 8 warps too), and at 8
+    rows without `down_pdl`."""
+    preload = replace(current, down_pairs=0, down_arrive=False, down_preload=True)
     return {"current": current, "no pdl": replace(current, down_pdl=False),
-            "down bk": replace(current, down_bk=768 - current.down_bk if current.down_bk in (256, 512) else 512),
-            "down bn x2": replace(current, down_bn=2 * current.down_bn),
-            "down bn /2": replace(current, down_bn=max(1, current.down_bn // 2)),
-            "down pairs 3": replace(current, down_pairs=3, down_arrive=True)}
+            "preload bn 4": replace(preload, down_bn=4), "preload bn 8": replace(preload, down_bn=8),
+            "preload bn 16": replace(preload, down_bn=16),
+            "preload bn 16, 8 warps": replace(preload, down_bn=16, down_warps=8),
+            "preload bn 8, no pdl": replace(preload, down_bn=8, down_pdl=False)}
 
 
 def kernel_times(fns) -> dict[str, float]:

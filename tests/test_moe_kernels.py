@@ -227,6 +227,13 @@ CASES["decode-arrive-bf16-T1-shared"] = (check_moe, dict(
 CASES["decode-pdl-unsupported-nvfp4-T2-fp32-exact-missing-shared"] = (check_moe, dict(
     fmt="nvfp4", t=2, e=16, k=4, slots=20, missing=3, shared=True, seed=22, dtype="float32", tol=1e-4,
     path=DecodeConfig(16, 64, 32, 32, down_pairs=1, down_arrive=True, down_pdl=True)))
+# a down program holding all of its token's pairs, every pair's weights asked for first (`down_preload`)
+CASES["decode-preload-nvfp4-T3-fp32-exact-missing-shared"] = (check_moe, dict(
+    fmt="nvfp4", t=3, e=16, k=4, slots=20, missing=3, shared=True, seed=24, dtype="float32", tol=1e-4,
+    path=DecodeConfig(16, 64, 8, 64, down_preload=True)))
+CASES["decode-preload-int4_ct-T2-asymmetric-missing-shared"] = (check_moe, dict(
+    fmt="int4_ct", t=2, e=16, k=4, slots=20, missing=3, shared=True, seed=25, dtype="float32", tol=1e-4,
+    params={"group_size": 32, "symmetric": False}, path=DecodeConfig(16, 64, 16, 64, down_preload=True)))
 CASES["nvfp4-T20"] = (check_moe, dict(fmt="nvfp4", t=20, e=8, k=2, seed=8))
 
 
@@ -542,7 +549,8 @@ def test_gpu_qwen_shapes(fmt, t):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("path", ["decode", "decode-pairs", "decode-arrive", "decode-pdl", "gemm"])
+@pytest.mark.parametrize("path", ["decode", "decode-pairs", "decode-arrive", "decode-pdl", "decode-preload",
+                                  "gemm"])
 @pytest.mark.parametrize("t", [1, 2, 4])
 @pytest.mark.parametrize("fmt", DEVICE_FORMS)
 def test_gpu_decode_paths(fmt, t, path):
@@ -561,6 +569,7 @@ def test_gpu_decode_paths(fmt, t, path):
     cfg = (DecodeConfig() if path == "decode" else DecodeConfig(down_pairs=2) if path == "decode-pairs"
            else DecodeConfig(down_pairs=1, down_arrive=True) if path == "decode-arrive"
            else DecodeConfig(down_pairs=1, down_arrive=True, down_pdl=True) if path == "decode-pdl"
+           else DecodeConfig(down_bn=8, down_pdl=True, down_preload=True) if path == "decode-preload"
            else moe_gemm.choose_config(t, buf.gate_up, buf.down))
     out = buf.run(x, ids, w, table, int(where[e]), gate, config=cfg)
     w_ref = w.float().masked_fill(torch.isin(ids, missing), 0.0)
@@ -571,13 +580,15 @@ def test_gpu_decode_paths(fmt, t, path):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("preload", [False, True])
 @pytest.mark.parametrize("fmt", DEVICE_FORMS)
-def test_gpu_decode_pdl_in_graph(fmt):
-    """Down launched as a programmatic dependent of gate_up (`down_pdl`), eight calls (T = 1..4,
-    each its own routing and activations) captured in one CUDA graph, so that each down starts
-    under its gate_up's tail and the next call follows at once: every replay's outputs are the
-    plain launches' bytes (the same sums in the same order; a read of inter before gate_up's end
-    would differ)."""
+def test_gpu_decode_pdl_in_graph(fmt, preload):
+    """Down launched as a programmatic dependent of gate_up (`down_pdl`; the entry's down, or
+    with `preload` a program per token's pairs holding every pair's weights first), eight calls
+    (T = 1..4, each its own routing and activations) captured in one CUDA graph, so that each
+    down starts under its gate_up's tail and the next call follows at once: every replay's
+    outputs are the plain launches' bytes (the same sums in the same order; a read of inter
+    before gate_up's end would differ)."""
     from dataclasses import replace
     from moeferry.ops.triton.moe_decode import DECODE_CONFIGS, DecodeConfig
     buf, where, _ = _gpu_setup(fmt)
@@ -591,6 +602,8 @@ def test_gpu_decode_pdl_in_graph(fmt):
         w, ids = _routing(t, e, k, gen, "cuda", torch.bfloat16)
         calls.append((x, ids, w, table, shared, torch.randn(t, generator=gen).cuda()))
     plain = replace(DECODE_CONFIGS.get(buf.gate_up.kernel.name, DecodeConfig()), down_pdl=False)
+    if preload:
+        plain = replace(plain, down_bn=8, down_pairs=0, down_arrive=False, down_preload=True)
     want = [buf.run(*call, config=plain) for call in calls]
     outs = []
 

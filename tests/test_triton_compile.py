@@ -154,6 +154,37 @@ def test_moe_decode_kernels_compile(fmt, shared, down_pairs, arrive, pdl, monkey
         assert re.search(r"ld\.global(\.\w+)*\.v4", down[:down.index("griddepcontrol.wait")])
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4_awq"])
+def test_moe_decode_preloaded_down_compiles(fmt, monkeypatch):
+    """`down_preload` with `down_pdl` compiles for sm_90 at Qwen3.6's H and I (top-8 and the shared
+    expert): down runs the preloaded path over all 9 pairs and asks for every pair's weight words
+    before it waits for gate_up's end."""
+    import dataclasses
+    from moeferry.checkpoint.formats import FORMATS
+    from moeferry.moe.slots import SlotBuffer
+    from moeferry.ops.triton import grid_dependency, moe_decode
+    monkeypatch.setattr(grid_dependency, "supported", lambda device: True)
+    monkeypatch.setattr(target_info, "current_target", _target(H200))
+    f, gen = FORMATS[fmt], torch.Generator().manual_seed(0)
+
+    def packed(n, m):
+        return f.packed(f.quantize(torch.randn(n, m, generator=gen) * 0.05))
+    buf = SlotBuffer.from_experts(fmt, [(packed(512, 2048), packed(512, 2048), packed(2048, 512))
+                                        for _ in range(9)], "cpu")
+    launches = []
+    monkeypatch.setattr(moe_decode, "_decode_down_kernel", _Recorder(moe_decode._decode_down_kernel, launches))
+    cfg = dataclasses.replace(moe_decode.DECODE_CONFIGS[buf.down.kernel.name], down_bn=8, down_pairs=0,
+                              down_arrive=False, down_pdl=True, down_preload=True)
+    inter = torch.zeros(9, 512 // 2 + 512 // 8, dtype=torch.int32)  # what gate_up hands down (packed)
+    moe_decode.decode_down(inter, torch.empty(1, 2048).bfloat16(), torch.arange(8)[None], torch.full((1, 8), 0.1),
+                           buf.down, torch.arange(9, dtype=torch.int32), 8, torch.ones(1), cfg, buf.scratch.arrivals)
+    (fn, args, kw), = launches
+    assert kw["PRELOAD"] and kw["PAIRS"] == 9 and kw["BK"] == 512 and kw["launch_pdl"]
+    ptx = _compile_launch(fn, args, kw).asm["ptx"]
+    before = ptx[:ptx.index("griddepcontrol.wait")]
+    assert len(re.findall(r"ld\.global(\.\w+)*\.v4", before)) >= 9  # each pair's words (at least one load each)
+
+
 def test_grid_dependency_compiles_to_nothing_before_sm90(monkeypatch):
     """Consumer GPUs before sm_90 have no programmatic dependent launch: the decode kernels, with
     down's release and wait asked for, still compile for sm_89 and hold no griddepcontrol."""

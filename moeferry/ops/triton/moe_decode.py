@@ -25,7 +25,10 @@ the format's GEMV step (moe_formats.py, "decode GEMV steps") on the CUDA cores:
    program lets it start once its GEMV is done (before storing inter), and down waits for
    gate_up's end only where it reads inter (packed halves: after its weight words are asked
    for, `nibble_gemv._packed_x`; other forms at its start), so down's launch, its routing
-   reads and (packed) its weight loads run under gate_up's tail.
+   reads and (packed) its weight loads run under gate_up's tail. With `down_preload` (forms
+   whose GEMV step comes in two, `MoEKernel.tile`), grid (T, H / BN): a program asks for the
+   weights of all of its token's pairs first, then applies each to its pair's inter row in
+   order: one memory latency a program instead of one a pair, and no chunks to sum.
 
 The arrival counters live in the slot buffer's scratch (`RoutingScratch.arrivals`, zero
 between calls: the last arrival sets its word back).
@@ -64,6 +67,8 @@ class DecodeConfig:
                            # chunks whose fp32 partial rows a third launch sums in order)
     down_arrive: bool = False  # (down_pairs) the last chunk to arrive sums the chunks: no third launch
     down_pdl: bool = False     # down a programmatic dependent launch of gate_up (module docstring)
+    down_preload: bool = False  # (4-bit forms) a down program holds all of its token's pairs and asks
+                                # for every pair's weights before it reads any inter (module docstring)
 
 
 # Per slot form (MoEKernel.name): the block sizes `benchmarks/moe_decode_sweep.py` found fastest
@@ -170,6 +175,64 @@ def _down_rows(a_row, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I: tl.constexpr, GE
 
 
 @triton.jit
+def _down_chunk(inter_ptr, t, n0, chunk, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, w_ptr, s_ptr, z_ptr, rs_ptr,
+                H, I: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr, GN: tl.constexpr,
+                GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr, TOPK: tl.constexpr, TP: tl.constexpr,
+                HAS_SHARED: tl.constexpr, ROW: tl.constexpr, x_dtype: tl.constexpr, PAIRS: tl.constexpr,
+                PDL: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Down rows n0..n0+BN of token t summed over its pairs of this chunk in order, fp32 [BN]."""
+    if PAIRS > 1:
+        jv = tl.arange(0, TP)
+        slots, weights = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, jv, K_IN, TOPK, HAS_SHARED)
+    out = tl.zeros((BN,), tl.float32)
+    # unrolled over the program's pairs and k (I is a constexpr), branch-free; the compiled code
+    # still loads a pair's weights only after the previous pair's work (benchmarks/README.md, the
+    # ninth session), so a program pays one memory latency per pair: fewer pairs (down_pairs), fewer
+    for jj in tl.static_range(PAIRS):
+        j = chunk * PAIRS + jj  # j >= TOPK (the last chunk's padding): slot -1, adds 0
+        if PAIRS > 1:
+            s = tl.where(j < TOPK, tl.sum(tl.where(jv == j, slots, 0)), -1)
+            w = tl.sum(tl.where(jv == j, weights, 0.0))
+        else:  # one pair a program: its route read as scalars (no vector to pick it from)
+            s, w = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, j, K_IN, TOPK, HAS_SHARED)
+        if PDL and jj == 0 and inter_ptr.dtype.element_ty != tl.int32:  # packed halves wait in their read
+            wait_for_primary()
+        a_row = inter_ptr + (t * TOPK + tl.minimum(j, TOPK - 1)).to(tl.int64) * ROW
+        acc = _down_rows(a_row, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I, GEMV, ROW_SCALE, G, GN, GB, HAS_Z, BN, BK)
+        out += (acc * w).to(x_dtype).to(tl.float32)
+    return out
+
+
+@triton.jit
+def _down_preloaded(inter_ptr, t, n0, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, w_ptr, s_ptr, z_ptr, rs_ptr,
+                    H, I: tl.constexpr, TILE: tl.constexpr, TILE_GEMV: tl.constexpr, ROW_SCALE: tl.constexpr,
+                    G: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr, TOPK: tl.constexpr,
+                    TP: tl.constexpr, HAS_SHARED: tl.constexpr, ROW: tl.constexpr, x_dtype: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr):
+    """Down rows n0..n0+BN of token t summed over its pairs in order, fp32 [BN]: every pair's
+    weights (and row scales) asked for before the first pair's inter row is read."""
+    jv = tl.arange(0, TP)
+    slots, weights = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, jv, K_IN, TOPK, HAS_SHARED)
+    offs_n = n0 + tl.arange(0, BN)
+    tiles = ()
+    row_scales = ()
+    for j in tl.static_range(TOPK):
+        s = tl.sum(tl.where(jv == j, slots, 0))
+        slot = tl.maximum(s, 0).to(tl.int64)
+        tiles = tiles + (TILE(w_ptr, s_ptr, z_ptr, slot, tl.where(s >= 0, n0, H), H, I, BN, BK, G, GB, HAS_Z),)
+        if ROW_SCALE:
+            row_scales = row_scales + (tl.load(rs_ptr + slot * H + offs_n, mask=(offs_n < H) & (s >= 0), other=0.0),)
+    out = tl.zeros((BN,), tl.float32)
+    for j in tl.static_range(TOPK):
+        a_row = inter_ptr + (t * TOPK + j).to(tl.int64) * ROW
+        acc = TILE_GEMV(tl.zeros((BN,), tl.float32), tiles[j], a_row, I, BN, BK, GB, HAS_Z)
+        if ROW_SCALE:
+            acc *= row_scales[j]
+        out += (acc * tl.sum(tl.where(jv == j, weights, 0.0))).to(x_dtype).to(tl.float32)
+    return out
+
+
+@triton.jit
 def _decode_gate_up_kernel(x_ptr, stride_x, inter_ptr, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot,
                            w_ptr, s_ptr, z_ptr, rs_ptr, I,
                            H: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr,
@@ -195,31 +258,21 @@ def _decode_down_kernel(inter_ptr, out_ptr, stride_out, final_ptr, arrive_ptr, i
                         GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr,
                         TOPK: tl.constexpr, TP: tl.constexpr, HAS_SHARED: tl.constexpr, ROW: tl.constexpr,
                         x_dtype: tl.constexpr, PAIRS: tl.constexpr, ARRIVE: tl.constexpr, PDL: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr):
+                        PRELOAD: tl.constexpr, TILE: tl.constexpr, TILE_GEMV: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr):
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BN
     chunk = tl.program_id(2)  # pairs chunk * PAIRS .. + PAIRS of the token (all of them: one chunk)
-    if PAIRS > 1:
-        jv = tl.arange(0, TP)
-        slots, weights = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, jv, K_IN, TOPK, HAS_SHARED)
     offs_n = n0 + tl.arange(0, BN)
     mask_n = offs_n < H
-    out = tl.zeros((BN,), tl.float32)
-    # unrolled over the program's pairs and k (I is a constexpr), branch-free; the compiled code
-    # still loads a pair's weights only after the previous pair's work (benchmarks/README.md, the
-    # ninth session), so a program pays one memory latency per pair: fewer pairs (down_pairs), fewer
-    for jj in tl.static_range(PAIRS):
-        j = chunk * PAIRS + jj  # j >= TOPK (the last chunk's padding): slot -1, adds 0
-        if PAIRS > 1:
-            s = tl.where(j < TOPK, tl.sum(tl.where(jv == j, slots, 0)), -1)
-            w = tl.sum(tl.where(jv == j, weights, 0.0))
-        else:  # one pair a program: its route read as scalars (no vector to pick it from)
-            s, w = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, j, K_IN, TOPK, HAS_SHARED)
-        if PDL and jj == 0 and inter_ptr.dtype.element_ty != tl.int32:  # packed halves wait in their read
-            wait_for_primary()
-        a_row = inter_ptr + (t * TOPK + tl.minimum(j, TOPK - 1)).to(tl.int64) * ROW
-        acc = _down_rows(a_row, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I, GEMV, ROW_SCALE, G, GN, GB, HAS_Z, BN, BK)
-        out += (acc * w).to(x_dtype).to(tl.float32)
+    if PRELOAD:
+        out = _down_preloaded(inter_ptr, t, n0, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, w_ptr, s_ptr, z_ptr,
+                              rs_ptr, H, I, TILE, TILE_GEMV, ROW_SCALE, G, GB, HAS_Z, K_IN, TOPK, TP, HAS_SHARED, ROW,
+                              x_dtype, BN, BK)
+    else:
+        out = _down_chunk(inter_ptr, t, n0, chunk, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, w_ptr, s_ptr,
+                          z_ptr, rs_ptr, H, I, GEMV, ROW_SCALE, G, GN, GB, HAS_Z, K_IN, TOPK, TP, HAS_SHARED, ROW,
+                          x_dtype, PAIRS, PDL, BN, BK)
     if PAIRS >= TOPK:
         tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
     else:  # this chunk's fp32 partial sum, row (t, chunk) of a [T, chunks, H] buffer (`_sum_chunks_kernel`)
@@ -330,10 +383,11 @@ def decode_down(inter: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weigh
     t, k_in = ids.shape
     common = _common(down, k_in, shared_gate is not None)
     h = down.n
-    bk, gb = _bk(cfg.down_bk, down)
+    preload = cfg.down_preload and down.kernel.tile is not None and inter.dtype == torch.int32
+    bk, gb = _bk(down.k if preload else cfg.down_bk, down)  # preloaded: a pair's tile is all of I
     bn = min(cfg.down_bn, triton.next_power_of_2(h))
     topk = common["TOPK"]
-    pairs = min(cfg.down_pairs or topk, topk)
+    pairs = topk if preload else min(cfg.down_pairs or topk, topk)
     chunks, blocks = triton.cdiv(topk, pairs), triton.cdiv(h, bn)
     dest = out if chunks == 1 else torch.empty(t, chunks, h, dtype=torch.float32, device=out.device)
     arrive = chunks > 1 and cfg.down_arrive and arrivals is not None and arrivals.numel() >= t * blocks
@@ -342,8 +396,9 @@ def decode_down(inter: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, weigh
         inter, dest, out.stride(0), out, arrivals if arrive else out,
         *_route_args(ids, weights, table_row, shared_slot, shared_gate),
         *down.kernel_args(), h, I=down.k, GB=gb, TP=triton.next_power_of_2(topk), ROW=inter.shape[1],
-        x_dtype=TL_DTYPES[out.dtype], PAIRS=pairs, ARRIVE=arrive, PDL=pdl, BN=bn, BK=bk,
-        num_warps=cfg.down_warps, launch_pdl=pdl, **common)
+        x_dtype=TL_DTYPES[out.dtype], PAIRS=pairs, ARRIVE=arrive, PDL=pdl, PRELOAD=preload,
+        TILE=down.kernel.tile, TILE_GEMV=down.kernel.tile_gemv, BN=bn, BK=bk, num_warps=cfg.down_warps,
+        launch_pdl=pdl, **common)
     if chunks > 1 and not arrive:
         block = min(1024, triton.next_power_of_2(h))
         _sum_chunks_kernel[(t, triton.cdiv(h, block))](dest, out, out.stride(0), h, CHUNKS=chunks, BLOCK=block,

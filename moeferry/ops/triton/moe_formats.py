@@ -41,7 +41,7 @@ import triton.language as tl
 
 from moeferry.checkpoint.formats.fp4 import E2M1_VALUES, unpack_nibbles
 
-from .nibble_gemv import FP4_RANGE, INT4_RANGE, fp4_gemv, int4_gemv
+from .nibble_gemv import FP4_RANGE, INT4_RANGE, fp4_gemv, fp4_tile, fp4_tile_gemv, int4_gemv, int4_tile, int4_tile_gemv
 
 # activation dtypes as the kernels name them (a dtype constexpr)
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -175,6 +175,9 @@ def int4_step(acc, a, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
 # sum (GB = min(G, BK) values per partial sum), not per weight; int4's zero point too
 # (sum (q - z) x = sum q x - z sum x). Rows n >= N are masked (the decode kernels skip a
 # non-resident pair by passing n0 >= N). Row scales (fp8_row, fp4) stay in the kernel's epilogue.
+# The forms whose step reads x as packed halves (fp4, int4) also have it in two (`MoEKernel.tile`,
+# `tile_gemv`: a tile's loads, then its product with x), for a kernel that asks for several tiles'
+# weights before it reads any x (moe_decode's `down_preload`).
 @triton.jit
 def _gemv_rows(n0, N, BN: tl.constexpr):
     offs_n = n0 + tl.arange(0, BN)
@@ -339,6 +342,8 @@ class MoEKernel:
     max_bk: int = 256               # larger k-steps spill registers in the dequantizing steps
     gemv: Any = None                # the decode GEMV step (see "decode GEMV steps")
     x_range: float = 0.0            # > 0: the GEMV step also reads x as packed halves (nibble_gemv.pack_units)
+    tile: Any = None                # (x_range forms) the GEMV step in two: a tile's loads, then
+    tile_gemv: Any = None           # its product with packed x (nibble_gemv, "split in two")
     meta: Mapping[str, Any] = field(default_factory=dict)
     # the CPU reference of `step`: (matrix, slot index tensor, dtype) -> dense [len, N, K]
     dequant: Callable[[SlotMatrix, torch.Tensor, torch.dtype], torch.Tensor] | None = None
@@ -503,9 +508,9 @@ FP8_ROW = MoEKernel("fp8_row", fp8_row_step, _pack_fp8_row, has_row_scale=True, 
 FP8_BLOCK = MoEKernel("fp8_block", fp8_block_step, _pack_fp8_block, group_scaled=True, max_bk=128,
                       gemv=fp8_block_gemv, dequant=fp8_block_dequant)
 FP4 = MoEKernel("fp4", fp4_step, _pack_fp4, has_row_scale=True, packed_k=True, max_bk=128, gemv=fp4_gemv,
-                x_range=FP4_RANGE.value, dequant=fp4_dequant)
+                x_range=FP4_RANGE.value, tile=fp4_tile, tile_gemv=fp4_tile_gemv, dequant=fp4_dequant)
 INT4 = MoEKernel("int4", int4_step, _pack_int4, group_scaled=True, packed_k=True, max_bk=128, gemv=int4_gemv,
-                 x_range=INT4_RANGE.value, dequant=int4_dequant)
+                 x_range=INT4_RANGE.value, tile=int4_tile, tile_gemv=int4_tile_gemv, dequant=int4_dequant)
 
 # device form (`QuantFormat.device_form`) -> its kernel
 KERNELS: dict[str, MoEKernel] = {k.name: k for k in (DENSE, FP8_ROW, FP8_BLOCK, FP4, INT4)}

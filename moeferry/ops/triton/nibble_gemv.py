@@ -247,12 +247,21 @@ def fp4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
     offs_n = n0 + tl.arange(0, BN)
     mn = offs_n < N
     part, sums, inv_c = _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, FP4_RANGE, True, BK)
+    return _fp4_sum(acc, part, _fp4_scales(s_ptr, slot, offs_n, mn, k0, N, K, BK), inv_c)
+
+
+@triton.jit
+def _fp4_scales(s_ptr, slot, offs_n, mn, k0, N, K, BK: tl.constexpr):
+    """The tile's E4M3 scale bytes, one per 16 values: [BN, BK/16]."""
     ks = K // 16
     offs_s = k0 // 16 + tl.arange(0, BK // 16)
-    sc = tl.load(s_ptr + slot * N * ks + offs_n[:, None] * ks + offs_s[None, :],
-                 mask=mn[:, None] & (offs_s < ks)[None, :], other=0)
-    sc = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return acc + tl.sum(part * sc, axis=1) * (16384.0 * inv_c)
+    return tl.load(s_ptr + slot * N * ks + offs_n[:, None] * ks + offs_s[None, :],
+                   mask=mn[:, None] & (offs_s < ks)[None, :], other=0)
+
+
+@triton.jit
+def _fp4_sum(acc, part, sc, inv_c):
+    return acc + tl.sum(part * sc.to(tl.float8e4nv, bitcast=True).to(tl.float32), axis=1) * (16384.0 * inv_c)
 
 
 @triton.jit
@@ -262,14 +271,73 @@ def int4_gemv(acc, x_ptr, w_ptr, s_ptr, z_ptr, slot, n0, k0, N, K, PART,
     offs_n = n0 + tl.arange(0, BN)
     mn = offs_n < N
     part, sums, inv_c = _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, INT4_RANGE, False, BK)
-    part = tl.sum(tl.reshape(part, (BN, BK // GB, GB // 16)), axis=2)       # sum (q - 8) x per group, times c
+    part = _group_sums(part, BN, BK, GB)
+    sc, zp = _int4_groups(s_ptr, z_ptr, slot, offs_n, mn, k0, N, K, BK, G, GB, HAS_Z)
+    return _int4_sum(acc, part, sums, inv_c, sc, zp, BK, GB, HAS_Z)
+
+
+@triton.jit
+def _group_sums(part, BN: tl.constexpr, BK: tl.constexpr, GB: tl.constexpr):
+    """[BN, BK/16] unit sums -> [BN, BK/GB] sums per scale group: sum (q - 8) x per group, times c."""
+    return tl.sum(tl.reshape(part, (BN, BK // GB, GB // 16)), axis=2)
+
+
+@triton.jit
+def _int4_groups(s_ptr, z_ptr, slot, offs_n, mn, k0, N, K, BK: tl.constexpr, G: tl.constexpr, GB: tl.constexpr,
+                 HAS_Z: tl.constexpr):
+    """The tile's group scales and zero points (fp32, [BN, BK/GB]; the scales again without zero points)."""
     ng = tl.cdiv(K, G)
     offs_g = (k0 + tl.arange(0, BK // GB) * GB) // G
     goff = slot * N * ng + offs_n[:, None] * ng + offs_g[None, :]
     gm = mn[:, None] & (offs_g < ng)[None, :]
     sc = tl.load(s_ptr + goff, mask=gm, other=0.0).to(tl.float32)
+    zp = tl.load(z_ptr + goff, mask=gm, other=8).to(tl.float32) if HAS_Z else sc
+    return sc, zp
+
+
+@triton.jit
+def _int4_sum(acc, part, sums, inv_c, sc, zp, BK: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr):
     if HAS_Z:
-        zp = tl.load(z_ptr + goff, mask=gm, other=8).to(tl.float32)
         xs = tl.sum(tl.reshape(sums, (BK // GB, GB // 16)), axis=1)          # sum x per group
         part -= (zp - 8.0) * (xs / inv_c)[None, :]
     return acc + tl.sum(part * sc, axis=1) * inv_c
+
+
+# The GEMV steps split in two for a kernel that asks for several tiles' weights before it reads
+# any x (moe_decode's `down_preload`): `*_tile` loads a tile's words, scales and zero points (a
+# 4-tuple), `*_tile_gemv` adds it times x, which must be a row `pack_units` stored (read, and
+# waited for where the launch is a programmatic dependent, by `_packed_x`).
+@triton.jit
+def fp4_tile(w_ptr, s_ptr, z_ptr, slot, n0, N, K, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr,
+             GB: tl.constexpr, HAS_Z: tl.constexpr):
+    offs_n = n0 + tl.arange(0, BN)
+    mn = offs_n < N
+    w0, w1 = _words(w_ptr, slot, offs_n, mn, 0, N, K, BK)
+    sc = _fp4_scales(s_ptr, slot, offs_n, mn, 0, N, K, BK)
+    return w0, w1, sc, sc
+
+
+@triton.jit
+def fp4_tile_gemv(acc, tile, x_ptr, K, BN: tl.constexpr, BK: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr):
+    w0, w1, sc, _ = tile
+    xs, inv_c, sums = _packed_x(x_ptr, 0, K, BK)
+    return _fp4_sum(acc, _units(w0, w1, xs, True) * inv_c[None, :], sc, 1.0)
+
+
+@triton.jit
+def int4_tile(w_ptr, s_ptr, z_ptr, slot, n0, N, K, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr,
+              GB: tl.constexpr, HAS_Z: tl.constexpr):
+    offs_n = n0 + tl.arange(0, BN)
+    mn = offs_n < N
+    w0, w1 = _words(w_ptr, slot, offs_n, mn, 0, N, K, BK)
+    sc, zp = _int4_groups(s_ptr, z_ptr, slot, offs_n, mn, 0, N, K, BK, G, GB, HAS_Z)
+    return w0, w1, sc, zp
+
+
+@triton.jit
+def int4_tile_gemv(acc, tile, x_ptr, K, BN: tl.constexpr, BK: tl.constexpr, GB: tl.constexpr,
+                   HAS_Z: tl.constexpr):
+    w0, w1, sc, zp = tile
+    xs, inv_c, sums = _packed_x(x_ptr, 0, K, BK)
+    part = _group_sums(_units(w0, w1, xs, False) * inv_c[None, :], BN, BK, GB)
+    return _int4_sum(acc, part, sums, 1.0, sc, zp, BK, GB, HAS_Z)
