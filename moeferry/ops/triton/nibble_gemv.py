@@ -308,11 +308,18 @@ def _int4_sum(acc, part, sums, inv_c, sc, zp, BK: tl.constexpr, GB: tl.constexpr
 # 4-tuple), `*_tile_gemv` adds it times x, which must be a row `pack_units` stored (read, and
 # waited for where the launch is a programmatic dependent, by `_packed_x`).
 @triton.jit
-def fp4_tile(w_ptr, s_ptr, z_ptr, slot, n0, N, K, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr,
-             GB: tl.constexpr, HAS_Z: tl.constexpr):
+def _tile_words(w_ptr, slot, n0, N, K, BN: tl.constexpr, BK: tl.constexpr):
+    """Rows n0..n0+BN of a tile over k 0..BK: (offs_n, row mask, its two word halves)."""
     offs_n = n0 + tl.arange(0, BN)
     mn = offs_n < N
     w0, w1 = _words(w_ptr, slot, offs_n, mn, 0, N, K, BK)
+    return offs_n, mn, w0, w1
+
+
+@triton.jit
+def fp4_tile(w_ptr, s_ptr, z_ptr, slot, n0, N, K, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr,
+             GB: tl.constexpr, HAS_Z: tl.constexpr):
+    offs_n, mn, w0, w1 = _tile_words(w_ptr, slot, n0, N, K, BN, BK)
     sc = _fp4_scales(s_ptr, slot, offs_n, mn, 0, N, K, BK)
     return w0, w1, sc, sc
 
@@ -327,9 +334,7 @@ def fp4_tile_gemv(acc, tile, x_ptr, K, BN: tl.constexpr, BK: tl.constexpr, GB: t
 @triton.jit
 def int4_tile(w_ptr, s_ptr, z_ptr, slot, n0, N, K, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr,
               GB: tl.constexpr, HAS_Z: tl.constexpr):
-    offs_n = n0 + tl.arange(0, BN)
-    mn = offs_n < N
-    w0, w1 = _words(w_ptr, slot, offs_n, mn, 0, N, K, BK)
+    offs_n, mn, w0, w1 = _tile_words(w_ptr, slot, n0, N, K, BN, BK)
     sc, zp = _int4_groups(s_ptr, z_ptr, slot, offs_n, mn, 0, N, K, BK, G, GB, HAS_Z)
     return w0, w1, sc, zp
 
