@@ -169,9 +169,14 @@ def _down_rows(a_row, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I: tl.constexpr, GE
     for k0 in tl.static_range(0, I, BK):
         acc = GEMV(acc, a_row, w_ptr, s_ptr, z_ptr, slot, r0, k0, H, I, H, BN, BK, G, GN, GB, HAS_Z)
     if ROW_SCALE:
-        offs_n = n0 + tl.arange(0, BN)
-        acc *= tl.load(rs_ptr + slot * H + offs_n, mask=(offs_n < H) & (s >= 0), other=0.0)
+        acc *= _row_scales(rs_ptr, s, n0 + tl.arange(0, BN), H)
     return acc
+
+
+@triton.jit
+def _row_scales(rs_ptr, s, offs_n, H):
+    """Down rows offs_n's scales in slot s (-1: zeros), fp32."""
+    return tl.load(rs_ptr + tl.maximum(s, 0).to(tl.int64) * H + offs_n, mask=(offs_n < H) & (s >= 0), other=0.0)
 
 
 @triton.jit
@@ -221,7 +226,7 @@ def _down_preloaded(inter_ptr, t, n0, ids_ptr, rw_ptr, shw_ptr, table_ptr, share
         slot = tl.maximum(s, 0).to(tl.int64)
         tiles = tiles + (TILE(w_ptr, s_ptr, z_ptr, slot, tl.where(s >= 0, n0, H), H, I, BN, BK, G, GB, HAS_Z),)
         if ROW_SCALE:
-            row_scales = row_scales + (tl.load(rs_ptr + slot * H + offs_n, mask=(offs_n < H) & (s >= 0), other=0.0),)
+            row_scales = row_scales + (_row_scales(rs_ptr, s, offs_n, H),)
     out = tl.zeros((BN,), tl.float32)
     for j in tl.static_range(TOPK):
         a_row = inter_ptr + (t * TOPK + j).to(tl.int64) * ROW

@@ -212,8 +212,8 @@ def _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, RANGE: tl.constexpr,
     The weights are asked for before x is prepared."""
     if x_ptr.dtype.element_ty == tl.int32:
         w0, w1 = _words(w_ptr, slot, offs_n, mn, k0, N, K, BK)
-        xs, inv_c, sums = _packed_x(x_ptr, k0, K, BK)
-        return _units(w0, w1, xs, FP4) * inv_c[None, :], sums, 1.0
+        part, sums = _packed_units(w0, w1, x_ptr, k0, K, FP4, BK)
+        return part, sums, 1.0
     else:
         offs = k0 + tl.arange(0, BK)
         xv = tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
@@ -223,6 +223,14 @@ def _nibble_units(x_ptr, w_ptr, slot, offs_n, mn, k0, N, K, RANGE: tl.constexpr,
             w0, w1 = _words(w_ptr, slot, offs_n, mn, k0, N, K, BK)
             c = RANGE / tl.maximum(tl.max(tl.abs(xv)), 1e-30)
             return _units(w0, w1, _x_pairs(xv * c, BK), FP4), _unit_sums(xv, BK), 1.0 / c
+
+
+@triton.jit
+def _packed_units(w0, w1, x_ptr, k0, K, FP4: tl.constexpr, BK: tl.constexpr):
+    """A tile's words times a `pack_units` row: (sum of v x over each 16 values [BN, BK/16] fp32, with
+    the row's per-unit c undone; sum of x over each 16 [BK/16])."""
+    xs, inv_c, sums = _packed_x(x_ptr, k0, K, BK)
+    return _units(w0, w1, xs, FP4) * inv_c[None, :], sums
 
 
 @triton.jit
@@ -327,8 +335,8 @@ def fp4_tile(w_ptr, s_ptr, z_ptr, slot, n0, N, K, BN: tl.constexpr, BK: tl.const
 @triton.jit
 def fp4_tile_gemv(acc, tile, x_ptr, K, BN: tl.constexpr, BK: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr):
     w0, w1, sc, _ = tile
-    xs, inv_c, sums = _packed_x(x_ptr, 0, K, BK)
-    return _fp4_sum(acc, _units(w0, w1, xs, True) * inv_c[None, :], sc, 1.0)
+    part, _ = _packed_units(w0, w1, x_ptr, 0, K, True, BK)
+    return _fp4_sum(acc, part, sc, 1.0)
 
 
 @triton.jit
@@ -343,6 +351,5 @@ def int4_tile(w_ptr, s_ptr, z_ptr, slot, n0, N, K, BN: tl.constexpr, BK: tl.cons
 def int4_tile_gemv(acc, tile, x_ptr, K, BN: tl.constexpr, BK: tl.constexpr, GB: tl.constexpr,
                    HAS_Z: tl.constexpr):
     w0, w1, sc, zp = tile
-    xs, inv_c, sums = _packed_x(x_ptr, 0, K, BK)
-    part = _group_sums(_units(w0, w1, xs, False) * inv_c[None, :], BN, BK, GB)
-    return _int4_sum(acc, part, sums, 1.0, sc, zp, BK, GB, HAS_Z)
+    part, sums = _packed_units(w0, w1, x_ptr, 0, K, False, BK)
+    return _int4_sum(acc, _group_sums(part, BN, BK, GB), sums, 1.0, sc, zp, BK, GB, HAS_Z)
