@@ -71,6 +71,19 @@ def _target(target: GPUTarget):
     return current_target
 
 
+def _qwen_slots(fmt: str, experts: int):
+    """A CPU slot buffer of `experts` random experts in `fmt` at Qwen3.6's H = 2048 and I = 512."""
+    from moeferry.checkpoint.formats import FORMATS
+    from moeferry.moe.slots import SlotBuffer
+    f, gen = FORMATS[fmt], torch.Generator().manual_seed(0)
+
+    def packed(n, m):
+        w = torch.randn(n, m, generator=gen) * 0.05
+        return f.packed(f.quantize(w.bfloat16() if fmt == "bf16" else w))
+    return SlotBuffer.from_experts(fmt, [(packed(512, 2048), packed(512, 2048), packed(2048, 512))
+                                         for _ in range(experts)], "cpu")
+
+
 class _Recorder:
     """Stands in for a JIT kernel: `kernel[grid](*args, **kw)` records the launch instead."""
 
@@ -115,19 +128,11 @@ def test_moe_decode_kernels_compile(fmt, shared, down_pairs, arrive, pdl, monkey
     programmatic dependent of gate_up, as on an sm_90 device): its launches are recorded on the CPU
     and each is compiled as launched."""
     import dataclasses
-    from moeferry.checkpoint.formats import FORMATS
-    from moeferry.moe.slots import SlotBuffer
     from moeferry.ops.triton import grid_dependency, moe_decode
     monkeypatch.setattr(grid_dependency, "supported", lambda device: True)  # the host check, as on sm_90
     monkeypatch.setattr(target_info, "current_target", _target(H200))  # what the JIT compiles for there
     h, i, e, k = 2048, 512, 4, 2
-    f, gen = FORMATS[fmt], torch.Generator().manual_seed(0)
-
-    def packed(n, m):
-        w = torch.randn(n, m, generator=gen) * 0.05
-        return f.packed(f.quantize(w.bfloat16() if fmt == "bf16" else w))
-
-    buf = SlotBuffer.from_experts(fmt, [(packed(i, h), packed(i, h), packed(h, i)) for _ in range(e)], "cpu")
+    buf = _qwen_slots(fmt, e)
     launches = []
     for name in ("_decode_gate_up_kernel", "_decode_down_kernel", "_sum_chunks_kernel"):
         monkeypatch.setattr(moe_decode, name, _Recorder(getattr(moe_decode, name), launches))
@@ -160,17 +165,10 @@ def test_moe_decode_preloaded_down_compiles(fmt, monkeypatch):
     expert): down runs the preloaded path over all 9 pairs and asks for every pair's weight words
     before it waits for gate_up's end."""
     import dataclasses
-    from moeferry.checkpoint.formats import FORMATS
-    from moeferry.moe.slots import SlotBuffer
     from moeferry.ops.triton import grid_dependency, moe_decode
     monkeypatch.setattr(grid_dependency, "supported", lambda device: True)
     monkeypatch.setattr(target_info, "current_target", _target(H200))
-    f, gen = FORMATS[fmt], torch.Generator().manual_seed(0)
-
-    def packed(n, m):
-        return f.packed(f.quantize(torch.randn(n, m, generator=gen) * 0.05))
-    buf = SlotBuffer.from_experts(fmt, [(packed(512, 2048), packed(512, 2048), packed(2048, 512))
-                                        for _ in range(9)], "cpu")
+    buf = _qwen_slots(fmt, 9)
     launches = []
     monkeypatch.setattr(moe_decode, "_decode_down_kernel", _Recorder(moe_decode._decode_down_kernel, launches))
     cfg = dataclasses.replace(moe_decode.DECODE_CONFIGS[buf.down.kernel.name], down_bn=8, down_pairs=0,
@@ -189,18 +187,11 @@ def test_grid_dependency_compiles_to_nothing_before_sm90(monkeypatch):
     """Consumer GPUs before sm_90 have no programmatic dependent launch: the decode kernels, with
     down's release and wait asked for, still compile for sm_89 and hold no griddepcontrol."""
     import dataclasses
-    from moeferry.checkpoint.formats import FORMATS
-    from moeferry.moe.slots import SlotBuffer
     from moeferry.ops.triton import grid_dependency, moe_decode
     ada = GPUTarget("cuda", 89, 32)
     monkeypatch.setattr(grid_dependency, "supported", lambda device: True)
     monkeypatch.setattr(target_info, "current_target", _target(ada))
-    f, gen = FORMATS["nvfp4"], torch.Generator().manual_seed(0)
-
-    def packed(n, m):
-        return f.packed(f.quantize(torch.randn(n, m, generator=gen) * 0.05))
-    buf = SlotBuffer.from_experts("nvfp4", [(packed(512, 2048), packed(512, 2048), packed(2048, 512))
-                                            for _ in range(4)], "cpu")
+    buf = _qwen_slots("nvfp4", 4)
     launches = []
     for name in ("_decode_gate_up_kernel", "_decode_down_kernel"):
         monkeypatch.setattr(moe_decode, name, _Recorder(getattr(moe_decode, name), launches))
