@@ -93,7 +93,8 @@ class Layer:
         return sum(per) / len(per) * self.buf.bytes_per_slot
 
     def gate_up_fns(self, x, gate, rts, cfg):
-        return [lambda w=w, ids=ids: D.decode_gate_up(x, ids, w, self.buf.gate_up, self.table, self.shared, gate, cfg)
+        return [lambda w=w, ids=ids: D.decode_gate_up(x, ids, w, self.buf.gate_up, self.table, self.shared, gate, cfg,
+                                                      self.buf.scratch.arrivals)
                 for w, ids in rts]
 
     def down_fns(self, inters, gate, rts, cfg):
@@ -200,13 +201,16 @@ def variants(current: D.DecodeConfig) -> dict[str, D.DecodeConfig]:
     """--variants: the form's entry; it with down launched plainly after gate_up (`down_pdl` off);
     down as one program per token's pairs holding every pair's weights before it reads inter
     (`down_preload`: the 4-bit forms) at 4, 8 or 16 rows a program (16 with 8 warps too), and at 8
-    rows without `down_pdl`."""
+    rows without `down_pdl`; gate_up's last wave in up to 4 k slices (`gate_up_split`), alone and with
+    the preloaded down at 8 rows."""
     preload = replace(current, down_pairs=0, down_arrive=False, down_preload=True)
     return {"current": current, "no pdl": replace(current, down_pdl=False),
             "preload bn 4": replace(preload, down_bn=4), "preload bn 8": replace(preload, down_bn=8),
             "preload bn 16": replace(preload, down_bn=16),
             "preload bn 16, 8 warps": replace(preload, down_bn=16, down_warps=8),
-            "preload bn 8, no pdl": replace(preload, down_bn=8, down_pdl=False)}
+            "preload bn 8, no pdl": replace(preload, down_bn=8, down_pdl=False),
+            "split 4": replace(current, gate_up_split=4),
+            "split 4, preload bn 8": replace(preload, down_bn=8, gate_up_split=4)}
 
 
 def kernel_times(fns) -> dict[str, float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -23,6 +24,7 @@ from moeferry.moe.resident import DenseExperts  # noqa: E402
 from moeferry.moe.slots import SlotBuffer  # noqa: E402
 from moeferry.moe.triton_experts import TritonExperts  # noqa: E402
 from moeferry.ops.moe import experts_reference, swiglu  # noqa: E402
+from moeferry.ops.triton import moe_decode  # noqa: E402
 from moeferry.ops.triton.moe_decode import DecodeConfig  # noqa: E402
 from moeferry.ops.triton.moe_prep import RoutingScratch, max_blocks, prepare_routing  # noqa: E402
 
@@ -67,9 +69,10 @@ def _path_config(path, t, buf):
 
 
 def check_moe(fmt, t, e, k, h=128, i=64, slots=None, missing=0, shared=False, dtype="bfloat16",
-              tol=2e-2, seed=0, params=None, path=None):
+              tol=2e-2, seed=0, params=None, path=None, sms=0):
     """One fused-MoE run through a slot buffer vs the reference; returns the relative error.
-    `path`: force the grouped-GEMM ("gemm") or the decode ("decode") kernels."""
+    `path`: force the grouped-GEMM ("gemm") or the decode ("decode") kernels; `sms`: the SMs the
+    decode path plans gate_up's waves for (`gate_up_split`; 0: none, as on the CPU)."""
     gen = torch.Generator().manual_seed(seed)
     params = QuantParams(**params) if params else None
     n_exp = e + int(shared)
@@ -90,7 +93,9 @@ def check_moe(fmt, t, e, k, h=128, i=64, slots=None, missing=0, shared=False, dt
     x = (torch.randn(t, h, generator=gen)).to(xdt)
     w, ids = _routing(t, e, k, gen, "cpu")
     gate = torch.randn(t, generator=gen) if shared else None  # the shared gate's logits
-    out = buf.run(x, ids, w.to(xdt), table, int(where[e]) if shared else -1, gate, config=_path_config(path, t, buf))
+    with mock.patch.object(moe_decode, "_sms", lambda device: sms):
+        out = buf.run(x, ids, w.to(xdt), table, int(where[e]) if shared else -1, gate,
+                      config=_path_config(path, t, buf))
     assert out.shape == x.shape and out.dtype == xdt
     assert not buf.scratch.arrivals.any(), "arrival words not set back to 0"
     dq = [_dequant(ex) for ex in experts]
@@ -234,6 +239,19 @@ CASES["decode-preload-nvfp4-T3-fp32-exact-missing-shared"] = (check_moe, dict(
 CASES["decode-preload-int4_ct-T2-asymmetric-missing-shared"] = (check_moe, dict(
     fmt="int4_ct", t=2, e=16, k=4, slots=20, missing=3, shared=True, seed=25, dtype="float32", tol=1e-4,
     params={"group_size": 32, "symmetric": False}, path=DecodeConfig(16, 64, 16, 64, down_preload=True)))
+# gate_up's last, partial wave cut into k slices summed by the last to arrive (`gate_up_split`), on
+# a pretend GPU of `sms` SMs: 60 units on 56 SMs (4 slices: fp4, packed halves off in fp32), 40
+# on 32 (2 slices: asymmetric int4 packing inter), 80 on 64 (4 slices: fp8 row scales)
+CASES["decode-split4-nvfp4-T3-fp32-exact-missing-shared"] = (check_moe, dict(
+    fmt="nvfp4", t=3, e=16, k=4, slots=20, missing=3, shared=True, seed=26, dtype="float32", tol=1e-4, sms=56,
+    path=DecodeConfig(16, 128, 8, 64, gate_up_split=4)))
+CASES["decode-split2-int4_ct-T2-asymmetric-missing-shared"] = (check_moe, dict(
+    fmt="int4_ct", t=2, e=16, k=4, slots=20, missing=3, shared=True, seed=27, sms=32,
+    params={"group_size": 32, "symmetric": False},
+    path=DecodeConfig(16, 128, 32, 64, down_pairs=1, down_arrive=True, gate_up_split=2)))
+CASES["decode-split4-fp8_tensor-T1-per-channel-shared"] = (check_moe, dict(
+    fmt="fp8_tensor", t=1, e=16, k=4, slots=20, shared=True, seed=28, sms=64, params={"per_channel": True},
+    path=DecodeConfig(4, 128, 8, 64, gate_up_split=8)))
 CASES["nvfp4-T20"] = (check_moe, dict(fmt="nvfp4", t=20, e=8, k=2, seed=8))
 
 
@@ -441,6 +459,17 @@ def _worker(shard: int, nshards: int) -> None:
     report_cases(list(CASES), run, shard, nshards)
 
 
+def test_tail_split_spreads_the_last_wave():
+    """gate_up's units on an H100's 132 SMs: at T = 1 (9 pairs x 32 row blocks = 2 waves + 24)
+    the 24 in 4 slices leave the busiest SM 2.25 units instead of 3; at T = 4 (8 waves + 96) no cut
+    saves a tenth; none without a whole wave, without a tail, or where the config allows none."""
+    split = moe_decode.tail_split
+    assert split(288, 132, 8) == 4 and split(288, 132, 2) == 2
+    assert split(576, 132, 4) == 2  # T = 2: 4 waves + 48 -> 4.5 units
+    assert split(1152, 132, 8) == 0
+    assert split(100, 132, 8) == split(264, 132, 8) == split(288, 132, 0) == split(288, 0, 8) == 0
+
+
 @pytest.fixture(scope="module")
 def interpreted():
     return run_workers(__file__, WORKERS)
@@ -550,7 +579,7 @@ def test_gpu_qwen_shapes(fmt, t):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("path", ["decode", "decode-pairs", "decode-arrive", "decode-pdl", "decode-preload",
-                                  "gemm"])
+                                  "decode-split", "gemm"])
 @pytest.mark.parametrize("t", [1, 2, 4])
 @pytest.mark.parametrize("fmt", DEVICE_FORMS)
 def test_gpu_decode_paths(fmt, t, path):
@@ -570,6 +599,8 @@ def test_gpu_decode_paths(fmt, t, path):
            else DecodeConfig(down_pairs=1, down_arrive=True) if path == "decode-arrive"
            else DecodeConfig(down_pairs=1, down_arrive=True, down_pdl=True) if path == "decode-pdl"
            else DecodeConfig(down_bn=8, down_pdl=True, down_preload=True) if path == "decode-preload"
+           else DecodeConfig(gate_up_bk=2048, down_pairs=1, down_arrive=True, down_pdl=True, gate_up_split=4)
+           if path == "decode-split"
            else moe_gemm.choose_config(t, buf.gate_up, buf.down))
     out = buf.run(x, ids, w, table, int(where[e]), gate, config=cfg)
     w_ref = w.float().masked_fill(torch.isin(ids, missing), 0.0)
@@ -580,11 +611,12 @@ def test_gpu_decode_paths(fmt, t, path):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("preload", [False, True])
+@pytest.mark.parametrize("variant", ["entry", "preload", "split"])
 @pytest.mark.parametrize("fmt", DEVICE_FORMS)
-def test_gpu_decode_pdl_in_graph(fmt, preload):
-    """Down launched as a programmatic dependent of gate_up (`down_pdl`; the entry's down, or
-    with `preload` a program per token's pairs holding every pair's weights first), eight calls
+def test_gpu_decode_pdl_in_graph(fmt, variant):
+    """Down launched as a programmatic dependent of gate_up (`down_pdl`; the entry's down, with
+    "preload" a program per token's pairs holding every pair's weights first, with "split" gate_up's
+    last wave in k slices where its entry takes all of H in one step), eight calls
     (T = 1..4, each its own routing and activations) captured in one CUDA graph, so that each
     down starts under its gate_up's tail and the next call follows at once: every replay's
     outputs are the plain launches' bytes (the same sums in the same order; a read of inter
@@ -602,8 +634,10 @@ def test_gpu_decode_pdl_in_graph(fmt, preload):
         w, ids = _routing(t, e, k, gen, "cuda", torch.bfloat16)
         calls.append((x, ids, w, table, shared, torch.randn(t, generator=gen).cuda()))
     plain = replace(DECODE_CONFIGS.get(buf.gate_up.kernel.name, DecodeConfig()), down_pdl=False)
-    if preload:
+    if variant == "preload":
         plain = replace(plain, down_bn=8, down_pairs=0, down_arrive=False, down_preload=True)
+    elif variant == "split":
+        plain = replace(plain, gate_up_split=4)
     want = [buf.run(*call, config=plain) for call in calls]
     outs = []
 

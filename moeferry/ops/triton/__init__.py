@@ -8,6 +8,7 @@ CPU-only run never needs it.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -26,6 +27,12 @@ def use_triton(x: torch.Tensor) -> bool:
     if x.is_cuda:
         return True
     return os.environ.get("MOEFERRY_TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(index: int) -> int:
+    """Streaming multiprocessors of CUDA device `index`."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def next_pow2(n: int) -> int:

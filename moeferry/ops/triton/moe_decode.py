@@ -30,8 +30,16 @@ the format's GEMV step (moe_formats.py, "decode GEMV steps") on the CUDA cores:
    weights of all of its token's pairs first, then applies each to its pair's inter row in
    order: one memory latency a program instead of one a pair, and no chunks to sum.
 
+With `gate_up_split` (gate_up taking all of H in one step) gate_up's grid is one-dimensional:
+its units (pair, row block) are waves of one program an SM and a partial last wave, whose units
+would keep their SMs one unit longer than the rest (at T = 1 on 132 SMs: 288 units, 24 SMs run
+three); `tail_split` cuts each of those into k slices (2-16, by the device's SM count), whose
+gate and up sums the last slice to arrive adds in slice order before SiLU and the store.
+
 The arrival counters live in the slot buffer's scratch (`RoutingScratch.arrivals`, zero
-between calls: the last arrival sets its word back).
+between calls: the last arrival sets its word back). gate_up's split and down's chunks both
+count from the first word: every gate_up arrival (and reset) is done before down reads inter,
+after which alone down's chunks arrive.
 
 One launch for both halves was built twice and timed slower on the GPU (a program per pair's
 inter slice and its share of every down row; one launch over a grid barrier): benchmarks/README.md.
@@ -47,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import grid_dependency
+from . import grid_dependency, num_sms
 from .arrivals import last_arrival
 from .grid_dependency import release_dependents, wait_for_primary
 from .moe_formats import TL_DTYPES, SlotMatrix
@@ -69,6 +77,8 @@ class DecodeConfig:
     down_pdl: bool = False     # down a programmatic dependent launch of gate_up (module docstring)
     down_preload: bool = False  # (4-bit forms) a down program holds all of its token's pairs and asks
                                 # for every pair's weights before it reads any inter (module docstring)
+    gate_up_split: int = 0  # (BK >= H) at most this many k slices for each unit of gate_up's last,
+                            # partial wave of programs (`tail_split`; module docstring)
 
 
 # Per slot form (MoEKernel.name): the block sizes `benchmarks/moe_decode_sweep.py` found fastest
@@ -129,9 +139,8 @@ def _gate_up_h(x_row, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I, GEMV: tl.constex
                G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, UNROLL: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr):
     """SiLU(gate) * up, rows n0..n0+BN of slot s (-1: every row masked off, zeros) times x_row, fp32 [BN]."""
-    n = 2 * I
     slot = tl.maximum(s, 0).to(tl.int64)
-    g0 = tl.where(s >= 0, n0, n)  # skipped pair: every row masked off
+    g0 = tl.where(s >= 0, n0, 2 * I)  # skipped pair: every row masked off
     g = tl.zeros((BN,), tl.float32)
     u = tl.zeros((BN,), tl.float32)
     if UNROLL:
@@ -140,11 +149,17 @@ def _gate_up_h(x_row, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I, GEMV: tl.constex
     else:
         for k0 in range(0, H, BK):
             g, u = _gate_up_step(g, u, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k0, H, I, GEMV, BN, BK, G, GN, GB, HAS_Z)
-    offs_n = n0 + tl.arange(0, BN)
-    mask_n = offs_n < I
+    return _silu_up(g, u, rs_ptr, slot, n0, I, ROW_SCALE, BN)
+
+
+@triton.jit
+def _silu_up(g, u, rs_ptr, slot, n0, I, ROW_SCALE: tl.constexpr, BN: tl.constexpr):
+    """SiLU(gate) * up of rows n0..n0+BN's sums over all of H (row scales applied), fp32 [BN]."""
     if ROW_SCALE:
-        g *= tl.load(rs_ptr + slot * n + offs_n, mask=mask_n, other=0.0)
-        u *= tl.load(rs_ptr + slot * n + I + offs_n, mask=mask_n, other=0.0)
+        offs_n = n0 + tl.arange(0, BN)
+        mask_n = offs_n < I
+        g *= tl.load(rs_ptr + slot * 2 * I + offs_n, mask=mask_n, other=0.0)
+        u *= tl.load(rs_ptr + slot * 2 * I + I + offs_n, mask=mask_n, other=0.0)
     return g / (1.0 + tl.exp(-g)) * u
 
 
@@ -238,22 +253,79 @@ def _down_preloaded(inter_ptr, t, n0, ids_ptr, rw_ptr, shw_ptr, table_ptr, share
 
 
 @triton.jit
-def _decode_gate_up_kernel(x_ptr, stride_x, inter_ptr, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot,
-                           w_ptr, s_ptr, z_ptr, rs_ptr, I,
+def _decode_gate_up_kernel(x_ptr, stride_x, inter_ptr, part_ptr, arrive_ptr, ids_ptr, rw_ptr, shw_ptr, table_ptr,
+                           shared_slot, w_ptr, s_ptr, z_ptr, rs_ptr, I, FULL,
                            H: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr,
                            GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr,
                            TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr,
-                           PACK_RANGE: tl.constexpr, RELEASE: tl.constexpr, BN: tl.constexpr,
-                           BK: tl.constexpr):
-    p = tl.program_id(0)
+                           PACK_RANGE: tl.constexpr, RELEASE: tl.constexpr, SPLIT: tl.constexpr,
+                           GB_SPLIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    if SPLIT == 0:  # grid (pairs, I / BN): a program per unit (pair, row block)
+        _gate_up_unit(x_ptr, stride_x, inter_ptr, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, w_ptr, s_ptr,
+                      z_ptr, rs_ptr, I, tl.program_id(0), tl.program_id(1) * BN, H, GEMV, ROW_SCALE, G, GN, GB,
+                      HAS_Z, K_IN, TOPK, HAS_SHARED, UNROLL, PACK_RANGE, RELEASE, BN, BK)
+    else:  # grid (FULL + tail units * SPLIT,): the FULL first units whole, the rest in SPLIT k slices
+        blocks = (I + BN - 1) // BN
+        q = tl.program_id(0)
+        if q < FULL:
+            _gate_up_unit(x_ptr, stride_x, inter_ptr, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, w_ptr,
+                          s_ptr, z_ptr, rs_ptr, I, q // blocks, (q % blocks) * BN, H, GEMV, ROW_SCALE, G, GN, GB,
+                          HAS_Z, K_IN, TOPK, HAS_SHARED, UNROLL, PACK_RANGE, RELEASE, BN, BK)
+        else:
+            v = q - FULL
+            _gate_up_slice(x_ptr, stride_x, inter_ptr, part_ptr, arrive_ptr, ids_ptr, rw_ptr, shw_ptr, table_ptr,
+                           shared_slot, w_ptr, s_ptr, z_ptr, rs_ptr, I, FULL, v // SPLIT, v % SPLIT, blocks, H, GEMV,
+                           ROW_SCALE, G, GN, GB_SPLIT, HAS_Z, K_IN, TOPK, HAS_SHARED, PACK_RANGE, RELEASE, SPLIT,
+                           BN, BK // SPLIT)
+
+
+@triton.jit
+def _gate_up_unit(x_ptr, stride_x, inter_ptr, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, w_ptr, s_ptr, z_ptr,
+                  rs_ptr, I, p, n0, H: tl.constexpr, GEMV: tl.constexpr, ROW_SCALE: tl.constexpr, G: tl.constexpr,
+                  GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, K_IN: tl.constexpr, TOPK: tl.constexpr,
+                  HAS_SHARED: tl.constexpr, UNROLL: tl.constexpr, PACK_RANGE: tl.constexpr, RELEASE: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr):
+    """Pair p's inter values n0..n0+BN over all of H."""
     t = p // TOPK
     s, _ = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, p % TOPK, K_IN, TOPK, HAS_SHARED)
-    n0 = tl.program_id(1) * BN
     h = _gate_up_h(x_ptr + t.to(tl.int64) * stride_x, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I, GEMV, ROW_SCALE,
                    G, GN, GB, HAS_Z, UNROLL, BN, BK)
     if RELEASE:  # the down launch may start (it waits for this grid's end before reading inter)
         release_dependents()
     _store_inter(inter_ptr, p, h, n0, I, PACK_RANGE, BN)
+
+
+@triton.jit
+def _gate_up_slice(x_ptr, stride_x, inter_ptr, part_ptr, arrive_ptr, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot,
+                   w_ptr, s_ptr, z_ptr, rs_ptr, I, FULL, tail, k_slice, blocks, H: tl.constexpr, GEMV: tl.constexpr,
+                   ROW_SCALE: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
+                   HAS_Z: tl.constexpr, K_IN: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr,
+                   PACK_RANGE: tl.constexpr, RELEASE: tl.constexpr, SPLIT: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr):
+    """Tail unit `tail` (unit FULL + tail) over k slice `k_slice` (BK wide): its gate and up sums go
+    to part_ptr; the last of the unit's SPLIT slices to arrive adds them in slice order and stores
+    the unit's inter values."""
+    u = FULL + tail
+    p = u // blocks
+    n0 = (u % blocks) * BN
+    t = p // TOPK
+    s, _ = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, p % TOPK, K_IN, TOPK, HAS_SHARED)
+    slot = tl.maximum(s, 0).to(tl.int64)
+    zero = tl.zeros((BN,), tl.float32)
+    g, up = _gate_up_step(zero, zero, x_ptr + t.to(tl.int64) * stride_x, w_ptr, s_ptr, z_ptr, slot,
+                          tl.where(s >= 0, n0, 2 * I), k_slice * BK, H, I, GEMV, BN, BK, G, GN, GB, HAS_Z)
+    rows = part_ptr + tail.to(tl.int64) * (SPLIT * 2 * BN) + tl.arange(0, BN)
+    tl.store(rows + k_slice * 2 * BN, g)
+    tl.store(rows + k_slice * 2 * BN + BN, up)
+    if RELEASE:
+        release_dependents()
+    if last_arrival(arrive_ptr + tail, SPLIT):
+        g = tl.zeros((BN,), tl.float32)
+        up = tl.zeros((BN,), tl.float32)
+        for c in tl.static_range(SPLIT):
+            g += tl.load(rows + c * 2 * BN, cache_modifier=".cg")
+            up += tl.load(rows + c * 2 * BN + BN, cache_modifier=".cg")
+        _store_inter(inter_ptr, p, _silu_up(g, up, rs_ptr, slot, n0, I, ROW_SCALE, BN), n0, I, PACK_RANGE, BN)
 
 
 @triton.jit
@@ -347,21 +419,53 @@ def _common(m: SlotMatrix, k_in: int, has_shared: bool) -> dict:
 
 def decode_gate_up(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: SlotMatrix,
                    table_row: torch.Tensor, shared_slot: int, shared_gate: torch.Tensor | None,
-                   cfg: DecodeConfig) -> torch.Tensor:
-    """inter [T * topk, I] = SiLU(gate) * up of every (token, choice) pair (launch 1)."""
+                   cfg: DecodeConfig, arrivals: torch.Tensor | None = None) -> torch.Tensor:
+    """inter [T * topk, I] = SiLU(gate) * up of every (token, choice) pair (launch 1).
+    `arrivals`: zeroed int32 words for `gate_up_split` (without them, or too few, no split)."""
     t, k_in = ids.shape
     common = _common(gate_up, k_in, shared_gate is not None)
     i = gate_up.part
     bk, gb = _bk(cfg.gate_up_bk, gate_up)
     bn = min(cfg.gate_up_bn, triton.next_power_of_2(i))
     pack = packs_inter(gate_up, x.dtype, bn)
-    inter = _inter_buffer(x, t * common["TOPK"], i, pack)
-    _decode_gate_up_kernel[(t * common["TOPK"], triton.cdiv(i, bn))](
-        x, x.stride(0), inter, *_route_args(ids, weights, table_row, shared_slot, shared_gate),
-        *gate_up.kernel_args(), i, H=gate_up.k, GB=gb, UNROLL=cfg.unroll,
-        PACK_RANGE=gate_up.kernel.x_range if pack else 0.0, RELEASE=_pdl(cfg, x), BN=bn, BK=bk,
-        num_warps=cfg.num_warps, **common)
+    pairs, blocks = t * common["TOPK"], triton.cdiv(i, bn)
+    inter = _inter_buffer(x, pairs, i, pack)
+    split = tail_split(pairs * blocks, _sms(x.device), cfg.gate_up_split) if bk >= gate_up.k else 0
+    full = pairs * blocks - (pairs * blocks) % _sms(x.device) if split else pairs * blocks
+    if split and (arrivals is None or arrivals.numel() < pairs * blocks - full):
+        split, full = 0, pairs * blocks
+    if split:  # each tail slice's fp32 gate and up sums
+        grid = (full + (pairs * blocks - full) * split,)
+        part = torch.empty((pairs * blocks - full) * split * 2 * bn, dtype=torch.float32, device=x.device)
+    else:
+        grid, part, arrivals, full = (pairs, blocks), inter, inter, 0
+    _decode_gate_up_kernel[grid](
+        x, x.stride(0), inter, part, arrivals,
+        *_route_args(ids, weights, table_row, shared_slot, shared_gate),
+        *gate_up.kernel_args(), i, full, H=gate_up.k, GB=gb, UNROLL=cfg.unroll,
+        PACK_RANGE=gate_up.kernel.x_range if pack else 0.0, RELEASE=_pdl(cfg, x), SPLIT=split,
+        GB_SPLIT=_bk(bk // split, gate_up)[1] if split else gb, BN=bn, BK=bk, num_warps=cfg.num_warps, **common)
     return inter
+
+
+def tail_split(units: int, sms: int, most: int) -> int:
+    """The k slices each unit of gate_up's last, partial wave is cut into (0: none). A unit (a
+    pair's row block over all of H) is one program; with `units` = waves * sms + tail, the SMs that
+    run a tail unit take one unit longer than the rest. Cut into s slices, the tail's units spread
+    over the SMs (the last of a unit's slices to arrive sums them). The s of 2, 4, ... `most` that
+    leaves the least work on the busiest SM, where that saves at least a tenth of it."""
+    waves, tail = divmod(units, sms) if sms else (0, 0)
+    if not waves or not tail or most < 2:
+        return 0
+    cuts = [s for s in (2, 4, 8, 16) if s <= most]
+    busiest = {s: waves + triton.cdiv(tail * s, sms) / s for s in cuts}
+    best = min(cuts, key=lambda s: (busiest[s], s))
+    return best if busiest[best] <= 0.9 * (waves + 1) else 0
+
+
+def _sms(device: torch.device) -> int:
+    """The device's SMs (0 off CUDA: gate_up's units are not split)."""
+    return num_sms(device.index or 0) if device.type == "cuda" else 0
 
 
 def _inter_buffer(x: torch.Tensor, pairs: int, i: int, pack: bool) -> torch.Tensor:
@@ -423,5 +527,5 @@ def decode_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_u
     `arrivals`: the slot buffer's zeroed counter words (`RoutingScratch.arrivals`), which
     `down_arrive` needs (without them a third launch sums the down chunks)."""
     route = (table_row, shared_slot, shared_gate)
-    inter = decode_gate_up(x, ids, weights, gate_up, *route, cfg)
+    inter = decode_gate_up(x, ids, weights, gate_up, *route, cfg, arrivals)
     return decode_down(inter, torch.empty_like(x), ids, weights, down, *route, cfg, arrivals)

@@ -153,7 +153,8 @@ class Routing:
 
 class RoutingScratch:
     """Per-slot counters the prep kernels use, and the decode path's arrival words (`moe_decode`:
-    `down_arrive`, one per (token, row block of down)); zero between calls (the kernels reset them)."""
+    `down_arrive`, one per (token, row block of down); `gate_up_split`, one per unit of gate_up's
+    last wave); zero between calls (the kernels reset them)."""
 
     ARRIVALS = 4096  # words: T = 64 tokens of H / 32 row blocks at Qwen3.6's H = 2048
 

@@ -31,7 +31,6 @@ Under TRITON_INTERPRET=1 the dots run in fp32 (the interpreter's bf16 dot is wro
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import interpreting, num_sms
 from .arrivals import last_arrival
 from .gemv_formats import GEMV_STEPS
 from .moe_decode import gemv_bk, gemv_handles
@@ -218,11 +217,6 @@ PREFILL_TILES = {"dense": (128, 128, 64, False), "fp8_row": (128, 128, 64, False
                  "fp4": (128, 128, 128, True), "int4": (128, 64, 128, True)}
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def supported(op: DenseOperands) -> bool:
     """Shapes the kernel handles: nibble-packed K a multiple of 32, 32-bit offsets."""
     if op.kernel.packed_k and op.k % 32:
@@ -257,7 +251,7 @@ def choose_config(m: int, op: DenseOperands, device: torch.device) -> DenseConfi
         bn = min(bn, max(MIN_BN, triton.next_power_of_2(op.n)))
         bk = min(bk, max(32, triton.next_power_of_2(op.k))) if gemv else _fit_bk(bk, op)
         tiles, steps = triton.cdiv(op.n, bn), triton.cdiv(op.k, bk)
-        want = DECODE_WAVES * _num_sms(device.index or 0)
+        want = DECODE_WAVES * num_sms(device.index or 0)
         split = max(1, min(steps, triton.cdiv(want, tiles)))
         return DenseConfig(triton.next_power_of_2(m) if gemv else 16, bn, bk, split, True, gemv=gemv)
     bm, bn, bk, swap = PREFILL_TILES[form]
