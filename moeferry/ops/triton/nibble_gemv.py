@@ -9,8 +9,10 @@ values at once in fp16x2 registers:
   lanes move alike: nibble i sits at bit 4i of the low half, i + 4 at 4i of the high half);
 - fp4 (E2M1): the 3 magnitude bits go to fp16 bits 9-11 (value / 2**14, exact, 0.5 a subnormal)
   and the sign bit flips the sign of x's lane instead (one LOP3 on x);
-- int4: 0x6400 | q is fp16 1024 + q, minus 1032 is q - 8 exactly; the zero point's difference
-  from 8 is taken off per group in fp32 (sum (q - z) x = sum (q - 8) x - (z - 8) sum x);
+- int4: no shift within a byte: a low nibble or'd into 0x6400 is fp16 1024 + q, minus 1032 is
+  q - 8; a high nibble or'd there is 1024 + 16 q, times 1/16 minus 72 is q - 8 (both exact); one
+  shift by 8 brings a word's other two pairs down. The zero point's difference from 8 is taken
+  off per group in fp32 (sum (q - z) x = sum (q - 8) x - (z - 8) sum x);
 - one fma.rn.f16x2 multiplies and adds two products; 16 values (one fp4 scale group) are summed
   in fp16 (the two lanes' 8-term sums added there too) and leave as one fp32; x's scale c is
   undone once per row sum, not per unit.
@@ -37,28 +39,49 @@ FP4_RANGE: tl.constexpr = tl.constexpr(16384.0)  # |x'| <= 2**14: products <= 6,
 INT4_RANGE: tl.constexpr = tl.constexpr(256.0)   # |x'| <= 2**8: products <= 2048, sums <= 32768
 
 
-def _unit_asm(pair: str) -> str:
-    """PTX of one 16-value unit: words $1, $2; x pairs $3-$10 (fp16x2); fp32 sum to $0."""
-    lines = ["{", ".reg .b32 m, t, a, c;", ".reg .b16 l, h;", "mov.b32 a, 0;",
-             "mov.b32 c, 0x64086408;"]
-    for word in (1, 2):
-        for j in range(4):
-            lines.append(pair.format(w=f"${word}", x=f"${2 + 4 * (word - 1) + j + 1}", j=j,
-                                     mshift=("shl.b32" if j < 3 else "shr.b32") + f" m, ${word}, {abs(9 - 4 * j)};",
-                                     sshift=f"shl.b32 t, ${word}, {12 - 4 * j};" if j < 3 else f"mov.b32 t, ${word};",
-                                     rshift=f"shr.b32 m, ${word}, {4 * j};"))
+def _unit_asm(word) -> str:
+    """PTX of one 16-value unit: words $1, $2; x pairs $3-$10 (fp16x2); fp32 sum to $0.
+    `word(w, xs)` gives the lines adding word w's four nibble pairs times x operands xs into a."""
+    lines = ["{", ".reg .b32 m, t, a, c, k, s, b;", ".reg .b16 l, h;", "mov.b32 a, 0;",
+             "mov.b32 c, 0x64086408;", "mov.b32 k, 0x64006400;", "mov.b32 s, 0x2C002C00;",
+             "mov.b32 b, 0xD480D480;"]
+    for w in (1, 2):
+        lines += word(f"${w}", [f"${2 + 4 * (w - 1) + j + 1}" for j in range(4)])
     lines += ["mov.b32 {l, h}, a;", "add.rn.f16 l, l, h;", "cvt.f32.f16 $0, l;", "}"]
     return "\n".join(lines)
 
 
-# fp4 pair j of a word: magnitudes to bits 9-11 of each half, the sign bits (4j + 3) to x's bit 15
-_FP4_UNIT: tl.constexpr = tl.constexpr(_unit_asm(
-    "{mshift} and.b32 m, m, 0x0E000E00; {sshift} and.b32 t, t, 0x80008000; xor.b32 t, t, {x}; "
-    "fma.rn.f16x2 a, m, t, a;"))
-# int4 pair j: 0x6400 | q = 1024 + q, minus 1032 (c) = q - 8
-_INT4_UNIT: tl.constexpr = tl.constexpr(_unit_asm(
-    "{rshift} and.b32 m, m, 0x000F000F; or.b32 m, m, 0x64006400; sub.rn.f16x2 m, m, c; "
-    "fma.rn.f16x2 a, m, {x}, a;"))
+def _fp4_word(w: str, xs: list[str]) -> list[str]:
+    """Pair j: the magnitudes (bits 4j..4j+2 of each half) to bits 9-11, the sign bits (4j + 3) to
+    x's bit 15 (xor), one fma."""
+    lines = []
+    for j, x in enumerate(xs):
+        mshift = f"shl.b32 m, {w}, {9 - 4 * j};" if j < 3 else f"shr.b32 m, {w}, 3;"
+        sshift = f"shl.b32 t, {w}, {12 - 4 * j};" if j < 3 else f"mov.b32 t, {w};"
+        lines.append(f"{mshift} and.b32 m, m, 0x0E000E00; {sshift} and.b32 t, t, 0x80008000; "
+                     f"xor.b32 t, t, {x}; fma.rn.f16x2 a, m, t, a;")
+    return lines
+
+
+def _int4_word(w: str, xs: list[str]) -> list[str]:
+    """Pairs 0, 1 from the word, 2, 3 from it shifted right by 8; no shift within a byte: the low
+    nibble or'd into 0x6400 is fp16 1024 + q (minus 1032 (c): q - 8), the high one 1024 + 16 q
+    (times 1/16 (s) plus -72 (b): q - 8), both exact."""
+    lines = []
+    for j, x in enumerate(xs):
+        src = w if j < 2 else "t"
+        if j == 2:
+            lines.append(f"shr.b32 t, {w}, 8;")
+        if j % 2 == 0:
+            lines.append(f"lop3.b32 m, {src}, 0x000F000F, k, 0xEA; sub.rn.f16x2 m, m, c;")
+        else:
+            lines.append(f"lop3.b32 m, {src}, 0x00F000F0, k, 0xEA; fma.rn.f16x2 m, m, s, b;")
+        lines.append(f"fma.rn.f16x2 a, m, {x}, a;")
+    return lines
+
+
+_FP4_UNIT: tl.constexpr = tl.constexpr(_unit_asm(_fp4_word))
+_INT4_UNIT: tl.constexpr = tl.constexpr(_unit_asm(_int4_word))
 _UNIT_CONSTRAINTS: tl.constexpr = tl.constexpr("=r" + ",r" * 10)
 
 
