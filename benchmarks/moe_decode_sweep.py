@@ -22,7 +22,7 @@ them. Prints a table and the `DECODE_CONFIGS` entries to paste; writes moe_decod
 .json under --out. `--variants`: no sweep; each form's entry timed as a whole call against
 the block-size variants of `variants`, with each kernel's device time at T = 1 (torch.profiler
 over graph replays), and once with every call on one routing (its weights stay in L2: what is
-left is the kernels' own work and latency).
+left is the kernels' own work and latency); `--only` names the variants to time.
 `--smoke`: tiny shapes on the CPU (MOEFERRY_TRITON_INTERPRET=1), a check
 of the script only.
 """
@@ -207,10 +207,10 @@ def variants(current: D.DecodeConfig) -> dict[str, D.DecodeConfig]:
     return {"current": current, "no pdl": replace(current, down_pdl=False),
             "preload bn 4": replace(preload, down_bn=4), "preload bn 8": replace(preload, down_bn=8),
             "preload bn 16": replace(preload, down_bn=16),
-            "preload bn 16, 8 warps": replace(preload, down_bn=16, down_warps=8),
-            "preload bn 8, no pdl": replace(preload, down_bn=8, down_pdl=False),
+            "preload bn 16 (8 warps)": replace(preload, down_bn=16, down_warps=8),
+            "preload bn 8 (no pdl)": replace(preload, down_bn=8, down_pdl=False),
             "split 4": replace(current, gate_up_split=4),
-            "split 4, preload bn 8": replace(preload, down_bn=8, gate_up_split=4)}
+            "split 4 + preload bn 8": replace(preload, down_bn=8, gate_up_split=4)}
 
 
 def kernel_times(fns) -> dict[str, float]:
@@ -232,11 +232,16 @@ def _kernels_said(times: dict[str, float]) -> str:
     return ", ".join(f"{k.strip('_')[:24]} {v * 1e6:.1f} us" for k, v in times.items())
 
 
-def variants_form(label: str, bw: float, log) -> dict:
-    """--variants: whole calls of each `variants` config, their error, and at T = 1 the kernels'
-    device time per call beside the whole call's (the rest: launch gaps and tails)."""
+def variants_form(label: str, bw: float, log, only=()) -> dict:
+    """--variants: whole calls of each `variants` config (those named in `only`, if any), their
+    error, and at T = 1 the kernels' device time per call beside the whole call's (the rest: launch
+    gaps and tails)."""
     layer = Layer(label)
     cfgs = variants(layer.current)
+    unknown = set(only) - set(cfgs)
+    if unknown:
+        raise SystemExit(f"--only: no variant named {sorted(unknown)}; the variants: {list(cfgs)}")
+    cfgs = {k: v for k, v in cfgs.items() if not only or k in only}
     rows = _whole_rows(layer, cfgs, bw, log)
     errors = {name: layer.rel_error(cfg) for name, cfg in cfgs.items()}
     log(f"  {label} rel error vs fp32 reference: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
@@ -291,6 +296,8 @@ def main():
     ap.add_argument("--whole-only", action="store_true", help="time the current entries as whole calls, no sweep")
     ap.add_argument("--variants", action="store_true",
                     help="time each form's entry against its block-size variants, no sweep")
+    ap.add_argument("--only", default="", metavar="NAMES",
+                    help="with --variants: time only these variants (comma-separated names, e.g. 'current,split 4')")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.smoke:
@@ -314,7 +321,8 @@ def main():
         (out / "moe_decode_whole.json").write_text(json.dumps(dict(hbm_Bps=bw, forms=results), indent=1))
         return
     if args.variants:
-        results = [variants_form(f, bw, log) for f in forms]
+        only = [n.strip() for n in args.only.split(",") if n.strip()]
+        results = [variants_form(f, bw, log, only) for f in forms]
         (out / "moe_decode_variants.json").write_text(json.dumps(dict(hbm_Bps=bw, forms=results), indent=1))
         return
     if args.jobs:

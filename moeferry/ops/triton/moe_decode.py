@@ -86,7 +86,8 @@ class DecodeConfig:
 # at T = 1 / 4 (top-8 + shared, H100 of the thirty-third session): fp4 13.0-13.1 / 29.4-29.7 us
 # (packed-half steps; gate_up BN 16 so that a program holds whole 16-value units to pack; the
 # down launch one pair a program, its chunks summed by the last to arrive, in one k step; without
-# `down_pdl` 13.8-14.4 / 31.0-31.2), int4 14.2-14.9 / 30.2-31.3 (without 14.8-15.5 / 30.7-31.6),
+# `down_pdl` 13.8-14.4 / 31.0-31.2), int4 14.2-14.9 / 30.2-31.3 (without 14.8-15.5 / 30.7-31.6; its units
+# since down to 13 instructions per 8 weights from 20, not timed yet),
 # fp8_row 16.8-17.6 / 40.4-41.0 (17.3-18.1 / 41.1-41.8), fp8_block 18.5 / 40.4 (17.6 / 41.0),
 # dense 27.3 / 71.2 (27.8 / 71.5). Timed and not taken: gate_up split over k, its k loop unrolled
 # over smaller steps, gate and up rows in one GEMV call, x packed once before gate_up, weight rows
