@@ -431,15 +431,15 @@ def decode_gate_up(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     pack = packs_inter(gate_up, x.dtype, bn)
     pairs, blocks = t * common["TOPK"], triton.cdiv(i, bn)
     inter = _inter_buffer(x, pairs, i, pack)
-    split = tail_split(pairs * blocks, _sms(x.device), cfg.gate_up_split) if bk >= gate_up.k else 0
-    full = pairs * blocks - (pairs * blocks) % _sms(x.device) if split else pairs * blocks
-    if split and (arrivals is None or arrivals.numel() < pairs * blocks - full):
-        split, full = 0, pairs * blocks
-    if split:  # each tail slice's fp32 gate and up sums
-        grid = (full + (pairs * blocks - full) * split,)
-        part = torch.empty((pairs * blocks - full) * split * 2 * bn, dtype=torch.float32, device=x.device)
+    sms = _sms(x.device) if bk >= gate_up.k and cfg.gate_up_split else 0
+    split = tail_split(pairs * blocks, sms, cfg.gate_up_split)
+    tail = (pairs * blocks) % sms if split else 0
+    if split and arrivals is not None and arrivals.numel() >= tail:  # the whole waves, then each tail slice
+        full = pairs * blocks - tail
+        grid = (full + tail * split,)
+        part = torch.empty(tail * split * 2 * bn, dtype=torch.float32, device=x.device)  # its gate and up sums
     else:
-        grid, part, arrivals, full = (pairs, blocks), inter, inter, 0
+        grid, part, arrivals, full, split = (pairs, blocks), inter, inter, 0, 0
     _decode_gate_up_kernel[grid](
         x, x.stride(0), inter, part, arrivals,
         *_route_args(ids, weights, table_row, shared_slot, shared_gate),
