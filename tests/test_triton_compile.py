@@ -183,6 +183,27 @@ def test_moe_decode_preloaded_down_compiles(fmt, monkeypatch):
     assert len(re.findall(r"ld\.global(\.\w+)*\.v4", before)) >= 9  # each pair's words (at least one load each)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4_awq", "fp8_tensor"])
+def test_moe_decode_split_gate_up_compiles(fmt, monkeypatch):
+    """`gate_up_split` compiles for sm_90 at Qwen3.6's H and I: on a pretend 64-SM GPU, T = 1 with
+    top-2 and the shared expert is 3 pairs x 32 row blocks = one wave of 64 units and a tail of 32
+    in 2 k slices (grid 64 + 32 x 2), both the whole-unit and the slice branch in one kernel."""
+    import dataclasses
+    from moeferry.ops.triton import moe_decode
+    monkeypatch.setattr(moe_decode, "_sms", lambda device: 64)
+    buf = _qwen_slots(fmt, 4)
+    launches = []
+    monkeypatch.setattr(moe_decode, "_decode_gate_up_kernel", _Recorder(moe_decode._decode_gate_up_kernel, launches))
+    cfg = dataclasses.replace(moe_decode.DECODE_CONFIGS.get(buf.gate_up.kernel.name, moe_decode.DecodeConfig()),
+                              gate_up_bn=16, gate_up_bk=2048, gate_up_split=4)
+    moe_decode.decode_gate_up(torch.randn(1, 2048).bfloat16(), torch.tensor([[0, 2]]), torch.full((1, 2), 0.5),
+                              buf.gate_up, torch.arange(4, dtype=torch.int32), 3, torch.ones(1), cfg,
+                              buf.scratch.arrivals)
+    (fn, args, kw), = launches
+    assert kw["SPLIT"] == 2 and kw["BK"] == 2048
+    assert "cubin" in _compile_launch(fn, args, kw).asm
+
+
 def test_grid_dependency_compiles_to_nothing_before_sm90(monkeypatch):
     """Consumer GPUs before sm_90 have no programmatic dependent launch: the decode kernels, with
     down's release and wait asked for, still compile for sm_89 and hold no griddepcontrol."""

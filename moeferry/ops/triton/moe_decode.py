@@ -140,8 +140,7 @@ def _gate_up_h(x_row, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I, GEMV: tl.constex
                G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr, HAS_Z: tl.constexpr, UNROLL: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr):
     """SiLU(gate) * up, rows n0..n0+BN of slot s (-1: every row masked off, zeros) times x_row, fp32 [BN]."""
-    slot = tl.maximum(s, 0).to(tl.int64)
-    g0 = tl.where(s >= 0, n0, 2 * I)  # skipped pair: every row masked off
+    slot, g0 = _gate_rows(s, n0, I)
     g = tl.zeros((BN,), tl.float32)
     u = tl.zeros((BN,), tl.float32)
     if UNROLL:
@@ -151,6 +150,13 @@ def _gate_up_h(x_row, w_ptr, s_ptr, z_ptr, rs_ptr, s, n0, H, I, GEMV: tl.constex
         for k0 in range(0, H, BK):
             g, u = _gate_up_step(g, u, x_row, w_ptr, s_ptr, z_ptr, slot, g0, k0, H, I, GEMV, BN, BK, G, GN, GB, HAS_Z)
     return _silu_up(g, u, rs_ptr, slot, n0, I, ROW_SCALE, BN)
+
+
+@triton.jit
+def _gate_rows(s, n0, I):
+    """(slot, first gate row) of slot s's gate rows n0.. (s = -1, a skipped pair: slot 0 and a row
+    past all 2 I, so every row is masked off and sums to 0)."""
+    return tl.maximum(s, 0).to(tl.int64), tl.where(s >= 0, n0, 2 * I)
 
 
 @triton.jit
@@ -273,11 +279,12 @@ def _decode_gate_up_kernel(x_ptr, stride_x, inter_ptr, part_ptr, arrive_ptr, ids
                           s_ptr, z_ptr, rs_ptr, I, q // blocks, (q % blocks) * BN, H, GEMV, ROW_SCALE, G, GN, GB,
                           HAS_Z, K_IN, TOPK, HAS_SHARED, UNROLL, PACK_RANGE, RELEASE, BN, BK)
         else:
-            v = q - FULL
+            tail = (q - FULL) // SPLIT
+            u = FULL + tail
             _gate_up_slice(x_ptr, stride_x, inter_ptr, part_ptr, arrive_ptr, ids_ptr, rw_ptr, shw_ptr, table_ptr,
-                           shared_slot, w_ptr, s_ptr, z_ptr, rs_ptr, I, FULL, v // SPLIT, v % SPLIT, blocks, H, GEMV,
-                           ROW_SCALE, G, GN, GB_SPLIT, HAS_Z, K_IN, TOPK, HAS_SHARED, PACK_RANGE, RELEASE, SPLIT,
-                           BN, BK // SPLIT)
+                           shared_slot, w_ptr, s_ptr, z_ptr, rs_ptr, I, u // blocks, (u % blocks) * BN, tail,
+                           (q - FULL) % SPLIT, H, GEMV, ROW_SCALE, G, GN, GB_SPLIT, HAS_Z, K_IN, TOPK, HAS_SHARED,
+                           PACK_RANGE, RELEASE, SPLIT, BN, BK // SPLIT)
 
 
 @triton.jit
@@ -298,23 +305,20 @@ def _gate_up_unit(x_ptr, stride_x, inter_ptr, ids_ptr, rw_ptr, shw_ptr, table_pt
 
 @triton.jit
 def _gate_up_slice(x_ptr, stride_x, inter_ptr, part_ptr, arrive_ptr, ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot,
-                   w_ptr, s_ptr, z_ptr, rs_ptr, I, FULL, tail, k_slice, blocks, H: tl.constexpr, GEMV: tl.constexpr,
+                   w_ptr, s_ptr, z_ptr, rs_ptr, I, p, n0, tail, k_slice, H: tl.constexpr, GEMV: tl.constexpr,
                    ROW_SCALE: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, GB: tl.constexpr,
                    HAS_Z: tl.constexpr, K_IN: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr,
                    PACK_RANGE: tl.constexpr, RELEASE: tl.constexpr, SPLIT: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr):
-    """Tail unit `tail` (unit FULL + tail) over k slice `k_slice` (BK wide): its gate and up sums go
-    to part_ptr; the last of the unit's SPLIT slices to arrive adds them in slice order and stores
-    the unit's inter values."""
-    u = FULL + tail
-    p = u // blocks
-    n0 = (u % blocks) * BN
+    """Pair p's inter values n0..n0+BN (the `tail`-th unit of the last wave) over k slice `k_slice`
+    (BK wide): its gate and up sums go to part_ptr; the last of the unit's SPLIT slices to arrive
+    adds them in slice order and stores the unit's inter values."""
     t = p // TOPK
     s, _ = _route(ids_ptr, rw_ptr, shw_ptr, table_ptr, shared_slot, t, p % TOPK, K_IN, TOPK, HAS_SHARED)
-    slot = tl.maximum(s, 0).to(tl.int64)
+    slot, g0 = _gate_rows(s, n0, I)
     zero = tl.zeros((BN,), tl.float32)
-    g, up = _gate_up_step(zero, zero, x_ptr + t.to(tl.int64) * stride_x, w_ptr, s_ptr, z_ptr, slot,
-                          tl.where(s >= 0, n0, 2 * I), k_slice * BK, H, I, GEMV, BN, BK, G, GN, GB, HAS_Z)
+    g, up = _gate_up_step(zero, zero, x_ptr + t.to(tl.int64) * stride_x, w_ptr, s_ptr, z_ptr, slot, g0,
+                          k_slice * BK, H, I, GEMV, BN, BK, G, GN, GB, HAS_Z)
     rows = part_ptr + tail.to(tl.int64) * (SPLIT * 2 * BN) + tl.arange(0, BN)
     tl.store(rows + k_slice * 2 * BN, g)
     tl.store(rows + k_slice * 2 * BN + BN, up)
