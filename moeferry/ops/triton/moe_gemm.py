@@ -47,6 +47,16 @@ def _tile_ids(pid, num_m, num_n, GROUP_M: tl.constexpr):
     return first_m + (pid % width) % size_m, (pid % width) // size_m
 
 
+@triton.jit
+def _block(pid_m, sorted_ptr, block_slot_ptr, block_rows_ptr, BM: tl.constexpr):
+    """Row block pid_m of the sorted routing: (its expert's slot, row offsets, row mask, pairs as int64)."""
+    slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
+    offs_m = tl.arange(0, BM)
+    mask_m = offs_m < tl.load(block_rows_ptr + pid_m)
+    pair = tl.load(sorted_ptr + pid_m * BM + offs_m, mask=mask_m, other=0).to(tl.int64)
+    return slot, offs_m, mask_m, pair
+
+
 @triton.jit(do_not_specialize=["max_blocks"])
 def _gate_up_kernel(x_ptr, stride_x, inter_ptr, ws_ptr, w_ptr, s_ptr, z_ptr, rs_ptr,
                     sorted_ptr, block_slot_ptr, block_rows_ptr, num_blocks_ptr, max_blocks, H, I, K_SPLIT, SPLIT,
@@ -57,11 +67,8 @@ def _gate_up_kernel(x_ptr, stride_x, inter_ptr, ws_ptr, w_ptr, s_ptr, z_ptr, rs_
     pid_k = tl.program_id(1)
     if pid_m >= tl.load(num_blocks_ptr):
         return
-    slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
-    offs_m = tl.arange(0, BM)
-    mask_m = offs_m < tl.load(block_rows_ptr + pid_m)
-    pair = tl.load(sorted_ptr + pid_m * BM + offs_m, mask=mask_m, other=0)
-    tok = (pair // TOPK).to(tl.int64)
+    slot, offs_m, mask_m, pair = _block(pid_m, sorted_ptr, block_slot_ptr, block_rows_ptr, BM)
+    tok = pair // TOPK
     offs_k = tl.arange(0, BK)
     a_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
     n0 = pid_n * BN
@@ -121,10 +128,7 @@ def _down_kernel(inter_ptr, y_ptr, w_ptr, s_ptr, z_ptr, rs_ptr, pair_w_ptr,
     pid_k = tl.program_id(1)
     if pid_m >= tl.load(num_blocks_ptr):
         return
-    slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
-    offs_m = tl.arange(0, BM)
-    mask_m = offs_m < tl.load(block_rows_ptr + pid_m)
-    pair = tl.load(sorted_ptr + pid_m * BM + offs_m, mask=mask_m, other=0).to(tl.int64)
+    slot, offs_m, mask_m, pair = _block(pid_m, sorted_ptr, block_slot_ptr, block_rows_ptr, BM)
     offs_k = tl.arange(0, BK)
     rows = (pid_m * BM + offs_m).to(tl.int64)
     a_ptrs = inter_ptr + rows[:, None] * I + offs_k[None, :]
