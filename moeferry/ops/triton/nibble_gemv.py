@@ -39,12 +39,13 @@ FP4_RANGE: tl.constexpr = tl.constexpr(16384.0)  # |x'| <= 2**14: products <= 6,
 INT4_RANGE: tl.constexpr = tl.constexpr(256.0)   # |x'| <= 2**8: products <= 2048, sums <= 32768
 
 
-def _unit_asm(word) -> str:
+def _unit_asm(word, consts: dict[str, int]) -> str:
     """PTX of one 16-value unit: words $1, $2; x pairs $3-$10 (fp16x2); fp32 sum to $0.
-    `word(w, xs)` gives the lines adding word w's four nibble pairs times x operands xs into a."""
-    lines = ["{", ".reg .b32 m, t, a, c, k, s, b;", ".reg .b16 l, h;", "mov.b32 a, 0;",
-             "mov.b32 c, 0x64086408;", "mov.b32 k, 0x64006400;", "mov.b32 s, 0x2C002C00;",
-             "mov.b32 b, 0xD480D480;"]
+    `word(w, xs)` gives the lines adding word w's four nibble pairs times x operands xs into a;
+    `consts` the constant registers those lines read (name: 32-bit value)."""
+    regs = "".join(f", {name}" for name in consts)
+    lines = ["{", f".reg .b32 m, t, a{regs};", ".reg .b16 l, h;", "mov.b32 a, 0;"]
+    lines += [f"mov.b32 {name}, 0x{value:08X};" for name, value in consts.items()]
     for w in (1, 2):
         lines += word(f"${w}", [f"${2 + 4 * (w - 1) + j + 1}" for j in range(4)])
     lines += ["mov.b32 {l, h}, a;", "add.rn.f16 l, l, h;", "cvt.f32.f16 $0, l;", "}"]
@@ -80,8 +81,9 @@ def _int4_word(w: str, xs: list[str]) -> list[str]:
     return lines
 
 
-_FP4_UNIT: tl.constexpr = tl.constexpr(_unit_asm(_fp4_word))
-_INT4_UNIT: tl.constexpr = tl.constexpr(_unit_asm(_int4_word))
+_INT4_CONSTS = {"c": 0x64086408, "k": 0x64006400, "s": 0x2C002C00, "b": 0xD480D480}  # 1032, 0x6400, 1/16, -72
+_FP4_UNIT: tl.constexpr = tl.constexpr(_unit_asm(_fp4_word, {}))
+_INT4_UNIT: tl.constexpr = tl.constexpr(_unit_asm(_int4_word, _INT4_CONSTS))
 _UNIT_CONSTRAINTS: tl.constexpr = tl.constexpr("=r" + ",r" * 10)
 
 
