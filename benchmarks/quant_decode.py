@@ -114,7 +114,7 @@ def resolve(cand, op, m):
     """A sweep candidate as a DenseConfig for this operand (decode: waves -> split)."""
     import triton
 
-    from moeferry.ops.triton import quant_linear as Q
+    from moeferry.ops.triton import num_sms, quant_linear as Q
     if isinstance(cand, Q.DenseConfig) and cand.row:
         from moeferry.ops.triton.moe_decode import gemv_bk
         return replace(cand, bk=gemv_bk(cand.bk, op.kernel, op.group, op.k)[0])
@@ -125,7 +125,7 @@ def resolve(cand, op, m):
     bn = min(bn, max(16, triton.next_power_of_2(op.n)))
     bk = min(bk, max(32, triton.next_power_of_2(op.k))) if gemv else Q._fit_bk(bk, op)
     tiles, steps = triton.cdiv(op.n, bn), triton.cdiv(op.k, bk)
-    sms = 4 if SMOKE else Q._num_sms(0)
+    sms = 4 if SMOKE else num_sms(DEV)
     split = 1 if waves == 0 else max(1, min(steps, triton.cdiv(waves * sms, tiles)))
     return Q.DenseConfig(triton.next_power_of_2(m) if gemv else 16, bn, bk, split, True, gemv=gemv)
 
@@ -133,9 +133,9 @@ def resolve(cand, op, m):
 def bench_dense(args, log):
     import torch.nn.functional as F
 
-    from moeferry.ops.triton import quant_linear as Q
+    from moeferry.ops.triton import num_sms, quant_linear as Q
     bw = hbm_bandwidth()
-    log(f"{'cpu' if SMOKE else torch.cuda.get_device_name()}: HBM copy {bw / 1e12:.2f} TB/s; SMs {4 if SMOKE else Q._num_sms(0)}")
+    log(f"{'cpu' if SMOKE else torch.cuda.get_device_name()}: HBM copy {bw / 1e12:.2f} TB/s; SMs {4 if SMOKE else num_sms(DEV)}")
     g = torch.Generator(device=DEV).manual_seed(0)
     rows = []
     shapes = {"smoke 48x256": (48, 256)} if SMOKE else dict(SHAPES)

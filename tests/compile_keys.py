@@ -64,7 +64,7 @@ class CompileKeys:
                     lambda fn, *args, grid, warmup, **kw: self.seen.setdefault(launch_key(fn, args, kw)))
         for name in GPU_CONFIG_MODULES:
             self._patch(importlib.import_module(f"moeferry.ops.triton.{name}"), "interpreting", lambda: False)
-        self._patch(importlib.import_module("moeferry.ops.triton.quant_linear"), "num_sms", lambda index: 132)  # H200
+        self._patch(importlib.import_module("moeferry.ops.triton.quant_linear"), "num_sms", lambda device: 132)  # H200
         return self
 
     def _patch(self, owner, name: str, value) -> None:

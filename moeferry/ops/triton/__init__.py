@@ -29,10 +29,20 @@ def use_triton(x: torch.Tensor) -> bool:
     return os.environ.get("MOEFERRY_TRITON_INTERPRET") == "1"
 
 
+def device_properties(device: torch.device):
+    """A CUDA device's properties (SMs, compute capability), asked of the driver once per device:
+    decode calls read them."""
+    return _properties(torch.cuda.current_device() if device.index is None else device.index)
+
+
 @functools.lru_cache(maxsize=8)
-def num_sms(index: int) -> int:
-    """Streaming multiprocessors of CUDA device `index`."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device."""
+    return device_properties(device).multi_processor_count
 
 
 def next_pow2(n: int) -> int:

@@ -9,28 +9,20 @@ under Triton's interpreter (which runs launches one after another anyway).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.language.target_info import cuda_capability_geq
 
-from . import interpreting
+from . import device_properties, interpreting
 
 _GPU: tl.constexpr = tl.constexpr(not interpreting())
 
 
 def supported(device: torch.device) -> bool:
     """Whether launches on `device` can be programmatic dependents (CUDA, sm_90 or later)."""
-    return device.type == "cuda" and _major(torch.cuda.current_device() if device.index is None else device.index) >= 9
-
-
-@functools.lru_cache(maxsize=8)
-def _major(index: int) -> int:
-    """CUDA device `index`'s compute capability major (asked once: every decode call checks it)."""
-    return torch.cuda.get_device_capability(index)[0]
+    return device.type == "cuda" and device_properties(device).major >= 9
 
 
 @triton.jit

@@ -470,7 +470,7 @@ def tail_split(units: int, sms: int, most: int) -> int:
 
 def _sms(device: torch.device) -> int:
     """The device's SMs (0 off CUDA: gate_up's units are not split)."""
-    return num_sms(device.index or 0) if device.type == "cuda" else 0
+    return num_sms(device) if device.type == "cuda" else 0
 
 
 def _inter_buffer(x: torch.Tensor, pairs: int, i: int, pack: bool) -> torch.Tensor:

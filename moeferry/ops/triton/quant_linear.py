@@ -251,7 +251,7 @@ def choose_config(m: int, op: DenseOperands, device: torch.device) -> DenseConfi
         bn = min(bn, max(MIN_BN, triton.next_power_of_2(op.n)))
         bk = min(bk, max(32, triton.next_power_of_2(op.k))) if gemv else _fit_bk(bk, op)
         tiles, steps = triton.cdiv(op.n, bn), triton.cdiv(op.k, bk)
-        want = DECODE_WAVES * num_sms(device.index or 0)
+        want = DECODE_WAVES * num_sms(device)
         split = max(1, min(steps, triton.cdiv(want, tiles)))
         return DenseConfig(triton.next_power_of_2(m) if gemv else 16, bn, bk, split, True, gemv=gemv)
     bm, bn, bk, swap = PREFILL_TILES[form]
