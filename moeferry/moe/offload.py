@@ -54,6 +54,7 @@ from moeferry.moe.resident import use_kernels
 from moeferry.moe.slots import SlotBuffer
 from moeferry.ops.cpu.experts import kernel as cpu_kernel
 from moeferry.ops.moe import route_topk
+from moeferry.ops.triton import num_sms
 from moeferry.ops.triton.specialization import kernel_signature
 from moeferry.transfer import staged, to_device
 
@@ -95,7 +96,7 @@ def prefetch_programs(device: torch.device) -> int | None:
     """The device-managed prefetch gather's grid: a quarter of the SMs (None off CUDA)."""
     if device.type != "cuda":
         return None
-    return max(1, torch.cuda.get_device_properties(device).multi_processor_count // 4)
+    return max(1, num_sms(device) // 4)
 
 
 class Landing(NamedTuple):
